@@ -1,0 +1,1 @@
+"""The reference-equivalence checker: the only code outside tests that imports transformers."""

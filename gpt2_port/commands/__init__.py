@@ -1,0 +1,1 @@
+"""Subcommands of `gpt2-port`, one module each (see cli.COMMAND_MODULES)."""

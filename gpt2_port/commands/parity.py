@@ -1,0 +1,39 @@
+"""`gpt2-port parity MODEL`: the per-layer parity report against transformers (the checker lives in checks/)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("parity", help="per-layer parity report against Hugging Face transformers",
+                       description="Load MODEL into the scratch model and into transformers' GPT2LMHeadModel, run both "
+                       "on the same tokens, and compare the embeddings, every block's output, ln_f and the logits. "
+                       "Exit 0 on pass, 1 on a parity failure, 2 on a usage or input error. Needs transformers "
+                       "(pip install 'gpt2-port[check]').")
+    p.add_argument("model", metavar="MODEL", help="checkpoint directory, .safetensors file, or Hub id (gpt2, ...)")
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); replaces the defaults")
+    p.add_argument("--prompt-file", default=None, help="a UTF-8 file with one prompt per non-empty line")
+    p.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
+    p.add_argument("--reference-attn", default="eager", choices=["eager", "sdpa"],
+                   help="transformers' attention implementation (default eager)")
+    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "manual"],
+                   help="the scratch model's attention path: auto (default) runs the same kind of kernel as the "
+                   "reference (manual against eager, sdpa against sdpa); sdpa or manual force one")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+
+    try:
+        from checks import parity
+    except ImportError as e:
+        raise UsageError(f"the parity checker needs transformers ({e.name or e} is not importable): "
+                         "pip install 'gpt2-port[check]'") from None
+    return parity.main(args)

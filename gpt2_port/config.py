@@ -1,0 +1,189 @@
+"""GPT-2 hyper-parameters: a frozen dataclass, presets by exact name, and readers for config.json / tensor shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    n_layer: int = 12
+    n_embd: int = 768
+    n_head: int = 12
+    n_positions: int = 1024
+    vocab_size: int = 50257
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = True
+    n_inner: int | None = None  # MLP width; None means 4 * n_embd
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"config: {name} must be a positive integer, got {v!r}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        eps = self.layer_norm_epsilon
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (0 < eps < 1) or math.isnan(eps):
+            raise ConfigError(f"config: layer_norm_epsilon must be a number in (0, 1), got {eps!r}")
+        if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner <= 0):
+            raise ConfigError(f"config: n_inner must be a positive integer or null, got {self.n_inner!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def d_mlp(self) -> int:
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    def num_params(self) -> int:
+        """Parameter count with the head tied to wte (counted once)."""
+        e, L, m = self.n_embd, self.n_layer, self.d_mlp
+        per_block = 2 * 2 * e + (3 * e * e + 3 * e) + (e * e + e) + (e * m + m) + (m * e + e)
+        n = self.vocab_size * e + self.n_positions * e + L * per_block + 2 * e
+        if not self.tie_word_embeddings:
+            n += self.vocab_size * e
+        return n
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json that the official checkpoints carry (transformers reads it as a GPT2Config)."""
+        d: dict[str, Any] = {
+            "activation_function": "gelu_new",
+            "architectures": ["GPT2LMHeadModel"],
+            "attn_pdrop": 0.1,
+            "bos_token_id": 50256,
+            "embd_pdrop": 0.1,
+            "eos_token_id": 50256,
+            "initializer_range": 0.02,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "model_type": "gpt2",
+            "n_ctx": self.n_positions,
+            "n_embd": self.n_embd,
+            "n_head": self.n_head,
+            "n_layer": self.n_layer,
+            "n_positions": self.n_positions,
+            "resid_pdrop": 0.1,
+            "summary_activation": None,
+            "summary_first_dropout": 0.1,
+            "summary_proj_to_labels": True,
+            "summary_type": "cls_index",
+            "summary_use_proj": True,
+            "task_specific_params": {"text-generation": {"do_sample": True, "max_length": 50}},
+            "vocab_size": self.vocab_size,
+        }
+        if self.n_inner is not None:
+            d["n_inner"] = self.n_inner
+        if not self.tie_word_embeddings:
+            d["tie_word_embeddings"] = False
+        return d
+
+
+PRESETS: dict[str, GPT2Config] = {
+    "gpt2": GPT2Config(n_layer=12, n_embd=768, n_head=12),
+    "gpt2-medium": GPT2Config(n_layer=24, n_embd=1024, n_head=16),
+    "gpt2-large": GPT2Config(n_layer=36, n_embd=1280, n_head=20),
+    "gpt2-xl": GPT2Config(n_layer=48, n_embd=1600, n_head=25),
+}
+
+
+def preset(name: str) -> GPT2Config:
+    """A preset by exact name: gpt2, gpt2-medium, gpt2-large, gpt2-xl."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}: expected one of {', '.join(PRESETS)}") from None
+
+
+# Settings in a transformers GPT2Config that change the computation, and the only value this port implements.
+_REQUIRED_VALUES: dict[str, Any] = {
+    "activation_function": "gelu_new",
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "reorder_and_upcast_attn": False,
+    "add_cross_attention": False,
+}
+
+
+def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> GPT2Config:
+    """Read a transformers-style GPT-2 config dict. Unsupported settings raise ConfigError, never pass silently."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    mt = d.get("model_type", "gpt2")
+    if mt != "gpt2":
+        raise ConfigError(f"{source}: model_type is {mt!r}, expected 'gpt2' (this tool only runs GPT-2)")
+    for key, want in _REQUIRED_VALUES.items():
+        if key in d and d[key] != want:
+            raise ConfigError(f"{source}: {key}={d[key]!r} is not supported (gpt2_port implements {key}={want!r} only)")
+
+    def get(key: str, *aliases: str, default: Any = None) -> Any:
+        for k in (key, *aliases):
+            if k in d:
+                return d[k]
+        if default is None:
+            raise ConfigError(f"{source}: missing required key {key!r}")
+        return default
+
+    n_ctx = d.get("n_ctx")
+    n_pos = get("n_positions", "max_position_embeddings", default=1024)
+    if n_ctx is not None and n_ctx != n_pos:
+        raise ConfigError(f"{source}: n_ctx={n_ctx!r} contradicts n_positions={n_pos!r}")
+    tie = d.get("tie_word_embeddings", True)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{source}: tie_word_embeddings must be true or false, got {tie!r}")
+    try:
+        return GPT2Config(
+            n_layer=get("n_layer", "num_hidden_layers"),
+            n_embd=get("n_embd", "hidden_size"),
+            n_head=get("n_head", "num_attention_heads"),
+            n_positions=n_pos,
+            vocab_size=get("vocab_size", default=50257),
+            layer_norm_epsilon=get("layer_norm_epsilon", default=1e-5),
+            tie_word_embeddings=tie,
+            n_inner=d.get("n_inner"),
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {str(e).removeprefix('config: ')}") from None
+
+
+def read_config_json(path: str | Path) -> GPT2Config:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read config ({e.__class__.__name__}: {e})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    return from_hf_dict(d, source=str(path))
+
+
+def infer_from_shapes(shapes: Mapping[str, tuple[int, ...]]) -> GPT2Config:
+    """Infer the config from HF-layout tensor shapes (keys with or without the 'transformer.' prefix)."""
+    s = {k.removeprefix("transformer."): v for k, v in shapes.items()}
+    if "wte.weight" not in s or "wpe.weight" not in s:
+        raise ConfigError("no config.json and no 'wte.weight'/'wpe.weight' tensors to infer one from: not a GPT-2 checkpoint")
+    vocab, e = s["wte.weight"][0], s["wte.weight"][1]
+    n_pos = s["wpe.weight"][0]
+    layers = {int(k.split(".")[1]) for k in s if k.startswith("h.") and k.split(".")[1].isdigit()}
+    n_layer = max(layers) + 1 if layers else 0
+    if n_layer == 0:
+        raise ConfigError("no config.json and no 'h.{i}.*' tensors to count layers from")
+    # The head count is not in the shapes; the official sizes give it by width (head_dim 64).
+    by_width = {c.n_embd: c.n_head for c in PRESETS.values()}
+    n_head = by_width.get(e, e // 64 if e % 64 == 0 else 0)
+    if n_head <= 0:
+        raise ConfigError(f"no config.json, and n_head cannot be inferred for n_embd={e}: add a config.json")
+    fc = s.get("h.0.mlp.c_fc.weight")
+    n_inner = fc[1] if fc is not None and fc[1] != 4 * e else None
+    tie = "lm_head.weight" not in shapes
+    return GPT2Config(n_layer=n_layer, n_embd=e, n_head=n_head, n_positions=n_pos, vocab_size=vocab,
+                      tie_word_embeddings=tie, n_inner=n_inner)
