@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny and full-size random checkpoints in both layouts, and the official tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2_port.config import GPT2Config
+from gpt2_port.demo import write_demo_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_TOKENIZER = REPO.parent / "shared" / "gpt2-tokenizer"
+
+TINY = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """../shared/gpt2-tokenizer (encoder.json + vocab.bpe). CI has it beside the checkout; its absence is an error."""
+    if not (SHARED_TOKENIZER / "encoder.json").is_file():
+        raise FileNotFoundError(f"{SHARED_TOKENIZER} is missing: the tests need ../shared/gpt2-tokenizer beside the repo")
+    return SHARED_TOKENIZER
+
+
+@pytest.fixture(scope="session")
+def tiny_official(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A tiny random checkpoint in the exact official layout (no prefix, mask buffers, no lm_head), with tokenizer."""
+    d = tmp_path_factory.mktemp("tiny_official")
+    return write_demo_checkpoint(d, config=TINY, seed=1, tokenizer_dir=tokenizer_dir)
+
+
+def save_hf(d: Path, cfg: GPT2Config, seed: int = 0, randomize: bool = True) -> Path:
+    """A random checkpoint as transformers' save_pretrained writes it ('transformer.' prefix, no buffers)."""
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    hf_cfg = HFConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures",)})
+    m = GPT2LMHeadModel(hf_cfg).eval()
+    if randomize:  # transformers initialises biases to 0 and LN to 1; make every tensor matter
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("bias") or "ln_" in name:
+                    p.add_(0.05 * torch.randn_like(p))
+    m.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    d = tmp_path_factory.mktemp("tiny_hf")
+    save_hf(d, TINY, seed=2)
+    for src, dst in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
+        (d / dst).write_bytes((tokenizer_dir / src).read_bytes())
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny_hf_untied")
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, tie_word_embeddings=False)
+    save_hf(d, cfg, seed=3)
+    assert json.loads((d / "config.json").read_text())["tie_word_embeddings"] is False
+    return d
+
+
+@pytest.fixture(scope="session")
+def ckpt124(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A full-size 124M random checkpoint in the official layout (548 MB, written once per session)."""
+    d = tmp_path_factory.mktemp("gpt2_124m")
+    return write_demo_checkpoint(d, size="gpt2", seed=0, tokenizer_dir=tokenizer_dir)
