@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import adapter
-from .config import GPT2Config, infer_from_shapes, read_config_json
+from .config import GPT2Config, check_against_shapes, infer_from_shapes, read_config_json
 from .errors import CheckpointError, ConfigError, HubError, UsageError
 from .model import GPT2
 from .safetensors_io import SafetensorsFile
@@ -174,6 +174,7 @@ def locate(model: str | os.PathLike[str], revision: str | None = None) -> Checkp
 
 def _from_hub(model_id: str, revision: str | None) -> Checkpoint:
     import huggingface_hub as hf
+    from huggingface_hub import constants as hf_constants
     from huggingface_hub import errors as hf_errors
 
     repo = HUB_ALIASES.get(model_id, model_id)
@@ -184,7 +185,7 @@ def _from_hub(model_id: str, revision: str | None) -> Checkpoint:
         return Path(hf.snapshot_download(repo, revision=revision, allow_patterns=patterns))
 
     try:
-        log.info("resolving %s through the Hugging Face cache (%s)", where, hf.constants.HF_HUB_CACHE)
+        log.info("resolving %s through the Hugging Face cache (%s)", where, hf_constants.HF_HUB_CACHE)
         root = fetch(HUB_PATTERNS)
         try:
             files, fmt = _weights_in_dir(root)
@@ -308,11 +309,17 @@ def convert_checkpoint(model: str | os.PathLike[str], revision: str | None = Non
     ckpt = locate(model, revision)
     sd = LazyStateDict(ckpt)
     cfg = read_config(ckpt, sd)
+    if ckpt.config_file is not None:  # names the config.json key the weights contradict (and bounds n_layer)
+        check_against_shapes(cfg, sd.shapes(), source=str(ckpt.config_file))
     try:
         conv = adapter.hf_to_scratch(sd, cfg)
     except (CheckpointError, ConfigError) as e:
         where = ckpt.weight_files[0] if len(ckpt.weight_files) == 1 else ckpt.root
-        raise type(e)(f"{where}: {e}") from None
+        hint = ""
+        if ckpt.config_file is not None and "expected shape" in str(e):
+            hint = (f" (shapes expected from {ckpt.config_file.name}: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+                    f"n_positions={cfg.n_positions}, vocab_size={cfg.vocab_size})")
+        raise type(e)(f"{where}: {e}{hint}") from None
     return sd, LoadReport(ckpt, cfg, conv, sd.nbytes())
 
 

@@ -286,3 +286,14 @@ class GPT2(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied head is one parameter, counted once
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
+                 seed: int | None = None, attention_mask: torch.Tensor | None = None, eos_token_id: int | None = 50256,
+                 **kwargs) -> torch.Tensor:
+        """LongTensor (B, T + new) as transformers' generate returns; see gpt2_port.generate for every option."""
+        from .generate import generate
+
+        return generate(self, input_ids, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                        top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, attention_mask=attention_mask,
+                        eos_token_id=eos_token_id, **kwargs)

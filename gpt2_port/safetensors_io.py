@@ -110,51 +110,78 @@ class SafetensorsFile:
         pass  # tensors may still view the map; it is unmapped when the last one is gone
 
 
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
 def _parse_header(p: Path, raw: bytes, data_start: int, file_size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise CheckpointError(f"{p}: header names {e.args[0]!r} twice; corrupt or crafted file") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, and ints past Python's digit limit
         raise CheckpointError(f"{p}: header is not valid UTF-8 JSON ({e.__class__.__name__}); not a safetensors file or corrupt") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{p}: header must be a JSON object, got {type(header).__name__}")
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CheckpointError(f"{p}: __metadata__ must map strings to strings")
     infos: dict[str, TensorInfo] = {}
     data_len = file_size - data_start
     for name, ent in header.items():
         if not isinstance(ent, dict) or set(ent) != {"dtype", "shape", "data_offsets"}:
-            raise CheckpointError(f"{p}: tensor {name!r}: entry must have exactly dtype, shape and data_offsets")
+            raise CheckpointError(f"{p}: tensor {_short(name)}: entry must have exactly dtype, shape and data_offsets")
         dt, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
-        if dt not in DTYPES:
-            raise CheckpointError(f"{p}: tensor {name!r}: unsupported dtype {dt!r} (expected one of {', '.join(DTYPES)})")
+        if not isinstance(dt, str) or dt not in DTYPES:
+            raise CheckpointError(f"{p}: tensor {_short(name)}: unsupported dtype {_short(dt)} (expected one of {', '.join(DTYPES)})")
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise CheckpointError(f"{p}: tensor {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+            raise CheckpointError(f"{p}: tensor {_short(name)}: shape must be a list of non-negative integers, got {_short(shape)}")
+        span = 1  # even an empty tensor's strides must fit in int64
+        for d in shape:
+            span *= max(d, 1)
+        if span >= 2**63:
+            raise CheckpointError(f"{p}: tensor {_short(name)}: shape {_short(shape)} is too large for any tensor")
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
-            raise CheckpointError(f"{p}: tensor {name!r}: data_offsets must be two integers, got {offs!r}")
+            raise CheckpointError(f"{p}: tensor {_short(name)}: data_offsets must be two integers, got {_short(offs)}")
         b, e = offs
         if not (0 <= b <= e <= data_len):
-            raise CheckpointError(f"{p}: tensor {name!r}: data_offsets [{b}, {e}] out of range for {data_len} data bytes (truncated or corrupt)")
+            raise CheckpointError(f"{p}: tensor {_short(name)}: data_offsets [{b}, {e}] out of range for {data_len} data bytes (truncated or corrupt)")
         numel = 1
         for d in shape:
             numel *= d
         item = torch.empty((), dtype=DTYPES[dt]).element_size()
         if numel * item != e - b:
-            raise CheckpointError(f"{p}: tensor {name!r}: shape {shape} of {dt} needs {numel * item} bytes, data_offsets give {e - b}")
+            raise CheckpointError(f"{p}: tensor {_short(name)}: shape {shape} of {dt} needs {numel * item} bytes, data_offsets give {e - b}")
         infos[name] = TensorInfo(name, DTYPES[dt], tuple(shape), data_start + b, data_start + e)
     # No overlap and no hole: sorted by offset, each tensor starts where the last ended, and the data ends at the file end.
     pos = 0
     for info in sorted(infos.values(), key=lambda i: (i.begin, i.end)):
         rb = info.begin - data_start
         if rb < pos:
-            raise CheckpointError(f"{p}: tensor {info.name!r}: data_offsets overlap another tensor")
+            raise CheckpointError(f"{p}: tensor {_short(info.name)}: data_offsets overlap another tensor")
         if rb > pos:
-            raise CheckpointError(f"{p}: tensor {info.name!r}: a hole of {rb - pos} bytes before its data (corrupt offsets)")
+            raise CheckpointError(f"{p}: tensor {_short(info.name)}: a hole of {rb - pos} bytes before its data (corrupt offsets)")
         pos = info.end - data_start
     if pos != data_len:
         raise CheckpointError(f"{p}: {data_len - pos} trailing bytes after the last tensor (corrupt or not safetensors)")
     return infos, meta
+
+
+def _short(v: object, n: int = 80) -> str:
+    """repr() of a value from a file, cut short: a hostile header must not produce a megabyte-long message."""
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
 
 
 def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, tuple[int, ...], torch.dtype, object]],

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import tiktoken
@@ -33,6 +35,40 @@ class Tokenizer:
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return self.enc.decode_bytes(ids)
+
+    def stream_decoder(self) -> StreamDecoder:
+        """A decoder for ids that arrive one at a time (see StreamDecoder)."""
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Decodes ids as they arrive without ever showing half a UTF-8 character.
+
+    A token can end in the middle of a character (an emoji or a CJK character often spans two or three tokens); its
+    bytes are held back until the character is whole. The concatenation of everything `push` and `flush` return is
+    exactly `tokenizer.decode(all_ids)`: invalid bytes become U+FFFD the same way, and `flush` turns bytes still held
+    at the end into U+FFFD as a one-shot decode would.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: int | Iterable[int]) -> str:
+        """Add one id (or several); return the text that is now complete (possibly "")."""
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        return self._utf8.decode(self.tokenizer.decode_bytes(ids), final=False)
+
+    def flush(self) -> str:
+        """End of stream: return what is held back (incomplete bytes as U+FFFD), and start afresh."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
+
+    @property
+    def pending(self) -> bytes:
+        """The bytes held back because they do not yet form a whole character."""
+        return self._utf8.getstate()[0]
 
 
 def _gpt2_pattern() -> str:

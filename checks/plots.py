@@ -1,0 +1,100 @@
+"""A PNG of parity error per layer: norm_rel on a log scale, one line per configuration, the noise floor as a band.
+
+matplotlib is an optional extra (`pip install 'gpt2-port[plot]'`); `require_matplotlib()` says so in one line.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+
+from gpt2_port.errors import UsageError
+from gpt2_port.util import atomic_write_bytes
+
+from .sublayer import is_head_point
+from .sweep import Sweep, label
+
+PLOT_HINT = "pip install 'gpt2-port[plot]'"
+
+
+def require_matplotlib(option: str = "--plot") -> None:
+    """Fail early, in one line, when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(f"{option} needs matplotlib, which is not installed: {PLOT_HINT}") from None
+
+
+def pyplot():
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig, path: str | os.PathLike[str]) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
+    plt = pyplot()
+    r0 = s.reports[0]
+    names = [p.name for p in r0.points if not is_head_point(p.name)]
+    x = list(range(len(names)))
+    values = [p.norm_rel for r in s.reports for p in r.points] + [
+        p.noise_norm_rel or 0.0 for r in s.reports for p in r.points]
+    pos = [v for v in values if v > 0 and math.isfinite(v)]
+    bottom = 10 ** math.floor(math.log10(min(pos))) / 10 if pos else 1e-12
+    top = 10 ** math.ceil(math.log10(max(pos + [p.tolerance for r in s.reports for p in r.points]))) * 3
+
+    fig, ax = plt.subplots(figsize=(max(8.0, min(18.0, 0.12 * len(names) + 6)), 5.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    any_zero = False
+    for k, r in enumerate(s.reports):
+        c = colors[k % len(colors)]
+        pts = {p.name: p for p in r.points}
+        err = [pts[n].norm_rel for n in names]
+        y = [max(v, bottom) for v in err]
+        ax.plot(x, y, "-", color=c, lw=1.6, marker="o" if len(names) <= 60 else None, ms=3.5,
+                label=f"{label(r)} scratch ({r.scratch_attn})")
+        zx = [i for i, v in zip(x, err) if v == 0]
+        if zx:
+            any_zero = True
+            ax.plot(zx, [bottom] * len(zx), "o", mfc="white", mec=c, ms=5)
+        if r.noise_floor is not None:
+            fl = [max(pts[n].noise_norm_rel or 0.0, bottom) for n in names]
+            ax.fill_between(x, bottom, fl, color=c, alpha=0.15, lw=0, label=f"{label(r)} noise floor (transformers "
+                            "vs itself)")
+            ax.plot(x, fl, ":", color=c, lw=1.0)
+    for tol in sorted({p.tolerance for r in s.reports for p in r.points if p.name != "embed"}):
+        dts = sorted({r.dtype for r in s.reports if any(p.tolerance == tol for p in r.points)})
+        ax.axhline(tol, color="0.35", ls="--", lw=0.9)
+        ax.text(x[-1], tol, f" tolerance {'/'.join(dts)} {tol:.0e}", va="bottom", ha="right", fontsize=8, color="0.3")
+    ax.set_yscale("log")
+    ax.set_ylim(bottom / 2, top)
+    if r0.detail == "sublayer" or len(names) > 30:
+        ticks = [i for i, n in enumerate(names) if n.count(".") == 1 or n in ("embed", "ln_f", "logits")]
+        step = max(1, len(ticks) // 26)
+        ticks = [t for j, t in enumerate(ticks) if j % step == 0 or names[t] in ("ln_f", "logits")]
+    else:
+        ticks = x
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([names[t].removeprefix("block.") for t in ticks], rotation=0, fontsize=8)
+    ax.set_xlabel("layer (block output)" + ("; dots between are the sub-layer points" if r0.detail == "sublayer" else ""))
+    ax.set_ylabel("norm-relative error  ||scratch - ref|| / ||ref||")
+    ref = s.baseline if s.is_sweep else f"{r0.reference}, same dtype"
+    ax.set_title(f"parity error per layer: {os.path.basename(str(s.model).rstrip('/')) or s.model}\n"
+                 f"against {ref}", fontsize=10)
+    if any_zero:
+        ax.text(0, bottom, " hollow markers: exactly 0 (bit-exact), drawn at the bottom", fontsize=8, va="bottom",
+                color="0.3")
+    ax.grid(True, which="major", axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    save_png(fig, path)
+    plt.close(fig)

@@ -1,0 +1,128 @@
+"""The comparison points inside each block, and how both models expose them.
+
+Scratch side: the model's named taps (`model.record`). Reference side: forward hooks on transformers' modules:
+
+    block.{i}.ln_1          h.{i}.ln_1 output
+    block.{i}.attn.q/k/v    h.{i}.attn.c_attn output, split in three and viewed as heads (B, nh, T, hs)
+    block.{i}.attn.merged   h.{i}.attn.c_proj input (the attention output before c_proj, heads side by side)
+    block.{i}.attn.c_proj   h.{i}.attn.c_proj output
+    block.{i}.resid_attn    h.{i}.ln_2 input (the residual stream after attention)
+    block.{i}.ln_2          h.{i}.ln_2 output
+    block.{i}.mlp.act       h.{i}.mlp.act output (the MLP hidden after GELU)
+    block.{i}.mlp.c_proj    h.{i}.mlp.c_proj output
+    block.{i}               h.{i} output
+
+Per-head points (`block.{i}.attn.q.h{j}`) are slices of the q/k/v points. The logit lens (`lens.{i}`) is the top-1
+token of ln_f(block output) @ wte.T at every position, computed by each model with its own ln_f and head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gpt2_port.model import GPT2
+
+from .parity import block_points, capture_reference, capture_scratch, reference_hooks
+
+# In the order the block computes them; the block output `block.{i}` comes last.
+SUBLAYER_KINDS = ["ln_1", "attn.q", "attn.k", "attn.v", "attn.merged", "attn.c_proj", "resid_attn", "ln_2",
+                  "mlp.act", "mlp.c_proj"]
+QKV = ("attn.q", "attn.k", "attn.v")
+
+# Reference module (under transformer.h.{i}) and what to take, for every sub-layer kind but q/k/v.
+_REF_SUBLAYER = {
+    "ln_1": ("ln_1", "output"),
+    "attn.merged": ("attn.c_proj", "input"),
+    "attn.c_proj": ("attn.c_proj", "output"),
+    "resid_attn": ("ln_2", "input"),
+    "ln_2": ("ln_2", "output"),
+    "mlp.act": ("mlp.act", "output"),
+    "mlp.c_proj": ("mlp.c_proj", "output"),
+}
+
+
+def point_names(n_layer: int, detail: str = "block", per_head: bool = False, n_head: int = 0) -> list[str]:
+    """Report points in forward order: embed, [sub-layer points and] block.{i} per layer, ln_f, logits."""
+    if detail == "block":
+        return block_points(n_layer)
+    names = ["embed"]
+    for i in range(n_layer):
+        for kind in SUBLAYER_KINDS:
+            names.append(f"block.{i}.{kind}")
+            if per_head and kind in QKV:
+                names += [f"block.{i}.{kind}.h{j}" for j in range(n_head)]
+        names.append(f"block.{i}")
+    return names + ["ln_f", "logits"]
+
+
+def is_head_point(name: str) -> bool:
+    return name.rsplit(".", 1)[-1].startswith("h") and name.rsplit(".", 1)[-1][1:].isdigit()
+
+
+def layer_of(name: str) -> int | None:
+    """block.3.attn.q -> 3; embed, ln_f, logits -> None."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "block" else None
+
+
+def _reference_hooks(n_layer: int, detail: str) -> dict[str, tuple[str, str]]:
+    hooks = reference_hooks(n_layer)
+    if detail == "sublayer":
+        for i in range(n_layer):
+            base = f"transformer.h.{i}"
+            hooks[f"block.{i}.attn.c_attn"] = (f"{base}.attn.c_attn", "output")
+            for kind, (path, what) in _REF_SUBLAYER.items():
+                hooks[f"block.{i}.{kind}"] = (f"{base}.{path}", what)
+    return hooks
+
+
+def _add_heads(acts: dict[str, torch.Tensor], names: Sequence[str]) -> None:
+    for n in names:
+        if n not in acts and is_head_point(n):
+            parent, head = n.rsplit(".", 1)
+            acts[n] = acts[parent][:, int(head[1:])]  # (B, nh, T, hs) -> (B, T, hs)
+
+
+def _lens(blocks: Sequence[torch.Tensor], ln_f: torch.nn.Module, head: torch.Tensor) -> list[torch.Tensor]:
+    """Top-1 token of ln_f(h) @ head.T at every position, for each block output h (B, T, C) -> (B*T,)."""
+    out = []
+    for h in blocks:
+        out.append(torch.matmul(ln_f(h.reshape(-1, h.shape[-1])), head.t()).argmax(-1))  # (B*T, V) -> (B*T,)
+    return out
+
+
+@torch.inference_mode()
+def capture_scratch_points(model: GPT2, ids: torch.Tensor, names: Sequence[str],
+                           logit_lens: bool = False) -> dict[str, torch.Tensor]:
+    """Named taps for every point in `names` (+ `lens.{i}` when asked); q/k/v as (B, nh, T, hs)."""
+    taps = [n for n in names if not is_head_point(n)]
+    acts = capture_scratch(model, ids, taps)
+    _add_heads(acts, names)
+    if logit_lens:
+        n = model.config.n_layer
+        for i, t in enumerate(_lens([acts[f"block.{i}"] for i in range(n)], model.ln_f, model.head_weight)):
+            acts[f"lens.{i}"] = t
+    return acts
+
+
+@torch.inference_mode()
+def capture_reference_points(ref: torch.nn.Module, ids: torch.Tensor, names: Sequence[str], detail: str,
+                             logit_lens: bool = False) -> dict[str, torch.Tensor]:
+    """The same points from transformers' GPT2LMHeadModel through forward hooks (see the module docstring)."""
+    cfg = ref.config
+    n_layer, n_head = cfg.n_layer, cfg.n_head
+    acts = capture_reference(ref, ids, _reference_hooks(n_layer, detail))
+    if detail == "sublayer":
+        for i in range(n_layer):
+            qkv = acts.pop(f"block.{i}.attn.c_attn")  # (B, T, 3C)
+            B, T, C3 = qkv.shape
+            for kind, t in zip(QKV, qkv.split(C3 // 3, dim=2)):
+                acts[f"block.{i}.{kind}"] = t.view(B, T, n_head, -1).transpose(1, 2)  # (B, nh, T, hs)
+    _add_heads(acts, names)
+    if logit_lens:
+        head = ref.get_output_embeddings().weight
+        for i, t in enumerate(_lens([acts[f"block.{i}"] for i in range(n_layer)], ref.transformer.ln_f, head)):
+            acts[f"lens.{i}"] = t
+    return acts

@@ -1,0 +1,229 @@
+"""One parity run over one or more configurations (dtype x device), with sub-layer points, the noise floor and the
+logit lens.
+
+A single configuration is the spine's comparison: the scratch model against transformers in the same dtype on the
+same device. Several configurations (`--dtype float32,bfloat16 --device cpu,cuda`) are each compared with ONE
+float32 transformers reference on the first device listed, under the VS_FLOAT32 tolerances.
+
+The noise floor of a configuration is transformers' own spread around the same reference: every transformers run
+that could stand in for it (its other attention kernel; in a sweep also its eager and sdpa runs in the
+configuration's dtype and device), taking at each point the one furthest from the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gpt2_port.errors import UsageError
+from gpt2_port.load import from_pretrained, locate, nonfinite_tensors, parse_device, parse_dtype
+from gpt2_port.model import GPT2
+from gpt2_port.tokenizer import Tokenizer, load_tokenizer
+
+from .noise import verdict
+from .parity import TOLERANCES, VS_FLOAT32_TOLERANCES, PointResult, Report, Tolerance, load_reference, metrics
+from .sublayer import capture_reference_points, capture_scratch_points, point_names
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+class Activations:
+    """Point name -> the activations of every prompt, flattened on the CPU in their own dtype and concatenated."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, acts: dict[str, torch.Tensor]) -> None:
+        for n, t in acts.items():
+            self._parts.setdefault(n, []).append(t.detach().to("cpu").flatten())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return torch.cat(self._parts[name])
+
+
+@dataclass
+class Sweep:
+    """Every configuration's Report; a single configuration serialises exactly as the spine's Report."""
+
+    model: str
+    reports: list[Report]
+    baseline: str
+    is_sweep: bool
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.reports)
+
+    @property
+    def first_failing(self) -> Report | None:
+        return next((r for r in self.reports if not r.passed), None)
+
+    def to_json(self) -> dict:
+        """The spine's schema: the first configuration's report at the top, with `passed`/`first_failure` over all
+        configurations; a sweep adds `configurations` (one spine-schema report each) and `first_failure_config`."""
+        d = self.reports[0].to_json()
+        if self.is_sweep:
+            bad = self.first_failing
+            d["passed"] = self.passed
+            d["first_failure"] = bad.first_failure if bad else None
+            d["first_failure_config"] = label(bad) if bad else None
+            d["baseline"] = self.baseline
+            d["configurations"] = [{"config": label(r), **r.to_json()} for r in self.reports]
+        return d
+
+
+def label(r: Report) -> str:
+    return f"{r.dtype}/{r.device}"
+
+
+def _encode(tok: Tokenizer, prompts: Sequence[str], n_positions: int) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = tok.encode(p)
+        if not ids:
+            raise UsageError(f"prompt {p!r} encodes to no tokens")
+        if len(ids) > n_positions:
+            raise UsageError(f"prompt of {len(ids)} tokens exceeds the context of {n_positions}")
+        out.append(ids)
+    return out
+
+
+def _unique(xs: Sequence) -> list:
+    return list(dict.fromkeys(xs))
+
+
+def parse_list(value: str | Sequence[str]) -> list[str]:
+    items = [s.strip() for s in value.split(",")] if isinstance(value, str) else list(value)
+    if not items or any(not s for s in items):
+        raise UsageError(f"empty item in list {value!r} (give comma-separated names)")
+    return items
+
+
+def run_detailed(model: str, prompts: Sequence[str], dtypes: str | Sequence[str] = "float32",
+                 devices: str | Sequence[str] = "cpu", detail: str = "block", per_head: bool = False,
+                 noise_floor: bool = False, logit_lens: bool = False, reference_attn: str = "eager",
+                 attn: str = "auto", revision: str | None = None, tokenizer: str | None = None) -> Sweep:
+    import transformers
+
+    if detail not in ("block", "sublayer"):
+        raise UsageError(f"--detail must be block or sublayer, got {detail!r}")
+    dts = _unique(parse_dtype(d) for d in parse_list(dtypes))
+    devs = _unique(parse_device(d) for d in parse_list(devices))  # every device checked before any work
+    configs = [(dt, dev) for dev in devs for dt in dts]
+    is_sweep = len(configs) > 1
+    base = (torch.float32, devs[0]) if is_sweep else configs[0]
+    if attn == "auto":  # like for like: the hand-written path does the eager reference's arithmetic, op for op
+        attn = "manual" if reference_attn == "eager" else "sdpa"
+    alt_attn = "sdpa" if reference_attn == "eager" else "eager"
+    tv = transformers.__version__
+
+    t0 = time.perf_counter()
+    scratch, rep = from_pretrained(model, dtype=configs[0][0], device=configs[0][1], revision=revision)
+    t_scratch = time.perf_counter() - t0
+    cfg, ckpt = rep.config, rep.checkpoint
+    names = point_names(cfg.n_layer, detail, per_head, cfg.n_head)
+    tok = load_tokenizer(tokenizer if tokenizer is not None else ckpt.root)
+    ids_list = _encode(tok, prompts, cfg.n_positions)
+    n_tokens = sum(len(i) for i in ids_list)
+
+    def run_ref(ref: torch.nn.Module, dev: torch.device) -> Activations:
+        acc = Activations()
+        for ids in ids_list:
+            acc.add(capture_reference_points(ref, torch.tensor([ids], device=dev), names, detail, logit_lens))
+        return acc
+
+    t0 = time.perf_counter()
+    ref_base = load_reference(locate(model, revision), cfg, base[0], base[1], reference_attn)
+    t_ref = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    want = run_ref(ref_base, base[1])
+    t_base = time.perf_counter() - t0
+    base_desc = f"transformers {tv} GPT2LMHeadModel ({reference_attn}), {dtype_name(base[0])}, {base[1]}"
+
+    reports = []
+    for k, (dt, dev) in enumerate(configs):
+        t0 = time.perf_counter()
+        if k > 0:
+            scratch, _ = from_pretrained(model, dtype=dt, device=dev, revision=revision)
+        scratch.set_attn_impl(attn)  # type: ignore[arg-type]
+        t_load = time.perf_counter() - t0 if k > 0 else t_scratch
+        t0 = time.perf_counter()
+        got = Activations()
+        for ids in ids_list:
+            got.add(capture_scratch_points(scratch, torch.tensor([ids], device=dev), names, logit_lens))
+        t_fwd = time.perf_counter() - t0 + (t_base if k == 0 else 0.0)
+
+        t0 = time.perf_counter()
+        floors: list[tuple[str, Activations]] = []
+        if noise_floor:
+            same = (dt, dev) == base
+            ref_c = ref_base if same else copy.deepcopy(ref_base).to(device=dev, dtype=dt)
+            for impl in (reference_attn, alt_attn):
+                if same and impl == reference_attn:
+                    continue  # that is the reference itself
+                ref_c.set_attn_implementation(impl)
+                floors.append((f"{impl} {dtype_name(dt)} {dev}", run_ref(ref_c, dev)))
+            ref_base.set_attn_implementation(reference_attn)
+            del ref_c
+        t_floor = time.perf_counter() - t0
+
+        tol = (VS_FLOAT32_TOLERANCES if is_sweep else TOLERANCES)[dtype_name(dt)]
+        r = _report(model, names, got, want, floors, tol, scratch, tok, ids_list, logit_lens, cfg.n_layer)
+        r.dtype, r.device, r.scratch_attn, r.detail = dtype_name(dt), str(dev), attn, detail
+        r.reference = f"transformers {tv} GPT2LMHeadModel ({reference_attn})"
+        r.reference_dtype, r.reference_device = dtype_name(base[0]), str(base[1])
+        r.prompts, r.n_tokens = list(prompts), n_tokens
+        if noise_floor:
+            r.noise_floor = (f"transformers {' / '.join(f for f, _ in floors)} against the reference "
+                             f"({reference_attn} {dtype_name(base[0])} {base[1]}); the furthest at each point")
+        r.timings = {"scratch_load_s": t_load, "reference_load_s": t_ref if k == 0 else 0.0, "forward_s": t_fwd,
+                     "noise_floor_s": t_floor}
+        r.versions = {"torch": torch.__version__, "transformers": tv, "python": platform.python_version()}
+        reports.append(r)
+        del scratch, got, floors
+        gc.collect()
+    return Sweep(model=str(model), reports=reports, baseline=base_desc, is_sweep=is_sweep)
+
+
+def _report(model: str, names: Sequence[str], got: Activations, want: Activations,
+            floors: Sequence[tuple[str, Activations]], tol: Tolerance, scratch: GPT2, tok: Tokenizer,
+            ids_list: Sequence[Sequence[int]], logit_lens: bool, n_layer: int) -> Report:
+    r = Report(model=str(model), dtype="", device="", reference="", scratch_attn="", prompts=[], n_tokens=0)
+    for n in names:
+        y = want[n]
+        ma, nr, cos, el = metrics(got[n], y)
+        t = tol.for_point(n)
+        p = PointResult(n, ma, nr, cos, el, t, bool(nr <= t))
+        if floors:
+            fl = max((metrics(acc[n], y) for _, acc in floors), key=lambda m: m[1])
+            v = verdict(nr, fl[1])
+            p.noise_max_abs, p.noise_norm_rel = fl[0], fl[1]
+            p.noise_ratio, p.within_noise, p.noise_verdict = v.ratio, v.within, v.text
+        r.points.append(p)
+    ls, lr = got["logits"].double(), want["logits"].double()
+    V = scratch.config.vocab_size
+    ls, lr = ls.view(-1, V), lr.view(-1, V)  # (N, V) over all prompts' positions
+    r.top1_agreement = float((ls.argmax(-1) == lr.argmax(-1)).double().mean())
+    r.top1_tolerance = tol.top1
+    r.logprob_max_abs = float((torch.log_softmax(ls, -1) - torch.log_softmax(lr, -1)).abs().max())
+    r.logprob_tolerance = tol.logprob_max_abs
+    r.nonfinite_weights = nonfinite_tensors(scratch.state_dict())
+    if logit_lens:
+        last = len(ids_list[0]) - 1  # the last position of the first prompt
+        for i in range(n_layer):
+            a, b = got[f"lens.{i}"], want[f"lens.{i}"]
+            r.logit_lens.append({
+                "layer": i, "agreement": float((a == b).double().mean()),
+                "scratch_top1": tok.decode([int(a[last])]), "reference_top1": tok.decode([int(b[last])]),
+                "scratch_id": int(a[last]), "reference_id": int(b[last]),
+            })
+    return r

@@ -1,0 +1,76 @@
+"""The console command: help on every subcommand, inspect, demo-checkpoint, exit codes in a real process."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY
+
+from gpt2_port.cli import build_parser, main
+from gpt2_port.safetensors_io import SafetensorsFile
+
+
+def test_help_on_every_subcommand(capsys):
+    parser = build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    assert {"parity", "inspect", "demo-checkpoint"} <= set(subs)
+    for name in subs:
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0
+        assert "usage: gpt2-port " + name in capsys.readouterr().out
+
+
+def test_demo_checkpoint_is_official_layout(tmp_path: Path, tokenizer_dir: Path, capsys):
+    from gpt2_port.config import GPT2Config
+    from gpt2_port.demo import write_demo_checkpoint
+
+    d = write_demo_checkpoint(tmp_path / "d", config=GPT2Config(n_layer=3, n_embd=64, n_head=2, n_positions=32), seed=7)
+    f = SafetensorsFile(d / "model.safetensors")
+    assert f.metadata == {"format": "pt"}
+    keys = set(f.keys())
+    assert "lm_head.weight" not in keys and not any(k.startswith("transformer.") for k in keys)
+    assert {f"h.{i}.attn.bias" for i in range(3)} <= keys
+    assert f.infos["h.2.attn.bias"].shape == (1, 1, 32, 32)
+    assert all(i.dtype.is_floating_point and str(i.dtype) == "torch.float32" for i in f.infos.values())
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["model_type"] == "gpt2" and cfg["activation_function"] == "gelu_new" and cfg["n_layer"] == 3
+    # deterministic for a seed
+    d2 = write_demo_checkpoint(tmp_path / "d2", config=GPT2Config(n_layer=3, n_embd=64, n_head=2, n_positions=32), seed=7)
+    assert (d / "model.safetensors").read_bytes() == (d2 / "model.safetensors").read_bytes()
+    assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_demo_checkpoint_cli_writes_tokenizer(tmp_path: Path, tokenizer_dir: Path, capsys):
+    out = tmp_path / "ck"
+    assert main(["demo-checkpoint", "--out", str(out), "--tokenizer-from", str(tokenizer_dir)]) == 0
+    assert (out / "vocab.json").read_bytes() == (tokenizer_dir / "encoder.json").read_bytes()
+    assert (out / "merges.txt").read_bytes() == (tokenizer_dir / "vocab.bpe").read_bytes()
+    assert (out / "model.safetensors").stat().st_size > 500e6  # 124M float32 + 12 mask buffers
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_inspect(tiny_official: Path, tmp_path: Path, capsys):
+    out = tmp_path / "i.json"
+    assert main(["inspect", str(tiny_official), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "h.0.attn.c_attn.weight" in text and "split_qkv_weight" in text and "h.0.attn.q_proj.weight" in text
+    assert "dropped     2 buffer(s)" in text and "head tied to wte" in text
+    r = json.loads(out.read_text())
+    assert r["tensors"] == 2 * 12 + 4 + 2  # 12 per layer, 4 top-level, 2 mask buffers
+    assert r["parameters"] == TINY.num_params()  # counted from the loaded tensors, checked against the formula
+    assert r["dropped"] == ["h.0.attn.bias", "h.1.attn.bias"]
+    assert r["config"]["n_layer"] == 2
+
+
+def test_real_process_exit_codes(tiny_official: Path, tmp_path: Path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "gpt2_port", *a], capture_output=True, text=True)  # noqa: E731
+    ok = run("inspect", str(tiny_official))
+    assert ok.returncode == 0, ok.stderr
+    missing = run("inspect", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr.count("\n") == 1 and "nope: no such file or directory" in missing.stderr
+    bad_arg = run("parity", str(tiny_official), "--reference-attn", "flash")
+    assert bad_arg.returncode == 2 and bad_arg.stderr.count("\n") == 1 and "--reference-attn" in bad_arg.stderr

@@ -1,0 +1,107 @@
+"""The parity checker at block level: full-size 124M in the official layout, both layouts, and real failures."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from checks.parity import DEFAULT_PROMPTS, TOLERANCES, metrics, run_parity
+from gpt2_port.cli import main
+
+
+def test_124m_official_layout_float32(ckpt124: Path, tmp_path: Path, capsys):
+    """The issue's target: norm-relative error <= 1e-6 at every point, top-1 agreement 100%, exit 0, JSON schema."""
+    out = tmp_path / "parity.json"
+    rc = main(["parity", str(ckpt124), "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    r = json.loads(out.read_text())
+    names = ["embed", *(f"block.{i}" for i in range(12)), "ln_f", "logits"]
+    assert [p["name"] for p in r["points"]] == names
+    for p in r["points"]:
+        assert set(p) >= {"name", "max_abs", "norm_rel", "cosine", "elementwise_rel"}
+        assert p["norm_rel"] <= 1e-6 and p["cosine"] > 1 - 1e-9, p
+    assert r["passed"] is True and r["first_failure"] is None
+    assert r["top1_agreement"] == 1.0
+    assert r["model"] == str(ckpt124) and r["dtype"] == "float32" and r["device"] == "cpu"
+    assert "block.11" in text and "PASS" in text and text.count(" OK") >= len(names)
+
+
+def test_scratch_sdpa_against_eager_within_float32_tolerance(tiny_hf: Path):
+    r = run_parity(str(tiny_hf), DEFAULT_PROMPTS, attn="sdpa")
+    assert r.passed, [(p.name, p.norm_rel) for p in r.points]
+    assert r.scratch_attn == "sdpa" and "eager" in r.reference
+    assert max(p.norm_rel for p in r.points) < 1e-6
+
+
+def test_reference_sdpa(tiny_official: Path):
+    r = run_parity(str(tiny_official), ["Hello world"], reference_attn="sdpa")
+    assert r.passed and r.scratch_attn == "sdpa" and "(sdpa)" in r.reference
+
+
+def test_erf_gelu_is_caught_at_block_0(tiny_official: Path, monkeypatch, tmp_path: Path, capsys):
+    """The classic porting bug (erf GELU instead of tanh) fails at the first block, with exit code 1."""
+    import gpt2_port.model as model_mod
+
+    monkeypatch.setattr(model_mod, "gelu_new", lambda x: torch.nn.functional.gelu(x))
+    out = tmp_path / "r.json"
+    rc = main(["parity", str(tiny_official), "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 1
+    r = json.loads(out.read_text())
+    assert r["passed"] is False and r["first_failure"] == "block.0"
+    assert r["points"][0]["norm_rel"] == 0.0  # the embeddings still agree
+    assert "FAIL: first failure at block.0" in text
+
+
+def test_wrong_layernorm_eps_is_caught(tiny_official: Path, tmp_path: Path):
+    """LayerNorm eps 1e-12 instead of 1e-5 is a divergence the float32 gate must see."""
+    import shutil
+
+    d = tmp_path / "eps"
+    shutil.copytree(tiny_official, d)
+    r = run_parity(str(d), DEFAULT_PROMPTS)
+    assert r.passed
+    from gpt2_port.model import LayerNorm
+
+    orig = LayerNorm.forward
+
+    def bad(self, x):
+        self.eps = 1e-12
+        return orig(self, x)
+
+    LayerNorm.forward = bad
+    try:
+        r = run_parity(str(d), DEFAULT_PROMPTS)
+    finally:
+        LayerNorm.forward = orig
+    assert not r.passed and r.first_failure == "block.0"
+
+
+def test_metrics_definitions():
+    y = torch.tensor([1.0, -2.0, 0.0, 4.0], dtype=torch.float64)
+    x = y + torch.tensor([0.0, 0.0, 1e-3, -1e-3], dtype=torch.float64)
+    max_abs, norm_rel, cos, elem = metrics(x, y)
+    assert max_abs == pytest.approx(1e-3, rel=1e-6)
+    assert norm_rel == pytest.approx((2e-6) ** 0.5 / 21**0.5, rel=1e-6)
+    assert elem == pytest.approx(1.0)  # 1e-3 / (1e-3 + 0): the near-zero blow-up, reported but never the gate
+    assert cos == pytest.approx(float(x @ y) / float(x.norm() * y.norm()))
+    assert all(v != v for v in metrics(torch.tensor([float("nan")]), torch.tensor([1.0]))[:2])  # NaN propagates
+
+
+def test_tolerances_named_per_dtype():
+    assert set(TOLERANCES) == {"float32", "bfloat16", "float16"}
+    assert TOLERANCES["float32"].block == 1e-6 and TOLERANCES["float32"].top1 == 1.0
+
+
+def test_prompt_options(tiny_official: Path, tmp_path: Path, capsys):
+    pf = tmp_path / "prompts.txt"
+    pf.write_text("First line\n\nSecond line\n")
+    out = tmp_path / "r.json"
+    assert main(["parity", str(tiny_official), "--prompt", "Zero", "--prompt-file", str(pf), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["prompts"] == ["Zero", "First line", "Second line"]
+    capsys.readouterr()
+    assert main(["parity", str(tiny_official), "--prompt", ""]) == 2
+    assert "empty prompt" in capsys.readouterr().err
