@@ -41,7 +41,9 @@ class Tolerance:
 
     def for_point(self, name: str) -> float:
         kind = name.split(".")[0]
-        return {"embed": self.embed, "block": self.block, "ln_f": self.ln_f, "logits": self.logits}.get(kind, self.block)
+        return {"embed": self.embed, "block": self.block, "ln_f": self.ln_f, "logits": self.logits}.get(
+            kind, self.block
+        )
 
 
 # Against the eager reference in the same dtype, on CPU (2-core AVX2, torch 2.13, transformers 5.23).
@@ -180,7 +182,9 @@ def reference_hooks(n_layer: int) -> dict[str, tuple[str, str]]:
     return d
 
 
-def capture_reference(ref: torch.nn.Module, ids: torch.Tensor, hooks: dict[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
+def capture_reference(
+    ref: torch.nn.Module, ids: torch.Tensor, hooks: dict[str, tuple[str, str]]
+) -> dict[str, torch.Tensor]:
     acts: dict[str, torch.Tensor] = {}
     handles = []
 
@@ -216,7 +220,8 @@ def reference_dir(ckpt: Checkpoint, cfg: GPT2Config, tmp: Path) -> Path:
     std = {"model.safetensors", "pytorch_model.bin"}
     if ckpt.config_file is not None and (
         (len(ckpt.weight_files) == 1 and ckpt.weight_files[0].name in std and ckpt.weight_files[0].parent == ckpt.root)
-        or (ckpt.root / "model.safetensors.index.json").is_file() or (ckpt.root / "pytorch_model.bin.index.json").is_file()
+        or (ckpt.root / "model.safetensors.index.json").is_file()
+        or (ckpt.root / "pytorch_model.bin.index.json").is_file()
     ):
         return ckpt.root
     (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
@@ -231,7 +236,9 @@ def reference_dir(ckpt: Checkpoint, cfg: GPT2Config, tmp: Path) -> Path:
     return tmp
 
 
-def load_reference(ckpt: Checkpoint, cfg: GPT2Config, dtype: torch.dtype, device: torch.device, attn: str) -> torch.nn.Module:
+def load_reference(
+    ckpt: Checkpoint, cfg: GPT2Config, dtype: torch.dtype, device: torch.device, attn: str
+) -> torch.nn.Module:
     import transformers
     from transformers import GPT2LMHeadModel
 
@@ -258,14 +265,29 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts or list(DEFAULT_PROMPTS)
 
 
-def run_parity(model: str, prompts: Sequence[str], dtype: str = "float32", device: str = "cpu",
-               reference_attn: str = "eager", attn: str = "auto", revision: str | None = None,
-               tokenizer: str | None = None) -> Report:
+def run_parity(
+    model: str,
+    prompts: Sequence[str],
+    dtype: str = "float32",
+    device: str = "cpu",
+    reference_attn: str = "eager",
+    attn: str = "auto",
+    revision: str | None = None,
+    tokenizer: str | None = None,
+) -> Report:
     """The spine's block-level comparison in one dtype on one device (see checks/sweep.py for the rest)."""
     from .sweep import run_detailed
 
-    return run_detailed(model, prompts, dtypes=[dtype], devices=[device], reference_attn=reference_attn, attn=attn,
-                        revision=revision, tokenizer=tokenizer).reports[0]
+    return run_detailed(
+        model,
+        prompts,
+        dtypes=[dtype],
+        devices=[device],
+        reference_attn=reference_attn,
+        attn=attn,
+        revision=revision,
+        tokenizer=tokenizer,
+    ).reports[0]
 
 
 def format_report(r: Report) -> str:
@@ -278,22 +300,32 @@ def format_report(r: Report) -> str:
         f"  {'point':<10} {'max_abs':>10} {'norm_rel':>10} {'cosine':>13} {'elem_rel':>10} {'tol':>8}  ",
     ]
     for p in r.points:
-        lines.append(f"  {p.name:<10} {p.max_abs:>10.3e} {p.norm_rel:>10.3e} {p.cosine:>13.10f} "
-                     f"{p.elementwise_rel:>10.3e} {p.tolerance:>8.0e}  {'OK' if p.passed else 'FAIL'}")
+        lines.append(
+            f"  {p.name:<10} {p.max_abs:>10.3e} {p.norm_rel:>10.3e} {p.cosine:>13.10f} "
+            f"{p.elementwise_rel:>10.3e} {p.tolerance:>8.0e}  {'OK' if p.passed else 'FAIL'}"
+        )
     ok = r.top1_agreement >= r.top1_tolerance
-    lines.append(f"  top-1 next-token agreement {100 * r.top1_agreement:.1f}% (min {100 * r.top1_tolerance:.0f}%)  "
-                 f"{'OK' if ok else 'FAIL'}")
+    lines.append(
+        f"  top-1 next-token agreement {100 * r.top1_agreement:.1f}% (min {100 * r.top1_tolerance:.0f}%)  "
+        f"{'OK' if ok else 'FAIL'}"
+    )
     ok = r.logprob_max_abs <= r.logprob_tolerance
-    lines.append(f"  log-prob max abs diff      {r.logprob_max_abs:.3e} (tol {r.logprob_tolerance:.0e})  "
-                 f"{'OK' if ok else 'FAIL'}")
+    lines.append(
+        f"  log-prob max abs diff      {r.logprob_max_abs:.3e} (tol {r.logprob_tolerance:.0e})  "
+        f"{'OK' if ok else 'FAIL'}"
+    )
     if r.nonfinite_weights:
-        lines.append(f"  NaN/Inf in weights: {', '.join(r.nonfinite_weights[:8])}"
-                     + (f" and {len(r.nonfinite_weights) - 8} more" if len(r.nonfinite_weights) > 8 else ""))
+        lines.append(
+            f"  NaN/Inf in weights: {', '.join(r.nonfinite_weights[:8])}"
+            + (f" and {len(r.nonfinite_weights) - 8} more" if len(r.nonfinite_weights) > 8 else "")
+        )
     lines.append("")
     if r.passed:
         worst = max(r.points, key=lambda p: p.norm_rel)
-        lines.append(f"PASS: all {len(r.points)} points within {r.dtype} tolerances "
-                     f"(worst norm_rel {worst.norm_rel:.2e} at {worst.name})")
+        lines.append(
+            f"PASS: all {len(r.points)} points within {r.dtype} tolerances "
+            f"(worst norm_rel {worst.norm_rel:.2e} at {worst.name})"
+        )
     else:
         ff = r.first_failure
         p = next((p for p in r.points if p.name == ff), None)
@@ -304,9 +336,14 @@ def format_report(r: Report) -> str:
 
 def wants_detail(args: argparse.Namespace) -> bool:
     """Whether the run asks for more than the spine's block-level report (sub-layers, a sweep, the floor, the lens)."""
-    return (getattr(args, "detail", "block") != "block" or getattr(args, "per_head", False)
-            or "," in str(args.dtype) or "," in str(args.device)
-            or bool(getattr(args, "noise_floor", None)) or getattr(args, "logit_lens", False))
+    return (
+        getattr(args, "detail", "block") != "block"
+        or getattr(args, "per_head", False)
+        or "," in str(args.dtype)
+        or "," in str(args.device)
+        or bool(getattr(args, "noise_floor", None))
+        or getattr(args, "logit_lens", False)
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -320,13 +357,23 @@ def main(args: argparse.Namespace) -> int:
         require_matplotlib("--plot")
     prompts = read_prompts(args)
     if not wants_detail(args) and not markdown and not plot:  # the spine's report, unchanged
-        report = run_parity(args.model, prompts, dtype=args.dtype, device=args.device,
-                            reference_attn=args.reference_attn, attn=args.attn, revision=args.revision,
-                            tokenizer=args.tokenizer)
+        report = run_parity(
+            args.model,
+            prompts,
+            dtype=args.dtype,
+            device=args.device,
+            reference_attn=args.reference_attn,
+            attn=args.attn,
+            revision=args.revision,
+            tokenizer=args.tokenizer,
+        )
         print(format_report(report))
         t = report.timings
-        print(f"load: scratch {t['scratch_load_s']:.2f}s, transformers {t['reference_load_s']:.2f}s; "
-              f"forward both {t['forward_s']:.2f}s", file=sys.stderr)
+        print(
+            f"load: scratch {t['scratch_load_s']:.2f}s, transformers {t['reference_load_s']:.2f}s; "
+            f"forward both {t['forward_s']:.2f}s",
+            file=sys.stderr,
+        )
         if args.json:
             atomic_write_text(args.json, json.dumps(report.to_json(), indent=2) + "\n")
         return 0 if report.passed else 1
@@ -339,16 +386,29 @@ def main(args: argparse.Namespace) -> int:
     floor = getattr(args, "noise_floor", None)
     if floor is None:  # default: measured whenever the report is meant to explain (sub-layers or a sweep)
         floor = detail == "sublayer" or is_sweep
-    sweep = run_detailed(args.model, prompts, dtypes=args.dtype, devices=args.device, detail=detail,
-                         per_head=getattr(args, "per_head", False), noise_floor=floor,
-                         logit_lens=getattr(args, "logit_lens", False), reference_attn=args.reference_attn,
-                         attn=args.attn, revision=args.revision, tokenizer=args.tokenizer)
+    sweep = run_detailed(
+        args.model,
+        prompts,
+        dtypes=args.dtype,
+        devices=args.device,
+        detail=detail,
+        per_head=getattr(args, "per_head", False),
+        noise_floor=floor,
+        logit_lens=getattr(args, "logit_lens", False),
+        reference_attn=args.reference_attn,
+        attn=args.attn,
+        revision=args.revision,
+        tokenizer=args.tokenizer,
+    )
     if wants_detail(args):
         render.print_terminal(sweep)
     else:  # block-level with --markdown/--plot only: the spine's text on the terminal
         print(format_report(sweep.reports[0]))
-    timing = ", ".join(f"{r.dtype}/{r.device} load {r.timings['scratch_load_s']:.2f}s forward "
-                       f"{r.timings['forward_s']:.2f}s floor {r.timings['noise_floor_s']:.2f}s" for r in sweep.reports)
+    timing = ", ".join(
+        f"{r.dtype}/{r.device} load {r.timings['scratch_load_s']:.2f}s forward "
+        f"{r.timings['forward_s']:.2f}s floor {r.timings['noise_floor_s']:.2f}s"
+        for r in sweep.reports
+    )
     print(f"transformers load {sweep.reports[0].timings['reference_load_s']:.2f}s; {timing}", file=sys.stderr)
     if args.json:
         atomic_write_text(args.json, json.dumps(sweep.to_json(), indent=2) + "\n")

@@ -45,12 +45,18 @@ def hf_shapes(cfg: GPT2Config) -> dict[str, tuple[int, ...]]:
     """Expected HF-layout shapes (no prefix), without buffers; lm_head only when untied."""
     e, m, v, p = cfg.n_embd, cfg.d_mlp, cfg.vocab_size, cfg.n_positions
     per_layer = {
-        "ln_1.weight": (e,), "ln_1.bias": (e,),
-        "attn.c_attn.weight": (e, 3 * e), "attn.c_attn.bias": (3 * e,),
-        "attn.c_proj.weight": (e, e), "attn.c_proj.bias": (e,),
-        "ln_2.weight": (e,), "ln_2.bias": (e,),
-        "mlp.c_fc.weight": (e, m), "mlp.c_fc.bias": (m,),
-        "mlp.c_proj.weight": (m, e), "mlp.c_proj.bias": (e,),
+        "ln_1.weight": (e,),
+        "ln_1.bias": (e,),
+        "attn.c_attn.weight": (e, 3 * e),
+        "attn.c_attn.bias": (3 * e,),
+        "attn.c_proj.weight": (e, e),
+        "attn.c_proj.bias": (e,),
+        "ln_2.weight": (e,),
+        "ln_2.bias": (e,),
+        "mlp.c_fc.weight": (e, m),
+        "mlp.c_fc.bias": (m,),
+        "mlp.c_proj.weight": (m, e),
+        "mlp.c_proj.bias": (e,),
     }
     out = {"wte.weight": (v, e), "wpe.weight": (p, e), "ln_f.weight": (e,), "ln_f.bias": (e,)}
     for i in range(cfg.n_layer):
@@ -98,8 +104,10 @@ def _check_mask(key: str, t: torch.Tensor, cfg: GPT2Config) -> None:
             raise CheckpointError(f"{key}: expected a scalar masked_bias buffer, found shape {tuple(t.shape)}")
         return
     if t.dim() != 4 or t.shape[:2] != (1, 1) or t.shape[2] != t.shape[3] or t.shape[2] < cfg.n_positions:
-        raise CheckpointError(f"{key}: expected a causal mask of shape (1, 1, {cfg.n_positions}, {cfg.n_positions}), "
-                              f"found {tuple(t.shape)}")
+        raise CheckpointError(
+            f"{key}: expected a causal mask of shape (1, 1, {cfg.n_positions}, {cfg.n_positions}), "
+            f"found {tuple(t.shape)}"
+        )
     n = t.shape[2]
     want = torch.tril(torch.ones(n, n, dtype=torch.bool))
     if not torch.equal(t[0, 0] != 0, want) or not bool(((t[0, 0] == 0) | (t[0, 0] == 1)).all()):
@@ -125,8 +133,13 @@ def hf_to_scratch(sd: Mapping[str, torch.Tensor], cfg: GPT2Config) -> Conversion
         if bare in expected:
             continue
         parts = bare.split(".")
-        if len(parts) >= 3 and parts[0] == "h" and parts[1].isdigit() and ".".join(parts[2:]) in BUFFER_SUFFIXES \
-                and int(parts[1]) < cfg.n_layer:
+        if (
+            len(parts) >= 3
+            and parts[0] == "h"
+            and parts[1].isdigit()
+            and ".".join(parts[2:]) in BUFFER_SUFFIXES
+            and int(parts[1]) < cfg.n_layer
+        ):
             continue
         if k == "lm_head.weight":
             continue
@@ -156,8 +169,10 @@ def hf_to_scratch(sd: Mapping[str, torch.Tensor], cfg: GPT2Config) -> Conversion
         if k == "lm_head.weight":  # tied in the config, yet stored: accept only an exact copy of wte
             lm = sd[k]
             if tuple(lm.shape) != expected["wte.weight"] or not torch.equal(lm, conv.state["wte.weight"]):
-                raise ConfigError("lm_head.weight differs from wte.weight, but the config says the head is tied "
-                                  "(set tie_word_embeddings: false in config.json)")
+                raise ConfigError(
+                    "lm_head.weight differs from wte.weight, but the config says the head is tied "
+                    "(set tie_word_embeddings: false in config.json)"
+                )
             conv.dropped.append(k)
             conv.notes.append("lm_head.weight is a copy of wte.weight: dropped, the head is tied")
             continue
@@ -166,7 +181,9 @@ def hf_to_scratch(sd: Mapping[str, torch.Tensor], cfg: GPT2Config) -> Conversion
     return conv
 
 
-def scratch_to_hf(state: Mapping[str, torch.Tensor], cfg: GPT2Config, prefix: str = "transformer.") -> dict[str, torch.Tensor]:
+def scratch_to_hf(
+    state: Mapping[str, torch.Tensor], cfg: GPT2Config, prefix: str = "transformer."
+) -> dict[str, torch.Tensor]:
     """Scratch state dict -> HF layout as `save_pretrained` writes it (prefix, no buffers, lm_head only if untied)."""
     out: dict[str, torch.Tensor] = {}
     for hk, op, sks in key_table(cfg, with_head=False):

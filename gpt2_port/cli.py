@@ -33,8 +33,11 @@ class ArgParser(argparse.ArgumentParser):
 def build_parser() -> ArgParser:
     from . import __version__
 
-    p = ArgParser(prog="gpt2-port", description="A from-scratch GPT-2 that loads the official weights, proves "
-                  "layer by layer that it matches Hugging Face transformers, and generates text.")
+    p = ArgParser(
+        prog="gpt2-port",
+        description="A from-scratch GPT-2 that loads the official weights, proves "
+        "layer by layer that it matches Hugging Face transformers, and generates text.",
+    )
     p.add_argument("--version", action="version", version=f"gpt2-port {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the library does (to stderr)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgParser)
@@ -47,8 +50,11 @@ def build_parser() -> ArgParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         return int(args.func(args) or 0)
     except GPT2PortError as e:
@@ -63,8 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # an internal error: still one line unless asked for the traceback
         if os.environ.get("GPT2_PORT_DEBUG"):
             raise
-        sys.stderr.write(f"gpt2-port {args.command}: internal error: {e.__class__.__name__}: {e} -- this is a bug; "
-                         f"please report it (rerun with GPT2_PORT_DEBUG=1 for the traceback)\n")
+        sys.stderr.write(
+            f"gpt2-port {args.command}: internal error: {e.__class__.__name__}: {e} -- this is a bug; "
+            f"please report it (rerun with GPT2_PORT_DEBUG=1 for the traceback)\n"
+        )
         return 3
 
 

@@ -33,8 +33,9 @@ class GPT2Config:
         eps = self.layer_norm_epsilon
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (0 < eps < 1) or math.isnan(eps):
             raise ConfigError(f"config: layer_norm_epsilon must be a number in (0, 1), got {eps!r}")
-        if self.n_inner is not None and (not isinstance(self.n_inner, int) or isinstance(self.n_inner, bool)
-                                         or self.n_inner <= 0):
+        if self.n_inner is not None and (
+            not isinstance(self.n_inner, int) or isinstance(self.n_inner, bool) or self.n_inner <= 0
+        ):
             raise ConfigError(f"config: n_inner must be a positive integer or null, got {self.n_inner!r}")
 
     @property
@@ -171,11 +172,15 @@ def infer_from_shapes(shapes: Mapping[str, tuple[int, ...]]) -> GPT2Config:
     """Infer the config from HF-layout tensor shapes (keys with or without the 'transformer.' prefix)."""
     s = {k.removeprefix("transformer."): v for k, v in shapes.items()}
     if "wte.weight" not in s or "wpe.weight" not in s:
-        raise ConfigError("no config.json and no 'wte.weight'/'wpe.weight' tensors to infer one from: not a GPT-2 checkpoint")
+        raise ConfigError(
+            "no config.json and no 'wte.weight'/'wpe.weight' tensors to infer one from: not a GPT-2 checkpoint"
+        )
     for k in ("wte.weight", "wpe.weight"):
         if len(s[k]) != 2:
-            raise ConfigError(f"no config.json, and tensor {k!r} has shape {tuple(s[k])}, expected 2 dimensions: "
-                              "not a GPT-2 checkpoint")
+            raise ConfigError(
+                f"no config.json, and tensor {k!r} has shape {tuple(s[k])}, expected 2 dimensions: "
+                "not a GPT-2 checkpoint"
+            )
     vocab, e = s["wte.weight"][0], s["wte.weight"][1]
     n_pos = s["wpe.weight"][0]
     layers = layer_indices(s)
@@ -193,8 +198,15 @@ def infer_from_shapes(shapes: Mapping[str, tuple[int, ...]]) -> GPT2Config:
     fc = s.get("h.0.mlp.c_fc.weight")
     n_inner = fc[1] if fc is not None and len(fc) == 2 and fc[1] != 4 * e else None
     tie = "lm_head.weight" not in shapes
-    return GPT2Config(n_layer=n_layer, n_embd=e, n_head=n_head, n_positions=n_pos, vocab_size=vocab,
-                      tie_word_embeddings=tie, n_inner=n_inner)
+    return GPT2Config(
+        n_layer=n_layer,
+        n_embd=e,
+        n_head=n_head,
+        n_positions=n_pos,
+        vocab_size=vocab,
+        tie_word_embeddings=tie,
+        n_inner=n_inner,
+    )
 
 
 def layer_indices(shapes: Mapping[str, object]) -> set[int]:
@@ -217,16 +229,20 @@ def check_against_shapes(cfg: GPT2Config, shapes: Mapping[str, tuple[int, ...]],
     s = {k.removeprefix("transformer."): tuple(v) for k, v in shapes.items()}
     layers = layer_indices(s)
     if layers and len(layers) == max(layers) + 1 and len(layers) != cfg.n_layer:
-        raise ConfigError(f"{source}: n_layer={cfg.n_layer} contradicts the weights, which hold {len(layers)} layers "
-                          f"(h.0 to h.{len(layers) - 1})")
+        raise ConfigError(
+            f"{source}: n_layer={cfg.n_layer} contradicts the weights, which hold {len(layers)} layers "
+            f"(h.0 to h.{len(layers) - 1})"
+        )
     wte, wpe, lnf = s.get("wte.weight"), s.get("wpe.weight"), s.get("ln_f.weight")
     if wte and wpe and lnf and len(wte) == 2 and len(wpe) == 2 and len(lnf) == 1 and wte[1] == wpe[1] == lnf[0]:
         if wte[1] != cfg.n_embd:
-            raise ConfigError(f"{source}: n_embd={cfg.n_embd} contradicts the weights, which are {wte[1]} wide "
-                              f"('wte.weight' {wte}, 'wpe.weight' {wpe}, 'ln_f.weight' {lnf})")
+            raise ConfigError(
+                f"{source}: n_embd={cfg.n_embd} contradicts the weights, which are {wte[1]} wide "
+                f"('wte.weight' {wte}, 'wpe.weight' {wpe}, 'ln_f.weight' {lnf})"
+            )
         if wte[0] != cfg.vocab_size:
-            raise ConfigError(f"{source}: vocab_size={cfg.vocab_size} contradicts 'wte.weight' {wte} "
-                              f"({wte[0]} tokens)")
+            raise ConfigError(f"{source}: vocab_size={cfg.vocab_size} contradicts 'wte.weight' {wte} ({wte[0]} tokens)")
         if wpe[0] != cfg.n_positions:
-            raise ConfigError(f"{source}: n_positions={cfg.n_positions} contradicts 'wpe.weight' {wpe} "
-                              f"({wpe[0]} positions)")
+            raise ConfigError(
+                f"{source}: n_positions={cfg.n_positions} contradicts 'wpe.weight' {wpe} ({wpe[0]} positions)"
+            )

@@ -51,9 +51,13 @@ def _tensor_maker(key: str, shape: tuple[int, ...], cfg: GPT2Config, seed: int):
     return make
 
 
-def write_demo_checkpoint(out_dir: str | os.PathLike[str], size: str = "gpt2", seed: int = 0,
-                          tokenizer_dir: str | os.PathLike[str] | None = None,
-                          config: GPT2Config | None = None) -> Path:
+def write_demo_checkpoint(
+    out_dir: str | os.PathLike[str],
+    size: str = "gpt2",
+    seed: int = 0,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    config: GPT2Config | None = None,
+) -> Path:
     """Write a random-weight checkpoint of preset `size` (or `config`) in the official layout; return its directory."""
     cfg = config if config is not None else preset(size)
     out = Path(out_dir)

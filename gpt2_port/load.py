@@ -31,12 +31,26 @@ HUB_ALIASES = {
     "gpt2-xl": "openai-community/gpt2-xl",
 }
 # Only what the port needs; the gpt2 repos also hold TF, Flax, ONNX, rust and tflite weights (several GB).
-HUB_PATTERNS = ["config.json", "generation_config.json", "vocab.json", "merges.txt",
-                "model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors"]
+HUB_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*-of-*.safetensors",
+]
 HUB_PATTERNS_BIN = ["pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model-*-of-*.bin"]
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -98,7 +112,12 @@ def _looks_like_hub_id(s: str) -> bool:
     if s in HUB_ALIASES:
         return True
     parts = s.split("/")
-    return len(parts) == 2 and all(parts) and not s.startswith((".", "/", "~")) and not s.endswith((".safetensors", ".bin"))
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not s.startswith((".", "/", "~"))
+        and not s.endswith((".safetensors", ".bin"))
+    )
 
 
 def _weights_in_dir(d: Path) -> tuple[list[Path], str]:
@@ -111,8 +130,10 @@ def _weights_in_dir(d: Path) -> tuple[list[Path], str]:
     if (d / "pytorch_model.bin").is_file():
         return [d / "pytorch_model.bin"], "bin"
     found = sorted(p.name for p in d.iterdir())[:8] if d.is_dir() else []
-    raise CheckpointError(f"{d}: no weights found (expected model.safetensors, a model.safetensors.index.json with its "
-                          f"shards, or pytorch_model.bin); directory holds: {', '.join(found) or 'nothing'}")
+    raise CheckpointError(
+        f"{d}: no weights found (expected model.safetensors, a model.safetensors.index.json with its "
+        f"shards, or pytorch_model.bin); directory holds: {', '.join(found) or 'nothing'}"
+    )
 
 
 def _read_index(idx: Path) -> list[Path]:
@@ -169,7 +190,9 @@ def locate(model: str | os.PathLike[str], revision: str | None = None) -> Checkp
         raise CheckpointError(f"{s}: broken symlink (points to {os.readlink(p)!r}, which does not exist)")
     if _looks_like_hub_id(s):
         return _from_hub(s, revision)
-    raise CheckpointError(f"{s}: no such file or directory, and not a Hub model id (like gpt2 or openai-community/gpt2)")
+    raise CheckpointError(
+        f"{s}: no such file or directory, and not a Hub model id (like gpt2 or openai-community/gpt2)"
+    )
 
 
 def _from_hub(model_id: str, revision: str | None) -> Checkpoint:
@@ -193,15 +216,21 @@ def _from_hub(model_id: str, revision: str | None) -> Checkpoint:
             root = fetch(HUB_PATTERNS + HUB_PATTERNS_BIN)  # a fine-tune that only ships pytorch_model.bin
             files, fmt = _weights_in_dir(root)
     except hf_errors.RepositoryNotFoundError:
-        raise HubError(f"{model_id}: no such model on the Hugging Face Hub (or it is private/gated: run `hf auth login`)") from None
+        raise HubError(
+            f"{model_id}: no such model on the Hugging Face Hub (or it is private/gated: run `hf auth login`)"
+        ) from None
     except hf_errors.RevisionNotFoundError:
         raise HubError(f"{model_id}: revision {revision!r} not found on the Hub") from None
     except (hf_errors.LocalEntryNotFoundError, hf_errors.OfflineModeIsEnabled) as e:
         if offline:
-            raise HubError(f"{where}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set: run once with "
-                           f"network access (unset HF_HUB_OFFLINE) to download it, or pass a local directory") from None
-        raise HubError(f"{where}: cannot reach the Hugging Face Hub and it is not cached locally ({_first_line(e)}): "
-                       f"connect to the network once, or pass a local checkpoint directory") from None
+            raise HubError(
+                f"{where}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set: run once with "
+                f"network access (unset HF_HUB_OFFLINE) to download it, or pass a local directory"
+            ) from None
+        raise HubError(
+            f"{where}: cannot reach the Hugging Face Hub and it is not cached locally ({_first_line(e)}): "
+            f"connect to the network once, or pass a local checkpoint directory"
+        ) from None
     except hf_errors.HfHubHTTPError as e:
         raise HubError(f"{where}: download failed ({_first_line(e)})") from None
     except (OSError, ValueError) as e:
@@ -245,7 +274,9 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
     def shapes(self) -> dict[str, tuple[int, ...]]:
         out: dict[str, tuple[int, ...]] = {}
         for src in self._sources:
-            out.update(src.shapes() if isinstance(src, SafetensorsFile) else {k: tuple(v.shape) for k, v in src.items()})
+            out.update(
+                src.shapes() if isinstance(src, SafetensorsFile) else {k: tuple(v.shape) for k, v in src.items()}
+            )
         return out
 
     def file_of(self, key: str) -> Path:
@@ -274,10 +305,14 @@ def _load_bin(f: Path) -> dict[str, torch.Tensor]:
                 raise
             sd = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{f}: refused to unpickle: the file holds more than plain tensors "
-                              f"({_first_line(e)[:160]}); it may run code, and it was not loaded") from None
+        raise CheckpointError(
+            f"{f}: refused to unpickle: the file holds more than plain tensors "
+            f"({_first_line(e)[:160]}); it may run code, and it was not loaded"
+        ) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, TypeError) as e:
-        raise CheckpointError(f"{f}: not a readable PyTorch checkpoint ({e.__class__.__name__}: {_first_line(e)[:160]})") from None
+        raise CheckpointError(
+            f"{f}: not a readable PyTorch checkpoint ({e.__class__.__name__}: {_first_line(e)[:160]})"
+        ) from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
@@ -317,8 +352,10 @@ def convert_checkpoint(model: str | os.PathLike[str], revision: str | None = Non
         where = ckpt.weight_files[0] if len(ckpt.weight_files) == 1 else ckpt.root
         hint = ""
         if ckpt.config_file is not None and "expected shape" in str(e):
-            hint = (f" (shapes expected from {ckpt.config_file.name}: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
-                    f"n_positions={cfg.n_positions}, vocab_size={cfg.vocab_size})")
+            hint = (
+                f" (shapes expected from {ckpt.config_file.name}: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+                f"n_positions={cfg.n_positions}, vocab_size={cfg.vocab_size})"
+            )
         raise type(e)(f"{where}: {e}{hint}") from None
     return sd, LoadReport(ckpt, cfg, conv, sd.nbytes())
 
@@ -328,9 +365,13 @@ def nonfinite_tensors(state: Mapping[str, torch.Tensor]) -> list[str]:
     return [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
-def from_pretrained(model: str | os.PathLike[str], dtype: torch.dtype | str = torch.float32,
-                    device: torch.device | str = "cpu", revision: str | None = None,
-                    check_finite: bool = False) -> tuple[GPT2, LoadReport]:
+def from_pretrained(
+    model: str | os.PathLike[str],
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    revision: str | None = None,
+    check_finite: bool = False,
+) -> tuple[GPT2, LoadReport]:
     t0 = time.perf_counter()
     dt = parse_dtype(dtype)
     dev = parse_device(device)
@@ -345,6 +386,13 @@ def from_pretrained(model: str | os.PathLike[str], dtype: torch.dtype | str = to
     m.load_state_dict(state, strict=True, assign=True)
     m.eval().requires_grad_(False)
     report.load_s = time.perf_counter() - t0
-    log.info("loaded %s (%s layers, %s params) as %s on %s in %.2fs", model, cfg.n_layer, f"{m.num_params():,}",
-             dt, dev, report.load_s)
+    log.info(
+        "loaded %s (%s layers, %s params) as %s on %s in %.2fs",
+        model,
+        cfg.n_layer,
+        f"{m.num_params():,}",
+        dt,
+        dev,
+        report.load_s,
+    )
     return m, report

@@ -44,7 +44,9 @@ class Recorder:
 class KVCache:
     """A static key/value cache: preallocated `[n_layer, B, nh, max_len, hs]` tensors and a fill length."""
 
-    def __init__(self, cfg: GPT2Config, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, cfg: GPT2Config, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         shape = (cfg.n_layer, batch, cfg.n_head, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -94,8 +96,9 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = t.shape
         return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None,
-                rec: Recorder | None, tag: str) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None, rec: Recorder | None, tag: str
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if rec is not None:
@@ -152,8 +155,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.tag = f"block.{layer}"
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None,
-                rec: Recorder | None) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None, rec: Recorder | None
+    ) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         t = self.tag
         h = self.ln_1(x)
         if rec is not None:
@@ -204,8 +208,13 @@ class GPT2(nn.Module):
         self._rec: Recorder | None = None
 
     @classmethod
-    def from_pretrained(cls, model: str, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-                        revision: str | None = None) -> GPT2:
+    def from_pretrained(
+        cls,
+        model: str,
+        dtype: torch.dtype | str = torch.float32,
+        device: torch.device | str = "cpu",
+        revision: str | None = None,
+    ) -> GPT2:
         """Load a checkpoint (local directory, .safetensors file, or Hub id); `model.load_report` tells how it went."""
         from .load import from_pretrained
 
@@ -247,9 +256,14 @@ class GPT2(nn.Module):
         finally:
             self._rec = prev
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """(B, T) token ids -> (B, T, V) logits ((B, 1, V) with last_only).
 
         attention_mask: (B, S) 1 for real tokens, 0 for (left) padding, S = cached + new tokens.
@@ -279,7 +293,8 @@ class GPT2(nn.Module):
             rec("ln_f", x)
         if last_only:
             x = x[:, -1:]
-        logits = F.linear(x, self.head_weight)  # (B, T, V)
+        # (B, T, V); a replaced head (e.g. gpt2_port.quantize's int8 head) is called as a module
+        logits = F.linear(x, self.wte.weight) if self.lm_head is None else self.lm_head(x)
         if rec is not None:
             rec("logits", logits)
         return logits
@@ -287,13 +302,34 @@ class GPT2(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied head is one parameter, counted once
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, repetition_penalty: float = 1.0,
-                 seed: int | None = None, attention_mask: torch.Tensor | None = None, eos_token_id: int | None = 50256,
-                 **kwargs) -> torch.Tensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | None = 50256,
+        **kwargs,
+    ) -> torch.Tensor:
         """LongTensor (B, T + new) as transformers' generate returns; see gpt2_port.generate for every option."""
         from .generate import generate
 
-        return generate(self, input_ids, max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                        top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, attention_mask=attention_mask,
-                        eos_token_id=eos_token_id, **kwargs)
+        return generate(
+            self,
+            input_ids,
+            max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            attention_mask=attention_mask,
+            eos_token_id=eos_token_id,
+            **kwargs,
+        )

@@ -66,15 +66,23 @@ class SafetensorsFile:
             size = os.fstat(fd).st_size
             self.size = size
             if size < 8:
-                raise CheckpointError(f"{p}: {size} bytes, too short for a safetensors file (needs an 8-byte header length)")
+                raise CheckpointError(
+                    f"{p}: {size} bytes, too short for a safetensors file (needs an 8-byte header length)"
+                )
             (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
             if n > MAX_HEADER:
-                raise CheckpointError(f"{p}: header length {n} exceeds the {MAX_HEADER}-byte limit; not a safetensors file")
+                raise CheckpointError(
+                    f"{p}: header length {n} exceeds the {MAX_HEADER}-byte limit; not a safetensors file"
+                )
             if 8 + n > size:
                 raise CheckpointError(f"{p}: header length {n} runs past the end of the {size}-byte file (truncated?)")
             raw = os.pread(fd, n, 8)
             self.infos, self.metadata = _parse_header(p, raw, data_start=8 + n, file_size=size)
-            self._mm = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size > 8 + n else None
+            self._mm = (
+                mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                if size > 8 + n
+                else None
+            )
         finally:
             os.close(fd)
 
@@ -129,7 +137,9 @@ def _parse_header(p: Path, raw: bytes, data_start: int, file_size: int) -> tuple
     except _DuplicateKey as e:
         raise CheckpointError(f"{p}: header names {e.args[0]!r} twice; corrupt or crafted file") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError, and ints past Python's digit limit
-        raise CheckpointError(f"{p}: header is not valid UTF-8 JSON ({e.__class__.__name__}); not a safetensors file or corrupt") from None
+        raise CheckpointError(
+            f"{p}: header is not valid UTF-8 JSON ({e.__class__.__name__}); not a safetensors file or corrupt"
+        ) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{p}: header must be a JSON object, got {type(header).__name__}")
     meta = header.pop("__metadata__", None)
@@ -143,26 +153,39 @@ def _parse_header(p: Path, raw: bytes, data_start: int, file_size: int) -> tuple
             raise CheckpointError(f"{p}: tensor {_short(name)}: entry must have exactly dtype, shape and data_offsets")
         dt, shape, offs = ent["dtype"], ent["shape"], ent["data_offsets"]
         if not isinstance(dt, str) or dt not in DTYPES:
-            raise CheckpointError(f"{p}: tensor {_short(name)}: unsupported dtype {_short(dt)} (expected one of {', '.join(DTYPES)})")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise CheckpointError(f"{p}: tensor {_short(name)}: shape must be a list of non-negative integers, got {_short(shape)}")
+            raise CheckpointError(
+                f"{p}: tensor {_short(name)}: unsupported dtype {_short(dt)} (expected one of {', '.join(DTYPES)})"
+            )
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise CheckpointError(
+                f"{p}: tensor {_short(name)}: shape must be a list of non-negative integers, got {_short(shape)}"
+            )
         span = 1  # even an empty tensor's strides must fit in int64
         for d in shape:
             span *= max(d, 1)
         if span >= 2**63:
             raise CheckpointError(f"{p}: tensor {_short(name)}: shape {_short(shape)} is too large for any tensor")
-        if (not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        ):
             raise CheckpointError(f"{p}: tensor {_short(name)}: data_offsets must be two integers, got {_short(offs)}")
         b, e = offs
         if not (0 <= b <= e <= data_len):
-            raise CheckpointError(f"{p}: tensor {_short(name)}: data_offsets [{b}, {e}] out of range for {data_len} data bytes (truncated or corrupt)")
+            raise CheckpointError(
+                f"{p}: tensor {_short(name)}: data_offsets [{b}, {e}] out of range for {data_len} data bytes (truncated or corrupt)"
+            )
         numel = 1
         for d in shape:
             numel *= d
         item = torch.empty((), dtype=DTYPES[dt]).element_size()
         if numel * item != e - b:
-            raise CheckpointError(f"{p}: tensor {_short(name)}: shape {shape} of {dt} needs {numel * item} bytes, data_offsets give {e - b}")
+            raise CheckpointError(
+                f"{p}: tensor {_short(name)}: shape {shape} of {dt} needs {numel * item} bytes, data_offsets give {e - b}"
+            )
         infos[name] = TensorInfo(name, DTYPES[dt], tuple(shape), data_start + b, data_start + e)
     # No overlap and no hole: sorted by offset, each tensor starts where the last ended, and the data ends at the file end.
     pos = 0
@@ -171,10 +194,14 @@ def _parse_header(p: Path, raw: bytes, data_start: int, file_size: int) -> tuple
         if rb < pos:
             raise CheckpointError(f"{p}: tensor {_short(info.name)}: data_offsets overlap another tensor")
         if rb > pos:
-            raise CheckpointError(f"{p}: tensor {_short(info.name)}: a hole of {rb - pos} bytes before its data (corrupt offsets)")
+            raise CheckpointError(
+                f"{p}: tensor {_short(info.name)}: a hole of {rb - pos} bytes before its data (corrupt offsets)"
+            )
         pos = info.end - data_start
     if pos != data_len:
-        raise CheckpointError(f"{p}: {data_len - pos} trailing bytes after the last tensor (corrupt or not safetensors)")
+        raise CheckpointError(
+            f"{p}: {data_len - pos} trailing bytes after the last tensor (corrupt or not safetensors)"
+        )
     return infos, meta
 
 
@@ -184,8 +211,11 @@ def _short(v: object, n: int = 80) -> str:
     return r if len(r) <= n else r[: n - 3] + "..."
 
 
-def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, tuple[int, ...], torch.dtype, object]],
-                      metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(
+    path: str | Path,
+    tensors: Iterable[tuple[str, tuple[int, ...], torch.dtype, object]],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
     """Stream tensors to a safetensors file, atomically (a temp file renamed into place).
 
     `tensors` yields (name, shape, dtype, make) where make() returns the tensor; tensors are produced one at a time,
@@ -215,8 +245,11 @@ def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, tuple[int, 
                 t = make()  # type: ignore[operator]
                 if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                     raise ValueError(f"{name}: produced {tuple(t.shape)} {t.dtype}, declared {shape} {dtype}")
-                f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16
-                        else t.contiguous().numpy().tobytes())
+                f.write(
+                    t.contiguous().view(torch.uint8).numpy().tobytes()
+                    if t.dtype == torch.bfloat16
+                    else t.contiguous().numpy().tobytes()
+                )
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

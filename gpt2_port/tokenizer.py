@@ -82,11 +82,20 @@ def from_files(vocab_json: str | os.PathLike[str], merges_txt: str | os.PathLike
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
     try:
-        ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=os.fspath(merges_txt), encoder_json_file=os.fspath(vocab_json))
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=os.fspath(merges_txt), encoder_json_file=os.fspath(vocab_json)
+        )
     except Exception as e:  # tiktoken raises plain ValueError/AssertionError/KeyError on bad files
-        raise CheckpointError(f"{vocab_json} / {merges_txt}: not GPT-2 tokenizer files ({e.__class__.__name__}: {e})") from None
-    enc = tiktoken.Encoding(name="gpt2", pat_str=_gpt2_pattern(), mergeable_ranks=ranks,
-                            special_tokens={EOT: EOT_ID}, explicit_n_vocab=50257)
+        raise CheckpointError(
+            f"{vocab_json} / {merges_txt}: not GPT-2 tokenizer files ({e.__class__.__name__}: {e})"
+        ) from None
+    enc = tiktoken.Encoding(
+        name="gpt2",
+        pat_str=_gpt2_pattern(),
+        mergeable_ranks=ranks,
+        special_tokens={EOT: EOT_ID},
+        explicit_n_vocab=50257,
+    )
     return Tokenizer(enc, f"{Path(vocab_json).parent} (vocab.json + merges.txt)")
 
 
@@ -101,6 +110,8 @@ def load_tokenizer(directory: str | os.PathLike[str] | None = None) -> Tokenizer
         enc = tiktoken.get_encoding("gpt2")
     except Exception as e:
         where = f"{directory} has no vocab.json + merges.txt, and " if directory is not None else ""
-        raise CheckpointError(f"no tokenizer: {where}tiktoken could not fetch its 'gpt2' encoding "
-                              f"({e.__class__.__name__}); pass --tokenizer DIR with vocab.json and merges.txt") from None
+        raise CheckpointError(
+            f"no tokenizer: {where}tiktoken could not fetch its 'gpt2' encoding "
+            f"({e.__class__.__name__}); pass --tokenizer DIR with vocab.json and merges.txt"
+        ) from None
     return Tokenizer(enc, "tiktoken gpt2")

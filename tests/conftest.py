@@ -21,7 +21,9 @@ TINY = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128)
 def tokenizer_dir() -> Path:
     """../shared/gpt2-tokenizer (encoder.json + vocab.bpe). CI has it beside the checkout; its absence is an error."""
     if not (SHARED_TOKENIZER / "encoder.json").is_file():
-        raise FileNotFoundError(f"{SHARED_TOKENIZER} is missing: the tests need ../shared/gpt2-tokenizer beside the repo")
+        raise FileNotFoundError(
+            f"{SHARED_TOKENIZER} is missing: the tests need ../shared/gpt2-tokenizer beside the repo"
+        )
     return SHARED_TOKENIZER
 
 

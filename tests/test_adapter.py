@@ -62,13 +62,17 @@ def test_prefixed_layout_and_errors():
     assert set(hf_to_scratch(sd, CFG).state) == set(GPT2(CFG).state_dict())
     missing = dict(sd)
     del missing["transformer.h.1.ln_2.bias"]
-    with pytest.raises(CheckpointError, match=r"missing key 'transformer\.h\.1\.ln_2\.bias' \(expected shape \(32,\)\)"):
+    with pytest.raises(
+        CheckpointError, match=r"missing key 'transformer\.h\.1\.ln_2\.bias' \(expected shape \(32,\)\)"
+    ):
         hf_to_scratch(missing, CFG)
     extra = dict(sd) | {"transformer.h.0.attn.rotary.inv_freq": torch.zeros(4)}
     with pytest.raises(CheckpointError, match=r"unexpected key 'transformer\.h\.0\.attn\.rotary\.inv_freq'"):
         hf_to_scratch(extra, CFG)
     bad = dict(sd) | {"transformer.wpe.weight": torch.zeros(8, 32)}
-    with pytest.raises(CheckpointError, match=r"'transformer\.wpe\.weight': expected shape \(16, 32\), found \(8, 32\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'transformer\.wpe\.weight': expected shape \(16, 32\), found \(8, 32\)"
+    ):
         hf_to_scratch(bad, CFG)
 
 
@@ -103,8 +107,10 @@ def test_qkv_equal_split_of_transformers_c_attn(tiny_hf: Path):
     model = GPT2.from_pretrained(str(tiny_hf))
     ids = torch.tensor([[464, 2444, 4721, 511, 3835, 13]])
     outs = {}
-    hooks = [ref.transformer.h[i].attn.c_attn.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o))
-             for i in range(model.config.n_layer)]
+    hooks = [
+        ref.transformer.h[i].attn.c_attn.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o))
+        for i in range(model.config.n_layer)
+    ]
     with torch.no_grad():
         ref(ids)
     for h in hooks:
@@ -127,7 +133,9 @@ def test_roundtrip_through_transformers(tiny_official: Path, tmp_path: Path):
     model = GPT2.from_pretrained(str(tiny_official))
     model.set_attn_impl("manual")
     hf_sd = scratch_to_hf(model.state_dict(), model.config)
-    assert all(k.startswith("transformer.") for k in hf_sd) and not any(k.endswith((".attn.bias", ".masked_bias")) for k in hf_sd)
+    assert all(k.startswith("transformer.") for k in hf_sd) and not any(
+        k.endswith((".attn.bias", ".masked_bias")) for k in hf_sd
+    )
     save_file(hf_sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
     (tmp_path / "config.json").write_text((tiny_official / "config.json").read_text())
     ref = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()

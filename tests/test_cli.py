@@ -38,7 +38,9 @@ def test_demo_checkpoint_is_official_layout(tmp_path: Path, tokenizer_dir: Path,
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["model_type"] == "gpt2" and cfg["activation_function"] == "gelu_new" and cfg["n_layer"] == 3
     # deterministic for a seed
-    d2 = write_demo_checkpoint(tmp_path / "d2", config=GPT2Config(n_layer=3, n_embd=64, n_head=2, n_positions=32), seed=7)
+    d2 = write_demo_checkpoint(
+        tmp_path / "d2", config=GPT2Config(n_layer=3, n_embd=64, n_head=2, n_positions=32), seed=7
+    )
     assert (d / "model.safetensors").read_bytes() == (d2 / "model.safetensors").read_bytes()
     assert not list(tmp_path.rglob("*.partial"))
 

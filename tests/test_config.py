@@ -31,7 +31,9 @@ def test_preset_exact_name_only():
 
 
 def test_config_is_frozen():
-    with pytest.raises(Exception):
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
         PRESETS["gpt2"].n_layer = 3  # type: ignore[misc]
 
 

@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, save_hf
 
 from gpt2_port import GPT2
 from gpt2_port.errors import CheckpointError, UsageError
 from gpt2_port.load import convert_checkpoint, from_pretrained, locate, parse_device, parse_dtype
-
-from conftest import TINY, save_hf
 
 IDS = torch.tensor([[464, 2444, 4721, 511, 3835], [464, 3797, 26172, 262, 10211]])
 
@@ -86,7 +85,9 @@ def test_pytorch_bin_weights_only(tmp_path: Path, tiny_hf: Path):
     d.mkdir()
     n = TINY.n_positions
     sd.update({f"transformer.h.{i}.attn.masked_bias": torch.tensor(-1e4) for i in range(TINY.n_layer)})
-    sd.update({f"transformer.h.{i}.attn.bias": torch.tril(torch.ones(n, n)).view(1, 1, n, n) for i in range(TINY.n_layer)})
+    sd.update(
+        {f"transformer.h.{i}.attn.bias": torch.tril(torch.ones(n, n)).view(1, 1, n, n) for i in range(TINY.n_layer)}
+    )
     torch.save(sd, d / "pytorch_model.bin")
     shutil.copy(tiny_hf / "config.json", d / "config.json")
     assert locate(d).fmt == "bin"

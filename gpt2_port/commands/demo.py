@@ -10,15 +10,22 @@ from ..config import PRESETS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo-checkpoint", help="write a random-weight GPT-2 checkpoint in the official layout",
-                       description="Write config.json + model.safetensors (un-prefixed keys, causal-mask buffers, no "
-                       "lm_head, metadata format=pt) with random weights of any official size. Uses torch and "
-                       "safetensors only, so the whole tool runs with no network.")
+    p = sub.add_parser(
+        "demo-checkpoint",
+        help="write a random-weight GPT-2 checkpoint in the official layout",
+        description="Write config.json + model.safetensors (un-prefixed keys, causal-mask buffers, no "
+        "lm_head, metadata format=pt) with random weights of any official size. Uses torch and "
+        "safetensors only, so the whole tool runs with no network.",
+    )
     p.add_argument("--size", default="gpt2", choices=list(PRESETS), help="which official size (default: gpt2, 124M)")
     p.add_argument("--out", default=None, help="output directory (default: weights/<size>-random)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--tokenizer-from", metavar="DIR", default=None,
-                   help="copy GPT-2's vocab.json + merges.txt (or encoder.json + vocab.bpe) from DIR, sha256-checked")
+    p.add_argument(
+        "--tokenizer-from",
+        metavar="DIR",
+        default=None,
+        help="copy GPT-2's vocab.json + merges.txt (or encoder.json + vocab.bpe) from DIR, sha256-checked",
+    )
     p.set_defaults(func=run)
 
 
@@ -29,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     d = write_demo_checkpoint(out, size=args.size, seed=args.seed, tokenizer_dir=args.tokenizer_from)
     size = (d / "model.safetensors").stat().st_size
-    print(f"wrote {d}/config.json and model.safetensors ({size / 1e6:.1f} MB, random weights, official layout) "
-          f"in {time.perf_counter() - t0:.1f}s", file=sys.stdout)
+    print(
+        f"wrote {d}/config.json and model.safetensors ({size / 1e6:.1f} MB, random weights, official layout) "
+        f"in {time.perf_counter() - t0:.1f}s",
+        file=sys.stdout,
+    )
     return 0

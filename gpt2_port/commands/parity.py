@@ -6,42 +6,78 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("parity", help="per-layer parity report against Hugging Face transformers",
-                       description="Load MODEL into the scratch model and into transformers' GPT2LMHeadModel, run both "
-                       "on the same tokens, and compare the embeddings, every block's output, ln_f and the logits. "
-                       "Exit 0 on pass, 1 on a parity failure, 2 on a usage or input error. Needs transformers "
-                       "(pip install 'gpt2-port[check]').")
+    p = sub.add_parser(
+        "parity",
+        help="per-layer parity report against Hugging Face transformers",
+        description="Load MODEL into the scratch model and into transformers' GPT2LMHeadModel, run both "
+        "on the same tokens, and compare the embeddings, every block's output, ln_f and the logits. "
+        "Exit 0 on pass, 1 on a parity failure, 2 on a usage or input error. Needs transformers "
+        "(pip install 'gpt2-port[check]').",
+    )
     p.add_argument("model", metavar="MODEL", help="checkpoint directory, .safetensors file, or Hub id (gpt2, ...)")
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); replaces the defaults")
     p.add_argument("--prompt-file", default=None, help="a UTF-8 file with one prompt per non-empty line")
-    p.add_argument("--dtype", default="float32",
-                   help="float32 (default), float16 or bfloat16; a comma-separated list (float32,bfloat16,float16) "
-                   "sweeps them, each compared with one float32 transformers reference")
-    p.add_argument("--device", default="cpu",
-                   help="cpu (default), cuda, cuda:N, mps or auto; a comma-separated list (cpu,cuda) sweeps them")
-    p.add_argument("--reference-attn", default="eager", choices=["eager", "sdpa"],
-                   help="transformers' attention implementation (default eager)")
-    p.add_argument("--attn", default="auto", choices=["auto", "sdpa", "manual"],
-                   help="the scratch model's attention path: auto (default) runs the same kind of kernel as the "
-                   "reference (manual against eager, sdpa against sdpa); sdpa or manual force one")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="float32 (default), float16 or bfloat16; a comma-separated list (float32,bfloat16,float16) "
+        "sweeps them, each compared with one float32 transformers reference",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default), cuda, cuda:N, mps or auto; a comma-separated list (cpu,cuda) sweeps them",
+    )
+    p.add_argument(
+        "--reference-attn",
+        default="eager",
+        choices=["eager", "sdpa"],
+        help="transformers' attention implementation (default eager)",
+    )
+    p.add_argument(
+        "--attn",
+        default="auto",
+        choices=["auto", "sdpa", "manual"],
+        help="the scratch model's attention path: auto (default) runs the same kind of kernel as the "
+        "reference (manual against eager, sdpa against sdpa); sdpa or manual force one",
+    )
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)")
-    p.add_argument("--detail", default="block", choices=["block", "sublayer"],
-                   help="block (default): embeddings, block outputs, ln_f, logits; sublayer: also ln_1, q/k/v, the "
-                   "attention output before and after c_proj, the residual after attention, ln_2, the MLP hidden "
-                   "after GELU and the MLP output in every block")
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        default=None,
+        help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)",
+    )
+    p.add_argument(
+        "--detail",
+        default="block",
+        choices=["block", "sublayer"],
+        help="block (default): embeddings, block outputs, ln_f, logits; sublayer: also ln_1, q/k/v, the "
+        "attention output before and after c_proj, the residual after attention, ln_2, the MLP hidden "
+        "after GELU and the MLP output in every block",
+    )
     p.add_argument("--per-head", action="store_true", help="also compare q, k and v head by head (implies sublayer)")
-    p.add_argument("--noise-floor", action=argparse.BooleanOptionalAction, default=None,
-                   help="also measure transformers against itself (eager vs sdpa; in a sweep, itself in each dtype) "
-                   "and mark every figure within or above that floor (default: on with --detail sublayer or a sweep)")
-    p.add_argument("--logit-lens", action="store_true",
-                   help="per layer, the top-1 token of ln_f(h) @ wte.T for both models, and whether they agree")
+    p.add_argument(
+        "--noise-floor",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also measure transformers against itself (eager vs sdpa; in a sweep, itself in each dtype) "
+        "and mark every figure within or above that floor (default: on with --detail sublayer or a sweep)",
+    )
+    p.add_argument(
+        "--logit-lens",
+        action="store_true",
+        help="per layer, the top-1 token of ln_f(h) @ wte.T for both models, and whether they agree",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
     p.add_argument("--markdown", metavar="PATH", default=None, help="write the report as Markdown")
-    p.add_argument("--plot", metavar="PATH", default=None,
-                   help="write a PNG of error per layer (log scale, noise floor as a band); needs matplotlib: "
-                   "pip install 'gpt2-port[plot]'")
+    p.add_argument(
+        "--plot",
+        metavar="PATH",
+        default=None,
+        help="write a PNG of error per layer (log scale, noise floor as a band); needs matplotlib: "
+        "pip install 'gpt2-port[plot]'",
+    )
     p.set_defaults(func=run)
 
 
@@ -51,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from checks import parity
     except ImportError as e:
-        raise UsageError(f"the parity checker needs transformers ({e.name or e} is not importable): "
-                         "pip install 'gpt2-port[check]'") from None
+        raise UsageError(
+            f"the parity checker needs transformers ({e.name or e} is not importable): pip install 'gpt2-port[check]'"
+        ) from None
     return parity.main(args)
