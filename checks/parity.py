@@ -243,6 +243,7 @@ def load_reference(
     from transformers import GPT2LMHeadModel
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="gpt2port-ref-") as tmp:
         d = reference_dir(ckpt, cfg, Path(tmp))
         ref = GPT2LMHeadModel.from_pretrained(d, dtype=dtype, attn_implementation=attn)

@@ -48,7 +48,8 @@ def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
     names = [p.name for p in r0.points if not is_head_point(p.name)]
     x = list(range(len(names)))
     values = [p.norm_rel for r in s.reports for p in r.points] + [
-        p.noise_norm_rel or 0.0 for r in s.reports for p in r.points]
+        p.noise_norm_rel or 0.0 for r in s.reports for p in r.points
+    ]
     pos = [v for v in values if v > 0 and math.isfinite(v)]
     bottom = 10 ** math.floor(math.log10(min(pos))) / 10 if pos else 1e-12
     top = 10 ** math.ceil(math.log10(max(pos + [p.tolerance for r in s.reports for p in r.points]))) * 3
@@ -61,16 +62,25 @@ def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
         pts = {p.name: p for p in r.points}
         err = [pts[n].norm_rel for n in names]
         y = [max(v, bottom) for v in err]
-        ax.plot(x, y, "-", color=c, lw=1.6, marker="o" if len(names) <= 60 else None, ms=3.5,
-                label=f"{label(r)} scratch ({r.scratch_attn})")
+        ax.plot(
+            x,
+            y,
+            "-",
+            color=c,
+            lw=1.6,
+            marker="o" if len(names) <= 60 else None,
+            ms=3.5,
+            label=f"{label(r)} scratch ({r.scratch_attn})",
+        )
         zx = [i for i, v in zip(x, err) if v == 0]
         if zx:
             any_zero = True
             ax.plot(zx, [bottom] * len(zx), "o", mfc="white", mec=c, ms=5)
         if r.noise_floor is not None:
             fl = [max(pts[n].noise_norm_rel or 0.0, bottom) for n in names]
-            ax.fill_between(x, bottom, fl, color=c, alpha=0.15, lw=0, label=f"{label(r)} noise floor (transformers "
-                            "vs itself)")
+            ax.fill_between(
+                x, bottom, fl, color=c, alpha=0.15, lw=0, label=f"{label(r)} noise floor (transformers vs itself)"
+            )
             ax.plot(x, fl, ":", color=c, lw=1.0)
     for tol in sorted({p.tolerance for r in s.reports for p in r.points if p.name != "embed"}):
         dts = sorted({r.dtype for r in s.reports if any(p.tolerance == tol for p in r.points)})
@@ -86,14 +96,23 @@ def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
         ticks = x
     ax.set_xticks(ticks)
     ax.set_xticklabels([names[t].removeprefix("block.") for t in ticks], rotation=0, fontsize=8)
-    ax.set_xlabel("layer (block output)" + ("; dots between are the sub-layer points" if r0.detail == "sublayer" else ""))
+    ax.set_xlabel(
+        "layer (block output)" + ("; dots between are the sub-layer points" if r0.detail == "sublayer" else "")
+    )
     ax.set_ylabel("norm-relative error  ||scratch - ref|| / ||ref||")
     ref = s.baseline if s.is_sweep else f"{r0.reference}, same dtype"
-    ax.set_title(f"parity error per layer: {os.path.basename(str(s.model).rstrip('/')) or s.model}\n"
-                 f"against {ref}", fontsize=10)
+    ax.set_title(
+        f"parity error per layer: {os.path.basename(str(s.model).rstrip('/')) or s.model}\nagainst {ref}", fontsize=10
+    )
     if any_zero:
-        ax.text(0, bottom, " hollow markers: exactly 0 (bit-exact), drawn at the bottom", fontsize=8, va="bottom",
-                color="0.3")
+        ax.text(
+            0,
+            bottom,
+            " hollow markers: exactly 0 (bit-exact), drawn at the bottom",
+            fontsize=8,
+            va="bottom",
+            color="0.3",
+        )
     ax.grid(True, which="major", axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     save_png(fig, path)

@@ -55,15 +55,19 @@ def noise_summary(r: Report) -> str | None:
         return f"{label(r)}: as close to {ref} as {what} is: YES ({why})"
     n_above = sum(1 for p in r.points if p.within_noise is False)
     first = next(p for p in r.points if p.within_noise is False)
-    return (f"{label(r)}: as close to {ref} as {what} is: NO ({n_above} of {len(r.points)} points above the floor; "
-            f"first at {first.name}, {first.noise_verdict})")
+    return (
+        f"{label(r)}: as close to {ref} as {what} is: NO ({n_above} of {len(r.points)} points above the floor; "
+        f"first at {first.name}, {first.noise_verdict})"
+    )
 
 
 def result_line(r: Report) -> str:
     if r.passed:
         worst = max(r.points, key=lambda p: p.norm_rel)
-        return (f"{label(r)}: PASS, all {len(r.points)} points within {r.dtype} tolerances "
-                f"(worst norm_rel {worst.norm_rel:.2e} at {worst.name})")
+        return (
+            f"{label(r)}: PASS, all {len(r.points)} points within {r.dtype} tolerances "
+            f"(worst norm_rel {worst.norm_rel:.2e} at {worst.name})"
+        )
     ff = r.first_failure
     p = next((p for p in r.points if p.name == ff), None)
     why = f"norm_rel {p.norm_rel:.2e} > {p.tolerance:.0e}" if p else ff
@@ -73,8 +77,10 @@ def result_line(r: Report) -> str:
 def point_table(r: Report) -> Table:
     floor = r.noise_floor is not None
     cols = ["point", "max_abs", "norm_rel", "cosine"] + (["noise floor", "vs floor"] if floor else []) + ["tol", ""]
-    t = Table(f"{label(r)}: scratch ({r.scratch_attn} attention) vs {r.reference}, "
-              f"{r.reference_dtype}, {r.reference_device}", cols)
+    t = Table(
+        f"{label(r)}: scratch ({r.scratch_attn} attention) vs {r.reference}, {r.reference_dtype}, {r.reference_device}",
+        cols,
+    )
     for i, p in enumerate(r.points):
         row = [p.name, num(p.max_abs), num(p.norm_rel), f"{p.cosine:.10f}"]
         if floor:
@@ -83,8 +89,10 @@ def point_table(r: Report) -> Table:
         t.rows.append(row)
         if not p.passed:
             t.bad.add(i)
-    t.notes.append(f"top-1 next-token agreement {100 * r.top1_agreement:.1f}% (min {100 * r.top1_tolerance:.0f}%), "
-                   f"log-prob max abs diff {r.logprob_max_abs:.3e} (tol {r.logprob_tolerance:.0e})")
+    t.notes.append(
+        f"top-1 next-token agreement {100 * r.top1_agreement:.1f}% (min {100 * r.top1_tolerance:.0f}%), "
+        f"log-prob max abs diff {r.logprob_max_abs:.3e} (tol {r.logprob_tolerance:.0e})"
+    )
     if floor:
         t.notes.append(f"noise floor: {r.noise_floor}; norm_rel within {NOISE_MARGIN:g}x of it counts as within")
     if r.nonfinite_weights:
@@ -93,12 +101,22 @@ def point_table(r: Report) -> Table:
 
 
 def lens_table(r: Report) -> Table:
-    t = Table(f"{label(r)}: logit lens, top-1 of ln_f(h) @ wte.T after each block (last token of the first prompt; "
-              "agreement over all positions)", ["layer", "scratch top-1", "reference top-1", "same", "agree"])
+    t = Table(
+        f"{label(r)}: logit lens, top-1 of ln_f(h) @ wte.T after each block (last token of the first prompt; "
+        "agreement over all positions)",
+        ["layer", "scratch top-1", "reference top-1", "same", "agree"],
+    )
     for i, e in enumerate(r.logit_lens):
         same = e["scratch_id"] == e["reference_id"]
-        t.rows.append([str(e["layer"]), repr(e["scratch_top1"]), repr(e["reference_top1"]), "yes" if same else "NO",
-                       f"{100 * e['agreement']:.1f}%"])
+        t.rows.append(
+            [
+                str(e["layer"]),
+                repr(e["scratch_top1"]),
+                repr(e["reference_top1"]),
+                "yes" if same else "NO",
+                f"{100 * e['agreement']:.1f}%",
+            ]
+        )
         if not same:
             t.bad.add(i)
     return t
@@ -113,8 +131,13 @@ def sweep_table(s: Sweep) -> Table:
     for i, r in enumerate(s.reports):
         worst = max(r.points, key=lambda p: p.norm_rel)
         tol = max(p.tolerance for p in r.points if p.name != "embed")
-        row = [label(r), f"{tol:.0e}", f"{num(worst.norm_rel)} ({worst.name})", r.first_failure or "none",
-               f"{100 * r.top1_agreement:.1f}%"]
+        row = [
+            label(r),
+            f"{tol:.0e}",
+            f"{num(worst.norm_rel)} ({worst.name})",
+            r.first_failure or "none",
+            f"{100 * r.top1_agreement:.1f}%",
+        ]
         if floor:
             row += [r.first_above_noise or "none", "yes" if r.as_close_as_reference else "no"]
         row += ["PASS" if r.passed else "FAIL"]
@@ -138,17 +161,20 @@ def tables(s: Sweep) -> list[Table]:
 def summary(s: Sweep) -> list[str]:
     lines = [result_line(r) for r in s.reports]
     lines += [x for x in (noise_summary(r) for r in s.reports) if x]
-    lines.append("PASS" if s.passed else f"FAIL: first failure in {label(s.first_failing)} at "
-                 f"{s.first_failing.first_failure}")
+    lines.append(
+        "PASS" if s.passed else f"FAIL: first failure in {label(s.first_failing)} at {s.first_failing.first_failure}"
+    )
     return lines
 
 
 def header(s: Sweep) -> list[str]:
     r = s.reports[0]
-    return [f"parity  {s.model}  ({r.detail} detail)",
-            f"  configurations  {', '.join(label(x) for x in s.reports)}",
-            f"  reference       {s.baseline}" + (" (one float32 reference for all)" if s.is_sweep else ""),
-            f"  inputs          {len(r.prompts)} prompt(s), {r.n_tokens} tokens"]
+    return [
+        f"parity  {s.model}  ({r.detail} detail)",
+        f"  configurations  {', '.join(label(x) for x in s.reports)}",
+        f"  reference       {s.baseline}" + (" (one float32 reference for all)" if s.is_sweep else ""),
+        f"  inputs          {len(r.prompts)} prompt(s), {r.n_tokens} tokens",
+    ]
 
 
 def render_plain(s: Sweep) -> str:
@@ -169,13 +195,15 @@ def print_terminal(s: Sweep) -> None:
     except ImportError:
         print(render_plain(s))
         return
-    con = Console(highlight=False, soft_wrap=False)
+    import sys
+
+    con = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 240)
     for line in header(s):
         con.print(line, markup=False)
     for t in tables(s):
         rt = RichTable(title=t.title, title_justify="left", caption="\n".join(t.notes) or None, caption_justify="left")
         for j, c in enumerate(t.columns):
-            rt.add_column(c, justify="left" if j == 0 else "right", no_wrap=True)
+            rt.add_column(c, justify="left" if j == 0 else "right", overflow="fold")
         for i, row in enumerate(t.rows):
             rt.add_row(*row, style="bold red" if i in t.bad else None)
         con.print(rt)
@@ -192,9 +220,16 @@ def _md_cell(v: str) -> str:
 def render_markdown(s: Sweep) -> str:
     r0 = s.reports[0]
     out = [f"# Parity report: `{s.model}`", ""]
-    out += [f"- detail: {r0.detail}", f"- configurations: {', '.join(label(x) for x in s.reports)}",
-            f"- reference: {s.baseline}", f"- inputs: {len(r0.prompts)} prompt(s), {r0.n_tokens} tokens",
-            f"- versions: {', '.join(f'{k} {v}' for k, v in r0.versions.items())}", "", "## Summary", ""]
+    out += [
+        f"- detail: {r0.detail}",
+        f"- configurations: {', '.join(label(x) for x in s.reports)}",
+        f"- reference: {s.baseline}",
+        f"- inputs: {len(r0.prompts)} prompt(s), {r0.n_tokens} tokens",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in r0.versions.items())}",
+        "",
+        "## Summary",
+        "",
+    ]
     out += [f"- {line}" for line in summary(s)]
     for t in tables(s):
         out += ["", f"## {t.title}", "", "| " + " | ".join(t.columns) + " |", "|" + "---|" * len(t.columns)]

@@ -12,8 +12,8 @@ Scratch side: the model's named taps (`model.record`). Reference side: forward h
     block.{i}.mlp.c_proj    h.{i}.mlp.c_proj output
     block.{i}               h.{i} output
 
-Per-head points (`block.{i}.attn.q.h{j}`) are slices of the q/k/v points. The logit lens (`lens.{i}`) is the top-1
-token of ln_f(block output) @ wte.T at every position, computed by each model with its own ln_f and head.
+Per-head points (`block.{i}.attn.q.h{j}`) are slices of the q/k/v points. The logit lens is the top-1 token of
+ln_f(block output) @ wte.T at every position, computed by each model with its own ln_f and head.
 """
 
 from __future__ import annotations
@@ -27,8 +27,18 @@ from gpt2_port.model import GPT2
 from .parity import block_points, capture_reference, capture_scratch, reference_hooks
 
 # In the order the block computes them; the block output `block.{i}` comes last.
-SUBLAYER_KINDS = ["ln_1", "attn.q", "attn.k", "attn.v", "attn.merged", "attn.c_proj", "resid_attn", "ln_2",
-                  "mlp.act", "mlp.c_proj"]
+SUBLAYER_KINDS = [
+    "ln_1",
+    "attn.q",
+    "attn.k",
+    "attn.v",
+    "attn.merged",
+    "attn.c_proj",
+    "resid_attn",
+    "ln_2",
+    "mlp.act",
+    "mlp.c_proj",
+]
 QKV = ("attn.q", "attn.k", "attn.v")
 
 # Reference module (under transformer.h.{i}) and what to take, for every sub-layer kind but q/k/v.
@@ -85,31 +95,27 @@ def _add_heads(acts: dict[str, torch.Tensor], names: Sequence[str]) -> None:
             acts[n] = acts[parent][:, int(head[1:])]  # (B, nh, T, hs) -> (B, T, hs)
 
 
-def _lens(blocks: Sequence[torch.Tensor], ln_f: torch.nn.Module, head: torch.Tensor) -> list[torch.Tensor]:
-    """Top-1 token of ln_f(h) @ head.T at every position, for each block output h (B, T, C) -> (B*T,)."""
-    out = []
-    for h in blocks:
-        out.append(torch.matmul(ln_f(h.reshape(-1, h.shape[-1])), head.t()).argmax(-1))  # (B*T, V) -> (B*T,)
-    return out
+@torch.inference_mode()
+def logit_lens_top1(blocks: torch.Tensor, ln_f: torch.nn.Module, head: torch.Tensor) -> torch.Tensor:
+    """Top-1 token of ln_f(h) @ head.T for block outputs stacked as (L, N, C) -> (L, N); one pass over the head."""
+    L, N, C = blocks.shape
+    h = blocks.to(device=head.device, dtype=head.dtype).reshape(L * N, C)
+    return torch.matmul(ln_f(h), head.t()).argmax(-1).view(L, N).cpu()  # (L*N, V) -> (L, N)
 
 
 @torch.inference_mode()
-def capture_scratch_points(model: GPT2, ids: torch.Tensor, names: Sequence[str],
-                           logit_lens: bool = False) -> dict[str, torch.Tensor]:
-    """Named taps for every point in `names` (+ `lens.{i}` when asked); q/k/v as (B, nh, T, hs)."""
+def capture_scratch_points(model: GPT2, ids: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Named taps for every point in `names`; q/k/v as (B, nh, T, hs)."""
     taps = [n for n in names if not is_head_point(n)]
     acts = capture_scratch(model, ids, taps)
     _add_heads(acts, names)
-    if logit_lens:
-        n = model.config.n_layer
-        for i, t in enumerate(_lens([acts[f"block.{i}"] for i in range(n)], model.ln_f, model.head_weight)):
-            acts[f"lens.{i}"] = t
     return acts
 
 
 @torch.inference_mode()
-def capture_reference_points(ref: torch.nn.Module, ids: torch.Tensor, names: Sequence[str], detail: str,
-                             logit_lens: bool = False) -> dict[str, torch.Tensor]:
+def capture_reference_points(
+    ref: torch.nn.Module, ids: torch.Tensor, names: Sequence[str], detail: str
+) -> dict[str, torch.Tensor]:
     """The same points from transformers' GPT2LMHeadModel through forward hooks (see the module docstring)."""
     cfg = ref.config
     n_layer, n_head = cfg.n_layer, cfg.n_head
@@ -121,8 +127,4 @@ def capture_reference_points(ref: torch.nn.Module, ids: torch.Tensor, names: Seq
             for kind, t in zip(QKV, qkv.split(C3 // 3, dim=2)):
                 acts[f"block.{i}.{kind}"] = t.view(B, T, n_head, -1).transpose(1, 2)  # (B, nh, T, hs)
     _add_heads(acts, names)
-    if logit_lens:
-        head = ref.get_output_embeddings().weight
-        for i, t in enumerate(_lens([acts[f"block.{i}"] for i in range(n_layer)], ref.transformer.ln_f, head)):
-            acts[f"lens.{i}"] = t
     return acts

@@ -28,7 +28,7 @@ from gpt2_port.tokenizer import Tokenizer, load_tokenizer
 
 from .noise import verdict
 from .parity import TOLERANCES, VS_FLOAT32_TOLERANCES, PointResult, Report, Tolerance, load_reference, metrics
-from .sublayer import capture_reference_points, capture_scratch_points, point_names
+from .sublayer import capture_reference_points, capture_scratch_points, logit_lens_top1, point_names
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -40,6 +40,11 @@ class Activations:
 
     def __init__(self) -> None:
         self._parts: dict[str, list[torch.Tensor]] = {}
+        self.lens: torch.Tensor | None = None  # (n_layer, N) logit-lens top-1 ids, when asked for
+
+    def blocks(self, n_layer: int, n_embd: int) -> torch.Tensor:
+        """Every block's output stacked: (n_layer, N tokens, C)."""
+        return torch.stack([self[f"block.{i}"].view(-1, n_embd) for i in range(n_layer)])
 
     def add(self, acts: dict[str, torch.Tensor]) -> None:
         for n, t in acts.items():
@@ -108,10 +113,20 @@ def parse_list(value: str | Sequence[str]) -> list[str]:
     return items
 
 
-def run_detailed(model: str, prompts: Sequence[str], dtypes: str | Sequence[str] = "float32",
-                 devices: str | Sequence[str] = "cpu", detail: str = "block", per_head: bool = False,
-                 noise_floor: bool = False, logit_lens: bool = False, reference_attn: str = "eager",
-                 attn: str = "auto", revision: str | None = None, tokenizer: str | None = None) -> Sweep:
+def run_detailed(
+    model: str,
+    prompts: Sequence[str],
+    dtypes: str | Sequence[str] = "float32",
+    devices: str | Sequence[str] = "cpu",
+    detail: str = "block",
+    per_head: bool = False,
+    noise_floor: bool = False,
+    logit_lens: bool = False,
+    reference_attn: str = "eager",
+    attn: str = "auto",
+    revision: str | None = None,
+    tokenizer: str | None = None,
+) -> Sweep:
     import transformers
 
     if detail not in ("block", "sublayer"):
@@ -138,7 +153,11 @@ def run_detailed(model: str, prompts: Sequence[str], dtypes: str | Sequence[str]
     def run_ref(ref: torch.nn.Module, dev: torch.device) -> Activations:
         acc = Activations()
         for ids in ids_list:
-            acc.add(capture_reference_points(ref, torch.tensor([ids], device=dev), names, detail, logit_lens))
+            acc.add(capture_reference_points(ref, torch.tensor([ids], device=dev), names, detail))
+        if logit_lens:
+            acc.lens = logit_lens_top1(
+                acc.blocks(cfg.n_layer, cfg.n_embd), ref.transformer.ln_f, ref.get_output_embeddings().weight
+            )
         return acc
 
     t0 = time.perf_counter()
@@ -159,7 +178,9 @@ def run_detailed(model: str, prompts: Sequence[str], dtypes: str | Sequence[str]
         t0 = time.perf_counter()
         got = Activations()
         for ids in ids_list:
-            got.add(capture_scratch_points(scratch, torch.tensor([ids], device=dev), names, logit_lens))
+            got.add(capture_scratch_points(scratch, torch.tensor([ids], device=dev), names))
+        if logit_lens:
+            got.lens = logit_lens_top1(got.blocks(cfg.n_layer, cfg.n_embd), scratch.ln_f, scratch.head_weight)
         t_fwd = time.perf_counter() - t0 + (t_base if k == 0 else 0.0)
 
         t0 = time.perf_counter()
@@ -183,10 +204,16 @@ def run_detailed(model: str, prompts: Sequence[str], dtypes: str | Sequence[str]
         r.reference_dtype, r.reference_device = dtype_name(base[0]), str(base[1])
         r.prompts, r.n_tokens = list(prompts), n_tokens
         if noise_floor:
-            r.noise_floor = (f"transformers {' / '.join(f for f, _ in floors)} against the reference "
-                             f"({reference_attn} {dtype_name(base[0])} {base[1]}); the furthest at each point")
-        r.timings = {"scratch_load_s": t_load, "reference_load_s": t_ref if k == 0 else 0.0, "forward_s": t_fwd,
-                     "noise_floor_s": t_floor}
+            r.noise_floor = (
+                f"transformers {' / '.join(f for f, _ in floors)} against the reference "
+                f"({reference_attn} {dtype_name(base[0])} {base[1]}); the furthest at each point"
+            )
+        r.timings = {
+            "scratch_load_s": t_load,
+            "reference_load_s": t_ref if k == 0 else 0.0,
+            "forward_s": t_fwd,
+            "noise_floor_s": t_floor,
+        }
         r.versions = {"torch": torch.__version__, "transformers": tv, "python": platform.python_version()}
         reports.append(r)
         del scratch, got, floors
@@ -194,9 +221,19 @@ def run_detailed(model: str, prompts: Sequence[str], dtypes: str | Sequence[str]
     return Sweep(model=str(model), reports=reports, baseline=base_desc, is_sweep=is_sweep)
 
 
-def _report(model: str, names: Sequence[str], got: Activations, want: Activations,
-            floors: Sequence[tuple[str, Activations]], tol: Tolerance, scratch: GPT2, tok: Tokenizer,
-            ids_list: Sequence[Sequence[int]], logit_lens: bool, n_layer: int) -> Report:
+def _report(
+    model: str,
+    names: Sequence[str],
+    got: Activations,
+    want: Activations,
+    floors: Sequence[tuple[str, Activations]],
+    tol: Tolerance,
+    scratch: GPT2,
+    tok: Tokenizer,
+    ids_list: Sequence[Sequence[int]],
+    logit_lens: bool,
+    n_layer: int,
+) -> Report:
     r = Report(model=str(model), dtype="", device="", reference="", scratch_attn="", prompts=[], n_tokens=0)
     for n in names:
         y = want[n]
@@ -220,10 +257,15 @@ def _report(model: str, names: Sequence[str], got: Activations, want: Activation
     if logit_lens:
         last = len(ids_list[0]) - 1  # the last position of the first prompt
         for i in range(n_layer):
-            a, b = got[f"lens.{i}"], want[f"lens.{i}"]
-            r.logit_lens.append({
-                "layer": i, "agreement": float((a == b).double().mean()),
-                "scratch_top1": tok.decode([int(a[last])]), "reference_top1": tok.decode([int(b[last])]),
-                "scratch_id": int(a[last]), "reference_id": int(b[last]),
-            })
+            a, b = got.lens[i], want.lens[i]
+            r.logit_lens.append(
+                {
+                    "layer": i,
+                    "agreement": float((a == b).double().mean()),
+                    "scratch_top1": tok.decode([int(a[last])]),
+                    "reference_top1": tok.decode([int(b[last])]),
+                    "scratch_id": int(a[last]),
+                    "reference_id": int(b[last]),
+                }
+            )
     return r

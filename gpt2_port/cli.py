@@ -16,7 +16,9 @@ from .errors import GPT2PortError
 
 # Each module defines register(subparsers) and sets `func` on its parser; kept in the order `--help` shows them.
 COMMAND_MODULES = [
+    "gpt2_port.commands.generate",
     "gpt2_port.commands.parity",
+    "gpt2_port.commands.attention",
     "gpt2_port.commands.inspect",
     "gpt2_port.commands.demo",
 ]

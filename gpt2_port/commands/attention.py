@@ -1,0 +1,98 @@
+"""`gpt2-port attention MODEL TEXT --layer L [--head H] --png PATH [--compare]`: the scratch model's attention
+weights as heatmaps, queries and keys labelled by their tokens. --compare also draws |scratch - transformers|."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "attention",
+        help="draw the scratch model's attention weights as heatmaps (PNG)",
+        description="Run TEXT through the scratch model and draw the attention probabilities of one "
+        "layer (all heads, or one with --head) as heatmaps with the tokens on both axes. --compare "
+        "also draws the absolute difference from transformers' attention probabilities. Needs "
+        "matplotlib (pip install 'gpt2-port[plot]'); --compare needs transformers "
+        "(pip install 'gpt2-port[check]').",
+    )
+    p.add_argument("model", metavar="MODEL", help="checkpoint directory, .safetensors file, or Hub id (gpt2, ...)")
+    p.add_argument("text", metavar="TEXT", help="the text to run")
+    p.add_argument("--layer", type=int, required=True, help="block index, 0-based (negative counts from the end)")
+    p.add_argument("--head", type=int, default=None, help="one head, 0-based (default: every head of the layer)")
+    p.add_argument("--png", metavar="PATH", required=True, help="where to write the PNG")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also draw |scratch - transformers| of the attention probabilities (needs transformers)",
+    )
+    p.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        default=None,
+        help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..errors import UsageError
+    from ..load import from_pretrained, parse_device, parse_dtype
+    from ..tokenizer import load_tokenizer
+    from ..util import check_writable
+
+    check_writable(args.png, "--png")
+    try:
+        from checks.plots import require_matplotlib
+    except ImportError as e:  # checks/ ships with the package; this is a broken install
+        raise UsageError(f"the plotting code is not importable ({e}): reinstall gpt2-port") from None
+    require_matplotlib("--png")
+    if args.compare:
+        try:
+            import transformers  # noqa: F401  (checked here, used in checks/)
+        except ImportError:
+            raise UsageError("--compare needs transformers: pip install 'gpt2-port[check]'") from None
+    from checks import attention_maps
+
+    dt, dev = parse_dtype(args.dtype), parse_device(args.device)
+    model, rep = from_pretrained(args.model, dtype=dt, device=dev, revision=args.revision)
+    cfg = rep.config
+    layer = args.layer + cfg.n_layer if args.layer < 0 else args.layer
+    if not 0 <= layer < cfg.n_layer:
+        raise UsageError(f"--layer {args.layer}: the model has {cfg.n_layer} layers (0..{cfg.n_layer - 1})")
+    if args.head is not None and not 0 <= args.head < cfg.n_head:
+        raise UsageError(f"--head {args.head}: the model has {cfg.n_head} heads (0..{cfg.n_head - 1})")
+    tok = load_tokenizer(args.tokenizer if args.tokenizer is not None else rep.checkpoint.root)
+    ids = tok.encode(args.text)
+    if not ids:
+        raise UsageError("TEXT encodes to no tokens")
+    if len(ids) > cfg.n_positions:
+        raise UsageError(f"TEXT is {len(ids)} tokens, more than the context of {cfg.n_positions}")
+    x = torch.tensor([ids], device=dev)
+    name = f"block.{layer}.attn.probs"
+    with torch.inference_mode(), model.record([name]) as acts:
+        model(x)
+    probs = acts[name][0].float().cpu()  # (nh, T, T)
+    heads = list(range(cfg.n_head)) if args.head is None else [args.head]
+    diff = None
+    if args.compare:
+        ref = attention_maps.reference_probs(args.model, args.revision, cfg, x, layer, dt, dev).float().cpu()
+        diff = (probs - ref).abs()  # (nh, T, T)
+    pieces = [tok.decode([i]) for i in ids]
+    title = f"{args.model}: layer {layer}, {len(ids)} tokens, {str(dt).removeprefix('torch.')}"
+    if diff is not None:
+        title += f"; max |scratch - transformers (eager)| {float(diff[heads].max()):.2e}"
+    attention_maps.draw(probs, pieces, layer, heads, args.png, title, diff)
+    print(
+        f"wrote {args.png}: layer {layer}, {'head ' + str(args.head) if args.head is not None else 'all heads'}, "
+        f"{len(ids)} tokens"
+    )
+    if diff is not None:
+        for h in heads:
+            print(f"  head {h:>2}: max |scratch - transformers| {float(diff[h].max()):.3e}")
+    return 0
