@@ -97,13 +97,17 @@ def draw(
                 labels,
                 f"layer {layer} head {h}: |scratch - transformers|\nmax {float(d.max()):.2e}",
                 "magma",
-                dmax if dmax and dmax > 0 else 1e-12,
+                dmax if dmax and dmax > 0 else 1.0,
                 fig,
             )
+            if float(d.max()) == 0.0:
+                ax.text(
+                    (T - 1) / 2, (T - 1) / 2, "all 0\n(bit-exact)", ha="center", va="center", color="w", fontsize=10
+                )
             k += 1
     for j in range(k, rows * cols):
         axes[j // cols][j % cols].axis("off")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (cell * rows + 0.8)))
     save_png(fig, path)
     plt.close(fig)

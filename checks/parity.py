@@ -60,13 +60,22 @@ TOLERANCES: dict[str, Tolerance] = {
 }
 
 
-# Against ONE float32 transformers reference (eager, on the first --device), used when several configurations run
-# in one go (`--dtype float32,bfloat16,float16`). Worst cases seen on random-weight checkpoints, CPU, with
-# `gpt2-port parity MODEL --detail sublayer --dtype float32,bfloat16,float16` (BENCHMARKS.md, "parity sweep"):
+# Against ONE float32 transformers reference (eager, CPU), used when several configurations run in one go
+# (`--dtype float32,bfloat16,float16`); scratch in the reduced dtype (manual attention) against it. Worst cases seen,
+# random-weight checkpoints, CPU, torch 2.13, transformers 5.23, the 3 default prompts (15 tokens), measured with
+#   gpt2-port parity DIR --detail sublayer --dtype float32,bfloat16,float16
+# on the 124M demo checkpoint (gpt2-port demo-checkpoint --size gpt2) and the 2-layer tests/conftest.py TINY one.
+# In every case the scratch figure equalled transformers' own in that dtype (noise ratio 1.0). Deeper models
+# (gpt2-medium..xl) were not measured against float32 here; their error grows with depth.
 VS_FLOAT32_TOLERANCES: dict[str, Tolerance] = {
+    # float32: the same-dtype gate (on CPU the scratch model is bit-exact against the eager reference).
     "float32": TOLERANCES["float32"],
-    "bfloat16": Tolerance(embed=5e-3, block=6e-2, ln_f=6e-2, logits=6e-2, top1=0.8, logprob_max_abs=1.0),
-    "float16": Tolerance(embed=1e-3, block=1e-2, ln_f=1e-2, logits=1e-2, top1=0.9, logprob_max_abs=0.2),
+    # bfloat16 worst seen: embed 2.4e-3, block 1.2e-2 (124M block.10.mlp.c_proj; tiny 5.9e-3), ln_f 1.2e-2,
+    # logits 1.2e-2, top-1 93.3% (random weights: near-tied logits), log-prob max abs 3.2e-2.
+    "bfloat16": Tolerance(embed=5e-3, block=6e-2, ln_f=6e-2, logits=6e-2, top1=0.8, logprob_max_abs=0.25),
+    # float16 worst seen: embed 3.0e-4, block 1.5e-3 (124M block.11.mlp.c_proj; tiny 8.0e-4), ln_f 1.5e-3,
+    # logits 1.5e-3, top-1 100%, log-prob max abs 3.9e-3.
+    "float16": Tolerance(embed=1e-3, block=8e-3, ln_f=8e-3, logits=8e-3, top1=0.9, logprob_max_abs=0.05),
 }
 
 

@@ -12,6 +12,7 @@ import os
 from gpt2_port.errors import UsageError
 from gpt2_port.util import atomic_write_bytes
 
+from .noise import NOISE_MARGIN
 from .sublayer import is_head_point
 from .sweep import Sweep, label
 
@@ -54,7 +55,7 @@ def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
     bottom = 10 ** math.floor(math.log10(min(pos))) / 10 if pos else 1e-12
     top = 10 ** math.ceil(math.log10(max(pos + [p.tolerance for r in s.reports for p in r.points]))) * 3
 
-    fig, ax = plt.subplots(figsize=(max(8.0, min(18.0, 0.12 * len(names) + 6)), 5.2))
+    fig, ax = plt.subplots(figsize=(max(8.0, min(13.0, 0.08 * len(names) + 6)), 5.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     any_zero = False
     for k, r in enumerate(s.reports):
@@ -78,8 +79,16 @@ def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
             ax.plot(zx, [bottom] * len(zx), "o", mfc="white", mec=c, ms=5)
         if r.noise_floor is not None:
             fl = [max(pts[n].noise_norm_rel or 0.0, bottom) for n in names]
+            # The band runs from the floor to NOISE_MARGIN x the floor: a line at or below its top edge is within
+            # the reference's own noise. Bands of different dtypes sit orders of magnitude apart and do not mix.
             ax.fill_between(
-                x, bottom, fl, color=c, alpha=0.15, lw=0, label=f"{label(r)} noise floor (transformers vs itself)"
+                x,
+                fl,
+                [v * NOISE_MARGIN for v in fl],
+                color=c,
+                alpha=0.25,
+                lw=0,
+                label=f"{label(r)} noise floor: transformers vs itself, to x{NOISE_MARGIN:g}",
             )
             ax.plot(x, fl, ":", color=c, lw=1.0)
     for tol in sorted({p.tolerance for r in s.reports for p in r.points if p.name != "embed"}):
@@ -95,7 +104,10 @@ def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
     else:
         ticks = x
     ax.set_xticks(ticks)
-    ax.set_xticklabels([names[t].removeprefix("block.") for t in ticks], rotation=0, fontsize=8)
+    tick_labels = [names[t].replace("block.", "block ") for t in ticks]
+    if len(names) > 30 and tick_labels[-2:] == ["ln_f", "logits"]:  # adjacent: one label for both
+        tick_labels[-2:] = ["", "ln_f, logits"]
+    ax.set_xticklabels(tick_labels, rotation=45, ha="right", fontsize=8)
     ax.set_xlabel(
         "layer (block output)" + ("; dots between are the sub-layer points" if r0.detail == "sublayer" else "")
     )
@@ -114,6 +126,6 @@ def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
             color="0.3",
         )
     ax.grid(True, which="major", axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     save_png(fig, path)
     plt.close(fig)

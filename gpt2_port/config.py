@@ -188,7 +188,7 @@ def infer_from_shapes(shapes: Mapping[str, tuple[int, ...]]) -> GPT2Config:
     if n_layer == 0:
         raise ConfigError("no config.json and no 'h.{i}.*' tensors to count layers from")
     if len(layers) != n_layer:
-        gap = min(set(range(n_layer)) - layers)
+        gap = next(i for i in range(n_layer) if i not in layers)  # lazily: n_layer may be absurd
         raise ConfigError(f"no config.json, and the layers are not numbered 0..{n_layer - 1}: no tensor 'h.{gap}.*'")
     # The head count is not in the shapes; the official sizes give it by width (head_dim 64).
     by_width = {c.n_embd: c.n_head for c in PRESETS.values()}

@@ -218,7 +218,7 @@ def generate_full(
     steps_max = min(max_new_tokens, room)
     context_limited = steps_max < max_new_tokens
     if context_limited:
-        log.warning("prompt (%d tokens) + %d new tokens would pass the context of %d tokens: generation stops at "
+        log.info("prompt (%d tokens) + %d new tokens would pass the context of %d tokens: generation stops at "
                     "the context after %d new tokens", T, max_new_tokens, cfg.n_positions, steps_max)
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
     gen = None

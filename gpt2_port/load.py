@@ -6,6 +6,7 @@ so a float32 load peaks at about one copy of the weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -298,6 +299,16 @@ def _load_bin(f: Path) -> dict[str, torch.Tensor]:
 
     log.warning("%s: pickle-based .bin checkpoint; loading with weights_only=True (prefer model.safetensors)", f)
     try:
+        with open(f, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as e:
+        raise CheckpointError(f"{f}: cannot read ({e.strerror or e})") from None
+    if not (magic.startswith(b"PK\x03\x04") or magic[:1] == b"\x80"):  # torch.save's zip, or a pickle (PROTO >= 2)
+        raise CheckpointError(
+            f"{f}: not a PyTorch checkpoint (expected a torch.save zip archive or a pickle; the file "
+            f"starts with {magic!r})"
+        )
+    try:
         try:
             sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
@@ -305,9 +316,11 @@ def _load_bin(f: Path) -> dict[str, torch.Tensor]:
                 raise
             sd = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        # torch's message is a paragraph; keep the line that says what the pickle asked for ("... GLOBAL posix.system")
+        why = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln), _first_line(e))
         raise CheckpointError(
-            f"{f}: refused to unpickle: the file holds more than plain tensors "
-            f"({_first_line(e)[:160]}); it may run code, and it was not loaded"
+            f"{f}: refused to unpickle: the file holds more than plain tensors ({why[:160]}); it may run code, "
+            "and it was not loaded"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, TypeError) as e:
         raise CheckpointError(
@@ -365,6 +378,23 @@ def nonfinite_tensors(state: Mapping[str, torch.Tensor]) -> list[str]:
     return [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Skip torch's random init while the model is built on meta (every tensor is then replaced by the checkpoint's).
+
+    On meta, nn.Embedding's normal_ goes through torch._refs and imports torch._dynamo: seconds of a cold load.
+    """
+    names = ("normal_", "uniform_", "kaiming_uniform_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    for n in names:
+        setattr(torch.nn.init, n, lambda t, *args, **kwargs: t)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def from_pretrained(
     model: str | os.PathLike[str],
     dtype: torch.dtype | str = torch.float32,
@@ -379,7 +409,7 @@ def from_pretrained(
     cfg, state = report.config, report.conversion.state
     if check_finite:
         report.nonfinite = nonfinite_tensors(state)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_random_init():
         m = GPT2(cfg)
     if any(t.dtype != dt for t in state.values()) or dev.type != "cpu":
         state = {k: t.to(device=dev, dtype=dt) for k, t in state.items()}

@@ -182,7 +182,7 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def build_mask(attention_mask: torch.Tensor | None, T: int, S: int, device: torch.device) -> torch.Tensor | None:
     """Boolean (B|1, 1, T, S) mask: causal, and keys that are padding hidden. None when plain causal suffices."""
     if attention_mask is None:
-        if T == S:
+        if T == S or T == 1:  # plain causal, or one query that sees every key (a decode step)
             return None
         return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)[None, None]
     if attention_mask.shape[-1] != S:
@@ -274,6 +274,11 @@ class GPT2(nn.Module):
         S = past + T
         if S > self.config.n_positions:
             raise ValueError(f"sequence of {S} tokens exceeds the context of {self.config.n_positions}")
+        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < self.config.vocab_size):
+            from .errors import UsageError
+
+            bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
+            raise UsageError(f"input_ids: token id {bad} is out of range (expected 0 <= id < {self.config.vocab_size})")
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = positions_from_mask(attention_mask)[:, past:]

@@ -2,7 +2,7 @@
 
 Weights are quantized once, symmetrically per output row (scale = max|w_row| / 127, zero point 0), and packed for
 fbgemm (torch's x86 quantized backend). At run time `torch.ops.quantized.linear_dynamic` quantizes each input tensor
-to uint8 on the fly (one scale and zero point per call), multiplies in int8 with int32 accumulation, and rescales to
+to 7-bit unsigned integers on the fly (one scale and zero point per call), multiplies in int8 with int32 accumulation, and rescales to
 float32. So this is dynamic W8A8 rather than pure weight-only: on a 2-core AVX2 CPU it was the only int8 kernel
 faster than float32 (torch's weight-only `_weight_int8pack_mm` and `torch._int_mm` were 10-50x slower there; see
 BENCHMARKS.md). LayerNorm, attention, the KV cache and the embedding lookups stay float32.
@@ -60,7 +60,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
         shape = x.shape
-        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features), self._packed, False)  # (M, N)
+        # reduce_range: 7-bit activations, as fbgemm needs (its u8 x s8 pair sums saturate int16 with 8 bits)
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features), self._packed, True)  # (M, N)
         return y.view(*shape[:-1], self.out_features)
 
     @property

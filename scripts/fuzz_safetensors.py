@@ -40,10 +40,51 @@ from gpt2_port.errors import GPT2PortError
 from gpt2_port.safetensors_io import write_safetensors
 
 FUZZ_CONFIG = GPT2Config(n_layer=1, n_embd=8, n_head=2, n_positions=8, vocab_size=16)
-DTYPE_NAMES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "U16",
-               "U32", "U64", "C64", "Q4", "", "f32"]
-WEIRD_VALUES: list[object] = [None, True, False, -1, -(2**63), 2**31, 2**32, 2**62, 2**63, 2**64, 2**70, 10**30,
-                              1.5, 1e308, float("inf"), "8", "", [], [1], {}, {"a": 1}, 0]
+DTYPE_NAMES = [
+    "F64",
+    "F32",
+    "F16",
+    "BF16",
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U8",
+    "BOOL",
+    "F8_E4M3",
+    "F8_E5M2",
+    "U16",
+    "U32",
+    "U64",
+    "C64",
+    "Q4",
+    "",
+    "f32",
+]
+WEIRD_VALUES: list[object] = [
+    None,
+    True,
+    False,
+    -1,
+    -(2**63),
+    2**31,
+    2**32,
+    2**62,
+    2**63,
+    2**64,
+    2**70,
+    10**30,
+    1.5,
+    1e308,
+    float("inf"),
+    "8",
+    "",
+    [],
+    [1],
+    {},
+    {"a": 1},
+    0,
+]
 
 
 # -- base files -----------------------------------------------------------------------------------------------------
@@ -58,12 +99,18 @@ def base_files(cfg: GPT2Config = FUZZ_CONFIG) -> list[bytes]:
         official["h.0.attn.bias"] = (1, 1, cfg.n_positions, cfg.n_positions)
         entries = []
         for k, s in sorted(official.items()):
-            t = torch.tril(torch.ones(s[-1], s[-1])).view(s) if k.endswith(".attn.bias") else torch.randn(s, generator=g)
+            t = (
+                torch.tril(torch.ones(s[-1], s[-1])).view(s)
+                if k.endswith(".attn.bias")
+                else torch.randn(s, generator=g)
+            )
             entries.append((k, s, torch.float32, lambda t=t: t))
         write_safetensors(Path(d) / "a.safetensors", entries, metadata={"format": "pt"})
         out.append((Path(d) / "a.safetensors").read_bytes())
-        entries = [("transformer." + k, s, torch.float16, lambda s=s: torch.randn(s, generator=g).half())
-                   for k, s in sorted(shapes.items())]
+        entries = [
+            ("transformer." + k, s, torch.float16, lambda s=s: torch.randn(s, generator=g).half())
+            for k, s in sorted(shapes.items())
+        ]
         write_safetensors(Path(d) / "b.safetensors", entries)
         out.append((Path(d) / "b.safetensors").read_bytes())
     return out
@@ -112,8 +159,24 @@ def m_header_bytes(data: bytes, rng: random.Random) -> bytes:
 def m_length(data: bytes, rng: random.Random) -> bytes:
     """Rewrite the 8-byte little-endian header length."""
     (n,) = struct.unpack("<Q", data[:8]) if len(data) >= 8 else (0,)
-    new = rng.choice([0, 1, 2, n - 1, n + 1, n + rng.randint(-64, 64), len(data), len(data) - 8, len(data) - 7,
-                      2**32, 2**63, 2**64 - 1, 100_000_001, rng.randrange(2**64)])
+    new = rng.choice(
+        [
+            0,
+            1,
+            2,
+            n - 1,
+            n + 1,
+            n + rng.randint(-64, 64),
+            len(data),
+            len(data) - 8,
+            len(data) - 7,
+            2**32,
+            2**63,
+            2**64 - 1,
+            100_000_001,
+            rng.randrange(2**64),
+        ]
+    )
     return struct.pack("<Q", new % 2**64) + data[8:]
 
 
@@ -131,12 +194,27 @@ def m_offsets(data: bytes, rng: random.Random) -> bytes:
         return m_header_bytes(data, rng)
     b, e = offs
     oth = header[rng.choice(names)]
-    other = oth.get("data_offsets", [0, 0]) if isinstance(oth, dict) else [0, 0]
-    ent["data_offsets"] = rng.choice([
-        [e, b], [b + 1, e + 1], [b - 1, e - 1], [b, e + rng.randint(1, 64)], [b, len(body) + 1],
-        [len(body), len(body) + (e - b)], [-4, e - b - 4], [b, 2**64], [2**63, 2**63 + (e - b)], list(other),
-        [rng.choice(WEIRD_VALUES), e], [b, rng.choice(WEIRD_VALUES)], [b], [b, e, e], rng.choice(WEIRD_VALUES),
-    ])
+    other = oth.get("data_offsets") if isinstance(oth, dict) else None
+    other = other if isinstance(other, list) else [0, 0]
+    ent["data_offsets"] = rng.choice(
+        [
+            [e, b],
+            [b + 1, e + 1],
+            [b - 1, e - 1],
+            [b, e + rng.randint(1, 64)],
+            [b, len(body) + 1],
+            [len(body), len(body) + (e - b)],
+            [-4, e - b - 4],
+            [b, 2**64],
+            [2**63, 2**63 + (e - b)],
+            list(other),
+            [rng.choice(WEIRD_VALUES), e],
+            [b, rng.choice(WEIRD_VALUES)],
+            [b],
+            [b, e, e],
+            rng.choice(WEIRD_VALUES),
+        ]
+    )
     return _join(header, body, rng)
 
 
@@ -164,7 +242,9 @@ def m_shape(data: bytes, rng: random.Random) -> bytes:
     if op < 0.3 and shape and type(shape[0]) is int:
         i = 0
         shape[i] = rng.choice([shape[i] + 1, shape[i] - 1, 0, 1, shape[i] * 2, -shape[i], 2**62, 2**63, 2**64, 10**30])
-    elif op < 0.45 and shape and all(type(x) is int for x in shape):  # same element count, another shape (passes the byte check, must fail the model's)
+    elif (
+        op < 0.45 and shape and all(type(x) is int for x in shape)
+    ):  # same element count, another shape (passes the byte check, must fail the model's)
         shape = [int(torch.tensor(shape).prod())] if rng.random() < 0.5 else list(reversed(shape))
     elif op < 0.55:
         shape.append(rng.choice([1, 0, 2**62]))
@@ -192,9 +272,21 @@ def m_structure(data: bytes, rng: random.Random) -> bytes:
         del header[rng.choice(names)]
     elif op == 1 and names:
         k = rng.choice(names)
-        header[rng.choice(["h.1." + k.split(".", 2)[-1], "model.layers.0.self_attn.q_proj.weight", k + ".x", "",
-                           "lm_head.weight", "transformer." + k, "h.99999999999.ln_1.weight", "h.\u00b2.ln_1.weight",
-                           "h.0.attn.masked_bias"])] = header.pop(k)
+        header[
+            rng.choice(
+                [
+                    "h.1." + k.split(".", 2)[-1],
+                    "model.layers.0.self_attn.q_proj.weight",
+                    k + ".x",
+                    "",
+                    "lm_head.weight",
+                    "transformer." + k,
+                    "h.99999999999.ln_1.weight",
+                    "h.\u00b2.ln_1.weight",
+                    "h.0.attn.masked_bias",
+                ]
+            )
+        ] = header.pop(k)
     elif op == 2 and names:
         ent = header[rng.choice(names)]
         if isinstance(ent, dict):
@@ -238,11 +330,29 @@ def m_truncate(data: bytes, rng: random.Random) -> bytes:
 
 
 def m_data(data: bytes, rng: random.Random) -> bytes:
-    """Garbage in the tensor data (NaN, Inf, anything): still a valid file, it must load."""
+    """Garbage (NaN, Inf, anything) in a weight's bytes, never in a mask buffer: still a valid file, it must load."""
+    sp = _split(data)
+    if sp is None:
+        return data
+    header, _ = sp
+    start = len(data) - len(sp[1])
+    spans = [
+        ent["data_offsets"]
+        for k, ent in header.items()
+        if k != "__metadata__"
+        and isinstance(ent, dict)
+        and not k.endswith((".attn.bias", "masked_bias"))
+        and isinstance(ent.get("data_offsets"), list)
+        and len(ent["data_offsets"]) == 2
+        and all(type(o) is int for o in ent["data_offsets"])
+        and 0 <= ent["data_offsets"][0] < ent["data_offsets"][1] <= len(sp[1])
+    ]
+    if not spans:
+        return data
     b = bytearray(data)
     for _ in range(rng.randint(1, 8)):
-        i = rng.randrange(len(b))
-        b[i] = rng.randrange(256)
+        lo, hi = rng.choice(spans)
+        b[start + rng.randrange(lo, hi)] = rng.randrange(256)
     return bytes(b)
 
 
@@ -256,7 +366,10 @@ def make_case(bases: list[bytes], seed: int, case: int) -> tuple[bytes, bool, li
     names = []
     for _ in range(rng.choice([1, 1, 1, 2, 2, 3])):
         m = rng.choice(MUTATORS)
-        data = m(data, rng)
+        try:
+            data = m(data, rng)
+        except Exception:  # a mutator tripped over an already-mangled header: cut the file instead (deterministic)
+            data = m_truncate(data, rng)
         names.append(m.__name__)
     return data, rng.random() < 0.8, names
 
@@ -300,8 +413,9 @@ def _alarm(signum: int, frame: object) -> None:
     raise CaseTimeout()
 
 
-def check_case(d: Path, data: bytes, with_config: bool, budget_s: float = 5.0,
-               slack_bytes: int = 8 << 20) -> tuple[str, str]:
+def check_case(
+    d: Path, data: bytes, with_config: bool, budget_s: float = 5.0, slack_bytes: int = 8 << 20
+) -> tuple[str, str]:
     """Run a case with a time budget and a peak-memory budget. Returns (outcome, detail); outcome is ok, error,
     exception, hang or memory."""
     old = signal.signal(signal.SIGALRM, _alarm)
@@ -368,8 +482,11 @@ def main(argv: list[str] | None = None) -> int:
             except EOFError:
                 outcome, detail = "crash", f"worker died (exit code {proc.exitcode})"
         else:
-            outcome, detail = ("crash", f"worker died (exit code {proc.exitcode})") if not proc.is_alive() else \
-                ("hang", f"no answer in {args.case_timeout}s")
+            outcome, detail = (
+                ("crash", f"worker died (exit code {proc.exitcode})")
+                if not proc.is_alive()
+                else ("hang", f"no answer in {args.case_timeout}s")
+            )
         counts[outcome] = counts.get(outcome, 0) + 1
         if outcome not in ("ok", "error"):
             findings += 1
@@ -377,9 +494,20 @@ def main(argv: list[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             stem = out / f"seed{args.seed}-case{case}-{outcome}"
             stem.with_suffix(".safetensors").write_bytes(data)
-            stem.with_suffix(".json").write_text(json.dumps({"seed": args.seed, "case": case, "outcome": outcome,
-                                                             "detail": detail, "with_config": with_config,
-                                                             "mutations": muts}, indent=2) + "\n")
+            stem.with_suffix(".json").write_text(
+                json.dumps(
+                    {
+                        "seed": args.seed,
+                        "case": case,
+                        "outcome": outcome,
+                        "detail": detail,
+                        "with_config": with_config,
+                        "mutations": muts,
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
             print(f"case {case}: {outcome}: {detail} -> {stem}.safetensors", flush=True)
             if outcome in ("crash", "hang"):
                 proc.kill()
@@ -391,8 +519,10 @@ def main(argv: list[str] | None = None) -> int:
     conn.send(None)
     proc.join(10)
     dt = time.perf_counter() - t0
-    print(f"seed {args.seed}: {args.cases} cases in {dt:.0f}s ({args.cases / dt:.0f}/s): {counts}; "
-          f"{findings} finding(s){' saved under ' + str(out) if findings else ''}")
+    print(
+        f"seed {args.seed}: {args.cases} cases in {dt:.0f}s ({args.cases / dt:.0f}/s): {counts}; "
+        f"{findings} finding(s){' saved under ' + str(out) if findings else ''}"
+    )
     return 1 if findings else 0
 
 

@@ -48,8 +48,11 @@ class Repo:
     refs: dict[str, str] = field(default_factory=dict)  # "main", tags -> sha
 
     def add_commit(self, files: dict[str, bytes], refs: tuple[str, ...] = ("main",)) -> str:
-        sha = hashlib.sha1(json.dumps(sorted((p, git_blob_sha1(d)) for p, d in files.items())).encode()
-                           + self.repo_id.encode() + str(len(self.commits)).encode()).hexdigest()
+        sha = hashlib.sha1(
+            json.dumps(sorted((p, git_blob_sha1(d)) for p, d in files.items())).encode()
+            + self.repo_id.encode()
+            + str(len(self.commits)).encode()
+        ).hexdigest()
         self.commits[sha] = dict(files)
         for r in refs:
             self.refs[r] = sha
@@ -137,9 +140,15 @@ class FakeHub:
 
 
 def hub_env(endpoint: str, cache_home: Path, offline: bool = False) -> dict[str, str]:
-    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(cache_home), "HF_HUB_DISABLE_TELEMETRY": "1",
-           "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1", "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "10",
-           "HF_HUB_DISABLE_XET": "1"}
+    env = {
+        "HF_ENDPOINT": endpoint,
+        "HF_HOME": str(cache_home),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+        "HF_HUB_ETAG_TIMEOUT": "5",
+        "HF_HUB_DOWNLOAD_TIMEOUT": "10",
+        "HF_HUB_DISABLE_XET": "1",
+    }
     env["HF_HUB_OFFLINE"] = "1" if offline else "0"
     return env
 
@@ -219,8 +228,17 @@ class _Handler(BaseHTTPRequestHandler):
                 if sha is None:
                     return self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}", head)
                 files = repo.commits[sha]
-                return self._json({"id": repo_id, "modelId": repo_id, "sha": sha, "private": False,
-                                   "siblings": [{"rfilename": p} for p in sorted(files)], "tags": []}, head=head)
+                return self._json(
+                    {
+                        "id": repo_id,
+                        "modelId": repo_id,
+                        "sha": sha,
+                        "private": False,
+                        "siblings": [{"rfilename": p} for p in sorted(files)],
+                        "tags": [],
+                    },
+                    head=head,
+                )
             if rest[0] == "tree" and len(rest) >= 2:
                 sha = repo.resolve(rest[1])
                 if sha is None:

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if len(ids) > cfg.n_positions:
         raise UsageError(f"TEXT is {len(ids)} tokens, more than the context of {cfg.n_positions}")
     x = torch.tensor([ids], device=dev)
+    model.set_attn_impl("manual")  # transformers' eager arithmetic in every layer, so --compare is like for like
     name = f"block.{layer}.attn.probs"
     with torch.inference_mode(), model.record([name]) as acts:
         model(x)

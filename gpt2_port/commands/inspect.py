@@ -17,7 +17,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", metavar="MODEL", help="checkpoint directory, .safetensors file, or Hub id (gpt2, ...)")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    p.add_argument("--check-finite", action="store_true", help="scan every tensor and name any holding NaN or Inf")
+    p.add_argument(
+        "--check-finite",
+        action="store_true",
+        help="scan every tensor and name any holding NaN or Inf (then exit 2, writing no --json)",
+    )
     p.add_argument("--all-keys", action="store_true", help="list the mapping of every layer, not just layer 0")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
     p.set_defaults(func=run)
@@ -64,6 +68,14 @@ def run(args: argparse.Namespace) -> int:
     if args.check_finite:
         bad = nonfinite_tensors(dict(sd))
         print(f"finite      {'all tensors finite' if not bad else 'NaN/Inf in: ' + ', '.join(bad)}")
+    if bad:  # bad weights are bad input: exit 2 and write no report file, like every other input error
+        from ..errors import CheckpointError
+
+        names = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise CheckpointError(
+            f"{rep.checkpoint.source}: NaN/Inf in {len(bad)} tensor(s): {names} (expected finite "
+            "weights; the file is corrupt or the fine-tune diverged)"
+        )
     if args.json:
         out = {
             "model": rep.checkpoint.source,
@@ -79,4 +91,4 @@ def run(args: argparse.Namespace) -> int:
             "nonfinite": bad,
         }
         atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")
-    return 1 if bad else 0
+    return 0

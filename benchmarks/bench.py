@@ -1,0 +1,261 @@
+"""The benchmark: gpt2_port against transformers on the same random-weight checkpoints, in one run.
+
+For every size: load time and peak RSS (one fresh process per load; cold then warm page cache), prefill latency
+(B x T tokens filling a KV cache, last-position logits), greedy decode tok/s (batch 1), and the low-precision
+options (int8, bfloat16, float16: decode speed, and parity against the float32 transformers reference).
+Results go to JSON and to a Markdown section of BENCHMARKS.md (between `<!-- bench:begin -->` and `<!-- bench:end -->`).
+
+    gpt2-port bench --sizes gpt2,gpt2-medium,gpt2-large,gpt2-xl --out benchmarks/results.json --markdown BENCHMARKS.md
+    python -m benchmarks.bench ...   (the same, without the console script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpt2_port.config import PRESETS
+from gpt2_port.errors import UsageError
+from gpt2_port.util import atomic_write_text, check_writable
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="gpt2", help="comma-separated presets (default gpt2; all four: "
+                   "gpt2,gpt2-medium,gpt2-large,gpt2-xl) or paths of checkpoint directories")
+    p.add_argument("--weights-dir", default="weights/bench", help="where the random checkpoints are written and "
+                   "reused (default weights/bench/<size>)")
+    p.add_argument("--new-tokens", type=int, default=128, help="greedy decode length, batch 1 (default 128)")
+    p.add_argument("--prompt-len", type=int, default=16, help="decode prompt length in tokens (default 16)")
+    p.add_argument("--prefill", default="1x128,8x128", help="prefill shapes BxT, comma-separated (default 1x128,8x128)")
+    p.add_argument("--lowp", default="int8,bfloat16,float16",
+                   help="low-precision options to time and check (default int8,bfloat16,float16; '' for none)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in every worker (default: torch's default)")
+    p.add_argument("--max-seconds", type=float, default=30.0,
+                   help="time budget of one timed measurement; runs repeat (up to 3 decode / 5 prefill) within it")
+    p.add_argument("--membw-mb", type=int, default=1024, help="size of the bandwidth test tensor (default 1024 MiB)")
+    p.add_argument("--no-cold", action="store_true", help="skip the cold-page-cache loads")
+    p.add_argument("--no-parity", action="store_true", help="skip the low-precision parity reports")
+    p.add_argument("--out", default="benchmarks/results.json", help="JSON results (default benchmarks/results.json)")
+    p.add_argument("--markdown", default=None, help="write/refresh the results section of this Markdown file")
+
+
+def drop_page_cache(files: list[Path]) -> str:
+    """Evict the checkpoint from the page cache: drop_caches when allowed (root), else posix_fadvise DONTNEED."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    if not hasattr(os, "posix_fadvise"):
+        return "none (no drop_caches permission, no posix_fadvise)"
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "posix_fadvise(DONTNEED)"
+
+
+def warm_page_cache(files: list[Path]) -> None:
+    for p in files:
+        with open(p, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def run_worker(spec: dict, log: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TOKENIZERS_PARALLELISM="false")
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0 or not p.stdout.strip():
+        tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"worker {spec['impl']}/{spec.get('dtype', 'float32')} failed (exit {p.returncode}): "
+                           + " | ".join(tail))
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    res["process_wall_s"] = wall
+    log.append(f"{spec['impl']:>5} {res.get('dtype', ''):>8} {spec.get('cache', ''):>5}  {wall:6.1f}s")
+    return res
+
+
+def ensure_checkpoint(size: str, weights_dir: Path) -> Path:
+    if size not in PRESETS:
+        d = Path(size)
+        if not (d / "config.json").is_file():
+            raise UsageError(f"--sizes {size}: not a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+        return d
+    d = weights_dir / size
+    if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
+        return d
+    from gpt2_port.demo import write_demo_checkpoint
+
+    tok = REPO.parent / "shared" / "gpt2-tokenizer"
+    print(f"writing random {size} checkpoint to {d} ...", file=sys.stderr)
+    return write_demo_checkpoint(d, size=size, seed=0, tokenizer_dir=tok if (tok / "encoder.json").is_file() else None)
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    try:
+        for ln in Path("/proc/cpuinfo").read_text().splitlines():
+            if ln.startswith("model name"):
+                info["cpu"] = ln.split(":", 1)[1].strip()
+                break
+        mem = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal"))
+        info["mem_total_GB"] = int(mem.split()[1]) * 1024 / 1e9
+        info["loadavg_start"] = os.getloadavg()
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def bench_size(size: str, a: argparse.Namespace, log: list[str]) -> dict:
+    d = ensure_checkpoint(size, Path(a.weights_dir))
+    files = sorted(d.glob("*.safetensors"))
+    file_bytes = sum(p.stat().st_size for p in files)
+    prefill = [[int(x) for x in s.lower().split("x")] for s in a.prefill.split(",") if s]
+    base = {"ckpt": str(d.resolve()), "device": a.device, "threads": a.threads, "max_seconds": a.max_seconds,
+            "new_tokens": a.new_tokens, "prompt_len": a.prompt_len, "prefill_shapes": prefill}
+    out: dict = {"size": size, "ckpt": str(d), "file_bytes": file_bytes, "loads": {}, "runs": {}}
+    log.append(f"[{size}] {d} ({file_bytes / 1e9:.2f} GB)")
+    if not a.no_cold:
+        for impl in ("ours", "hf"):
+            out["cache_method"] = drop_page_cache(files)
+            out["loads"][f"{impl}_cold"] = run_worker({**base, "impl": impl, "tasks": [], "cache": "cold"}, log)
+    warm_page_cache(files)
+    for impl in ("ours", "hf"):  # warm loads, then prefill and decode in the same process
+        r = run_worker({**base, "impl": impl, "tasks": ["prefill", "decode"], "cache": "warm"}, log)
+        out["loads"][f"{impl}_warm"] = {k: v for k, v in r.items() if k not in ("prefill", "decode")}
+        out["runs"][f"{impl}_float32"] = r
+    if a.device.startswith("cuda"):
+        r = run_worker({**base, "impl": "ours", "tasks": ["decode"], "static": True, "cache": "warm"}, log)
+        out["runs"]["ours_float32_cudagraph"] = r
+    lowp = [o for o in a.lowp.split(",") if o]
+    for opt in lowp:
+        if opt == "int8" and a.device != "cpu":
+            continue
+        r = run_worker({**base, "impl": "ours", "dtype": opt, "tasks": ["decode"], "cache": "warm"}, log)
+        out["runs"][f"ours_{opt}"] = r
+    if lowp and not a.no_parity:
+        t0 = time.perf_counter()
+        # in a child process: it loads the reference and every option, which should not count in anyone's RSS
+        cmd = [sys.executable, "-m", "benchmarks.quant_parity", str(d), "--options", ",".join(lowp)]
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+        if p.returncode != 0:
+            raise RuntimeError(f"quant_parity failed: {p.stderr.strip().splitlines()[-1:]}")
+        out["parity"] = json.loads(p.stdout)
+        log.append(f"parity {time.perf_counter() - t0:6.1f}s")
+    return out
+
+
+def summarize(size_res: dict, bw: dict) -> dict:
+    """The ratios the issue asks for (ours / transformers unless said otherwise)."""
+    runs, loads = size_res["runs"], size_res["loads"]
+    ours, hf = runs["ours_float32"], runs["hf_float32"]
+    s: dict = {}
+    for cache in ("cold", "warm"):
+        o, h = loads.get(f"ours_{cache}"), loads.get(f"hf_{cache}")
+        if o and h:
+            s[f"load_s_{cache}"] = (o["load_s"], h["load_s"], o["load_s"] / h["load_s"])
+            s[f"peak_rss_MB_{cache}"] = (o["peak_rss_MB"], h["peak_rss_MB"], o["peak_rss_MB"] / h["peak_rss_MB"])
+            s[f"rss_over_file_{cache}"] = o["peak_rss_MB"] * 1e6 / size_res["file_bytes"]
+            s[f"rss_over_params_{cache}"] = o["peak_rss_MB"] * 1e6 / ours["param_bytes"]
+            s[f"load_delta_over_params_{cache}"] = (o["peak_rss_MB"] - o["rss_before_load_MB"]) * 1e6 / ours["param_bytes"]
+            s[f"hf_rss_over_params_{cache}"] = h["peak_rss_MB"] * 1e6 / ours["param_bytes"]
+    for shape in ours.get("prefill", {}):
+        po, ph = ours["prefill"][shape]["best_s"], hf["prefill"][shape]["best_s"]
+        s[f"prefill_{shape}_s"] = (po, ph, po / ph)
+    do, dh = ours["decode"]["tok_s"], hf["decode"]["tok_s"]
+    s["decode_tok_s"] = (do, dh, do / dh)
+    s["decode_tokens_match"] = sum(x == y for x, y in zip(ours["decode"]["tokens"], hf["decode"]["tokens"]))
+    cap = bw["read_GBps"] * 1e9 / ours["param_bytes"]
+    s["decode_cap_tok_s"] = cap
+    s["decode_share_of_cap"] = do / cap
+    s["hf_decode_share_of_cap"] = dh / cap
+    for k, r in runs.items():
+        if k.startswith("ours_") and k != "ours_float32" and "decode" in r:
+            s[f"{k}_tok_s"] = (r["decode"]["tok_s"], dh, r["decode"]["tok_s"] / dh)
+            s[f"{k}_weight_GBps"] = r["decode"]["weight_GBps"]
+            s[f"{k}_tokens_match_hf"] = sum(x == y for x, y in zip(r["decode"]["tokens"], hf["decode"]["tokens"]))
+    return s
+
+
+def main(a: argparse.Namespace) -> int:
+    check_writable(a.out, "--out")
+    if a.markdown:
+        check_writable(a.markdown, "--markdown")
+    sizes = [s for s in a.sizes.split(",") if s]
+    if not sizes:
+        raise UsageError("--sizes: give at least one size")
+    if a.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: CUDA is not available on this machine")
+    log: list[str] = []
+    t0 = time.perf_counter()
+    argv = " ".join(shlex.quote(x) for x in sys.argv[1:])
+    cmd = f"gpt2-port {argv}" if Path(sys.argv[0]).name == "gpt2-port" else f"python -m benchmarks.bench {argv}"
+    results: dict = {"command": cmd,
+                     "machine": machine_info(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                     "settings": {k: v for k, v in vars(a).items() if k != "func"}, "sizes": {}}
+    from benchmarks.worker import membw  # in this process: it needs no isolation
+
+    results["membw"] = membw({"threads": a.threads, "membw_bytes": a.membw_mb << 20})
+    for size in sizes:
+        res = bench_size(size, a, log)
+        res["summary"] = summarize(res, results["membw"])
+        results["sizes"][size] = res
+        print("\n".join(log), file=sys.stderr)
+        log.clear()
+    results["total_s"] = time.perf_counter() - t0
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    atomic_write_text(a.out, json.dumps(results, indent=1) + "\n")
+    from benchmarks.report import render, update_markdown
+
+    md = render(results)
+    print(md)
+    if a.markdown:
+        update_markdown(a.markdown, md)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    from gpt2_port.errors import GPT2PortError
+
+    try:
+        sys.exit(main(parser.parse_args()))
+    except GPT2PortError as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,102 @@
+"""Parity of the low-precision options (int8, bfloat16, float16) against the float32 transformers reference.
+
+For each option: norm-relative error at every block output (and embed, ln_f, logits), top-1 next-token agreement
+and the largest log-prob difference, on the parity prompts. The reference is transformers' GPT2LMHeadModel in
+float32 (eager attention), captured once; our model is loaded once per option.
+
+    python -m benchmarks.quant_parity weights/bench/gpt2 --options int8,bfloat16,float16 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from checks.parity import (
+    DEFAULT_PROMPTS,
+    block_points,
+    capture_reference,
+    capture_scratch,
+    load_reference,
+    metrics,
+)
+from gpt2_port.load import from_pretrained, locate
+from gpt2_port.quantize import quantize_int8
+from gpt2_port.tokenizer import load_tokenizer
+
+OPTION_DTYPES = {"int8": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float32": torch.float32}
+
+
+def load_option(ckpt: str, option: str) -> torch.nn.Module:
+    model, _ = from_pretrained(ckpt, dtype=OPTION_DTYPES[option])
+    if option == "int8":
+        quantize_int8(model)
+    return model
+
+
+def quant_parity(ckpt: str, options: list[str], prompts: list[str] | None = None) -> dict:
+    """{option: {points: {name: norm_rel}, worst_block_norm_rel, top1_agreement, logprob_max_abs, n_positions}}."""
+    prompts = list(prompts or DEFAULT_PROMPTS)
+    base, rep = from_pretrained(ckpt)  # config and tokenizer; freed before the options load
+    cfg = rep.config
+    tok = load_tokenizer(rep.checkpoint.root if rep.checkpoint.tokenizer_files() else None)
+    del base
+    ids_list = [torch.tensor([tok.encode(p)]) for p in prompts]
+    names = block_points(cfg.n_layer)
+    ref = load_reference(locate(ckpt), cfg, torch.float32, torch.device("cpu"), "eager")
+    from checks.parity import reference_hooks
+
+    hooks = reference_hooks(cfg.n_layer)
+    want = [capture_reference(ref, ids, hooks) for ids in ids_list]
+    del ref
+    out: dict = {"prompts": prompts, "reference": "transformers GPT2LMHeadModel float32 eager", "options": {}}
+    for opt in options:
+        model = load_option(ckpt, opt)
+        got = [capture_scratch(model, ids, names) for ids in ids_list]
+        pts = {}
+        for n in names:
+            x = torch.cat([g[n].float().flatten() for g in got])
+            y = torch.cat([w[n].float().flatten() for w in want])
+            pts[n] = metrics(x, y)[1]
+        agree, lp = [], []
+        for g, w in zip(got, want):
+            gx, wy = g["logits"][0].double(), w["logits"][0].double()
+            agree.append((gx.argmax(-1) == wy.argmax(-1)).float())
+            lp.append((torch.log_softmax(gx, -1) - torch.log_softmax(wy, -1)).abs().max().reshape(1))
+        agree_t = torch.cat(agree)
+        out["options"][opt] = {
+            "points": pts,
+            "worst_block_norm_rel": max(v for k, v in pts.items() if k.startswith("block.")),
+            "logits_norm_rel": pts["logits"],
+            "top1_agreement": float(agree_t.mean()),
+            "n_positions": int(agree_t.numel()),
+            "logprob_max_abs": float(torch.cat(lp).max()),
+        }
+        del model, got
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quant_parity")
+    p.add_argument("ckpt")
+    p.add_argument("--options", default="int8,bfloat16,float16")
+    p.add_argument("--prompt", action="append", default=None)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    res = quant_parity(a.ckpt, [o for o in a.options.split(",") if o], a.prompt)
+    text = json.dumps(res, indent=2)
+    if a.json:
+        from gpt2_port.util import atomic_write_text
+
+        atomic_write_text(a.json, text + "\n")
+    else:
+        sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Markdown for the benchmark results, and the in-place refresh of its section in BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gpt2_port.util import atomic_write_text
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def _r(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def render(res: dict) -> str:
+    m, bw = res["machine"], res["membw"]
+    out = [
+        "## Speed and memory: gpt2_port vs transformers",
+        "",
+        f"- Command: `{res['command']}` (started {res['started']}, {res['total_s'] / 60:.1f} min)",
+        f"- Machine: {m.get('cpu', '?')}, {m.get('cpu_count')} CPUs ({m.get('cpu_capability')}), "
+        f"{m.get('mem_total_GB', 0):.1f} GB RAM{', GPU ' + m['gpu'] if m.get('gpu') else ''}; "
+        f"load average {', '.join(f'{x:.1f}' for x in m.get('loadavg_start', []))} at start, "
+        f"{', '.join(f'{x:.1f}' for x in m.get('loadavg_end', []))} at end",
+        f"- Versions: torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; "
+        f"device {res['settings']['device']}, threads {bw['threads']}",
+        f"- Measured memory bandwidth: read {bw['read_GBps']:.1f} GB/s (sum of a {bw['bytes'] / 2**20:.0f} MiB "
+        f"float32 tensor), copy {bw['copy_GBps']:.1f} GB/s (read + write)",
+        "- Ratios are gpt2_port / transformers: below 1 is better for times and memory, above 1 for tok/s. "
+        "Times are the best of the runs in one process (see `runs` in the JSON).",
+        "",
+        "### Load (one fresh process per load)",
+        "",
+        "Time to a ready model = from the load call (libraries already imported) to the end of a first one-token "
+        "forward. Peak RSS = the process's VmHWM at that point, libraries included; 'load delta' subtracts the RSS "
+        "before the load call. Checkpoint bytes include the official file's attn.bias mask buffers, which neither "
+        "implementation keeps.",
+        "",
+        "| size | params MB | file MB | cache | load s (ours / hf) | ratio | peak RSS MB (ours / hf) | ratio "
+        "| ours peak / params | ours load delta / params | hf peak / params |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for size, r in res["sizes"].items():
+        s = r["summary"]
+        pb = r["runs"]["ours_float32"]["param_bytes"]
+        for cache in ("cold", "warm"):
+            if f"load_s_{cache}" not in s:
+                continue
+            lo, lh, lr = s[f"load_s_{cache}"]
+            mo, mh, mr = s[f"peak_rss_MB_{cache}"]
+            out.append(f"| {size} | {pb / 1e6:.0f} | {r['file_bytes'] / 1e6:.0f} | {cache} | {lo:.2f} / {lh:.2f} "
+                       f"| {_r(lr)} | {mo:.0f} / {mh:.0f} | {_r(mr)} | {s[f'rss_over_params_{cache}']:.2f} "
+                       f"| {s[f'load_delta_over_params_{cache}']:.2f} | {s[f'hf_rss_over_params_{cache}']:.2f} |")
+    methods = {r.get("cache_method") for r in res["sizes"].values() if r.get("cache_method")}
+    if methods:
+        out += ["", f"Cold page cache: evicted before each cold load with {', '.join(sorted(methods))}; warm: the "
+                "file was read once before the load."]
+    out += [
+        "",
+        "### Prefill and decode (float32, batch 1 decode, greedy)",
+        "",
+        "Prefill = one forward over B x T random tokens that fills a KV cache and returns the last position's logits "
+        "(transformers: `use_cache=True, logits_to_keep=1`). Decode = "
+        f"{res['settings']['prompt_len']}-token prompt, {res['settings']['new_tokens']} new tokens, greedy, "
+        "tok/s = new tokens / wall time of the whole call (ours: a loop over `model(tok, cache=KVCache, "
+        "last_only=True)`; transformers: `generate(do_sample=False)`). Cap = read bandwidth / bytes of weights "
+        "read per token.",
+        "",
+    ]
+    shapes = list(next(iter(res["sizes"].values()))["runs"]["ours_float32"].get("prefill", {}))
+    head = "| size | " + " | ".join(f"prefill {sh} ms (ours / hf) | ratio" for sh in shapes)
+    head += " | decode tok/s (ours / hf) | ratio | weight GB/s (ours / hf) | cap tok/s | share of cap (ours / hf) " \
+            "| same tokens |"
+    out += [head, "|" + "---|" * (head.count("|") - 1)]
+    for size, r in res["sizes"].items():
+        s = r["summary"]
+        cells = [size]
+        for sh in shapes:
+            po, ph, pr = s[f"prefill_{sh}_s"]
+            cells += [f"{po * 1e3:.0f} / {ph * 1e3:.0f}", _r(pr)]
+        do, dh, dr = s["decode_tok_s"]
+        wo = r["runs"]["ours_float32"]["decode"]["weight_GBps"]
+        wh = r["runs"]["hf_float32"]["decode"]["weight_GBps"]
+        n = r["runs"]["ours_float32"]["decode"]["new_tokens"]
+        cells += [f"{do:.1f} / {dh:.1f}", _r(dr), f"{wo:.1f} / {wh:.1f}", f"{s['decode_cap_tok_s']:.1f}",
+                  f"{100 * s['decode_share_of_cap']:.0f}% / {100 * s['hf_decode_share_of_cap']:.0f}%",
+                  f"{s['decode_tokens_match']}/{n}"]
+        out.append("| " + " | ".join(cells) + " |")
+    lowp = [(size, k, r) for size, sr in res["sizes"].items() for k, r in sr["runs"].items()
+            if k.startswith("ours_") and k != "ours_float32"]
+    if lowp:
+        out += [
+            "",
+            "### Low precision (gpt2_port decode, batch 1; against float32 transformers)",
+            "",
+            "int8 = `gpt2_port.quantize.quantize_int8`: per-output-row int8 weights for every block Linear and the "
+            "head, fbgemm dynamic int8 matmul (activations quantized per call). Parity is against transformers in "
+            "float32 (eager) on the parity prompts: norm-relative error of the worst block output and of the "
+            "logits, top-1 next-token agreement, largest log-prob difference.",
+            "",
+            "| size | option | decode tok/s | vs hf float32 | weight GB/s | worst block norm_rel | logits norm_rel "
+            "| top-1 agreement | max abs log-prob diff | greedy tokens = hf float32 |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for size, k, r in lowp:
+            s = res["sizes"][size]["summary"]
+            opt = k.removeprefix("ours_")
+            par = res["sizes"][size].get("parity", {}).get("options", {}).get(opt)
+            n = r["decode"]["new_tokens"]
+            pc = (f"{par['worst_block_norm_rel']:.2e} | {par['logits_norm_rel']:.2e} | "
+                  f"{100 * par['top1_agreement']:.1f}% of {par['n_positions']} | {par['logprob_max_abs']:.3f}"
+                  if par else "- | - | - | -")
+            out.append(f"| {size} | {opt} | {r['decode']['tok_s']:.1f} | {_r(s[f'{k}_tok_s'][2])} "
+                       f"| {s[f'{k}_weight_GBps']:.1f} | {pc} | {s[f'{k}_tokens_match_hf']}/{n} |")
+    return "\n".join(out) + "\n"
+
+
+def update_markdown(path: str | os.PathLike[str], section: str) -> None:
+    """Replace the text between the bench markers in `path` (append the section when the markers are absent)."""
+    p = Path(path)
+    block = f"{BEGIN}\n{section.rstrip()}\n{END}\n"
+    text = p.read_text(encoding="utf-8") if p.exists() else "# Benchmarks\n\n"
+    if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
+        i, j = text.index(BEGIN), text.index(END) + len(END)
+        text = text[:i] + block.rstrip("\n") + text[j:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    atomic_write_text(p, text)

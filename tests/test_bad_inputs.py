@@ -1,0 +1,726 @@
+"""A catalogue of bad inputs: hostile or broken files and bad arguments.
+
+Each case asserts the four things issue 4 asks for: exit code 2; a one-line message on stderr that names the culprit
+(file, key, argument or value) and what was expected; no traceback; no file left behind (the --json path, temp or
+.partial files). Most cases run the CLI in-process (fast); a few run it as a real subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2_port.cli import main
+from gpt2_port.config import GPT2Config
+from gpt2_port.demo import write_demo_checkpoint
+from gpt2_port.safetensors_io import SafetensorsFile, write_safetensors
+
+REPO = Path(__file__).resolve().parents[1]
+BASE_CFG = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=1000)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """A valid small checkpoint in the official layout (with tokenizer files) that each case copies and breaks."""
+    return write_demo_checkpoint(
+        tmp_path_factory.mktemp("bad_base"), config=BASE_CFG, seed=3, tokenizer_dir=tokenizer_dir
+    )
+
+
+# -- helpers to break files ------------------------------------------------------------------------------------------
+def copy(base: Path, tmp: Path, name: str = "ck") -> Path:
+    d = tmp / name
+    shutil.copytree(base, d)
+    return d
+
+
+def split(path: Path) -> tuple[dict, bytes]:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def join(path: Path, header: dict, body: bytes) -> None:
+    hb = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + body)
+
+
+def rewrite(path: Path, drop: tuple[str, ...] = (), put: dict[str, torch.Tensor] | None = None) -> None:
+    """Rewrite a safetensors file with some tensors dropped, replaced or added."""
+    st = SafetensorsFile(path)
+    tensors = {k: st.get(k).clone() for k in st.keys() if k not in drop}
+    tensors.update(put or {})
+    del st
+    write_safetensors(
+        path,
+        [(k, tuple(t.shape), t.dtype, lambda t=t: t) for k, t in sorted(tensors.items())],
+        metadata={"format": "pt"},
+    )
+
+
+def config(d: Path, **changes: object) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+class RunsCode:
+    """A pickle payload that would create `marker` when unpickled without weights_only."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+# -- the catalogue: each builder returns the argv, the substrings the error line must hold, and paths that must not
+# exist afterwards (beyond the --json report, which is always checked) ----------------------------------------------
+Case = Callable[[Path, Path], dict]
+CASES: dict[str, Case] = {}
+
+
+def case(fn: Case) -> Case:
+    CASES[fn.__name__.removeprefix("c_")] = fn
+    return fn
+
+
+@case
+def c_path_missing(tmp: Path, base: Path) -> dict:
+    return {"argv": ["inspect", str(tmp / "nope")], "expect": ["nope", "no such file or directory", "Hub model id"]}
+
+
+@case
+def c_dir_without_weights(tmp: Path, base: Path) -> dict:
+    d = tmp / "empty_dir"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return {"argv": ["inspect", str(d)], "expect": ["empty_dir", "no weights found", "model.safetensors"]}
+
+
+@case
+def c_empty_file(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    (d / "model.safetensors").write_bytes(b"")
+    return {"argv": ["inspect", str(d)], "expect": ["model.safetensors", "0 bytes", "too short", "8-byte header"]}
+
+
+@case
+def c_cut_inside_header(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    f.write_bytes(data[: 8 + n // 2])
+    return {
+        "argv": ["inspect", str(d)],
+        "expect": ["model.safetensors", f"header length {n}", "past the end", "truncated"],
+    }
+
+
+@case
+def c_cut_inside_data(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    return {"argv": ["inspect", str(d)], "expect": ["model.safetensors", "data_offsets", "out of range", "truncated"]}
+
+
+@case
+def c_header_length_past_end(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(struct.pack("<Q", len(data)) + data[8:])
+    return {"argv": ["inspect", str(d)], "expect": ["model.safetensors", f"header length {len(data)}", "past the end"]}
+
+
+@case
+def c_header_length_huge(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = d / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", 2**62) + f.read_bytes()[8:])
+    return {"argv": ["inspect", str(d)], "expect": ["model.safetensors", str(2**62), "exceeds", "limit"]}
+
+
+@case
+def c_header_not_json(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:40] = b"\xff\xfe not json at all, sorry \x00\x01"
+    f.write_bytes(bytes(data))
+    return {"argv": ["inspect", str(d)], "expect": ["model.safetensors", "header is not valid UTF-8 JSON"]}
+
+
+@case
+def c_header_duplicate_key(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = d / "model.safetensors"
+    header, body = split(f)
+    hb = json.dumps(header).encode()
+    hb = hb[:-1] + b', "wte.weight": ' + json.dumps(header["wte.weight"]).encode() + b"}"
+    f.write_bytes(struct.pack("<Q", len(hb)) + hb + body)
+    return {"argv": ["inspect", str(d)], "expect": ["model.safetensors", "'wte.weight' twice"]}
+
+
+@case
+def c_offsets_out_of_range(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = d / "model.safetensors"
+    header, body = split(f)
+    header["ln_f.bias"]["data_offsets"] = [len(body) - 64, len(body) + 64]
+    join(f, header, body)
+    return {"argv": ["inspect", str(d)], "expect": ["model.safetensors", "'ln_f.bias'", "data_offsets", "out of range"]}
+
+
+@case
+def c_offsets_overlap(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = d / "model.safetensors"
+    header, body = split(f)
+    a, b = "h.0.ln_1.bias", "h.0.ln_1.weight"  # same shape; b is stored right after a
+    assert header[a]["data_offsets"][1] == header[b]["data_offsets"][0]
+    header[b]["data_offsets"] = list(header[a]["data_offsets"])
+    join(f, header, body)
+    return {"argv": ["inspect", str(d)], "expect": ["model.safetensors", "'h.0.ln_1.weight'", "overlap"]}
+
+
+@case
+def c_unsupported_dtype(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = d / "model.safetensors"
+    header, body = split(f)
+    header["wpe.weight"]["dtype"] = "Q4_K"
+    join(f, header, body)
+    return {"argv": ["inspect", str(d)], "expect": ["'wpe.weight'", "unsupported dtype 'Q4_K'", "F32"]}
+
+
+@case
+def c_gpt2_medium_tensor(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    rewrite(d / "model.safetensors", put={"h.1.mlp.c_fc.weight": torch.zeros(1024, 4096)})
+    return {
+        "argv": ["inspect", str(d)],
+        "expect": ["'h.1.mlp.c_fc.weight'", "expected shape (32, 128)", "found (1024, 4096)", "config.json"],
+    }
+
+
+@case
+def c_missing_tensor(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    rewrite(d / "model.safetensors", drop=("h.1.ln_2.bias",))
+    return {"argv": ["inspect", str(d)], "expect": ["missing key 'h.1.ln_2.bias'", "expected shape (32,)"]}
+
+
+@case
+def c_unknown_extra_tensor(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    rewrite(d / "model.safetensors", put={"h.0.attn.rotary_emb.inv_freq": torch.ones(8)})
+    return {"argv": ["inspect", str(d)], "expect": ["unexpected key 'h.0.attn.rotary_emb.inv_freq'", "GPT-2"]}
+
+
+def _llama(d: Path) -> None:
+    d.mkdir()
+    ts = {
+        "model.embed_tokens.weight": torch.zeros(1000, 32),
+        "model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 32),
+        "model.norm.weight": torch.ones(32),
+        "lm_head.weight": torch.zeros(1000, 32),
+    }
+    write_safetensors(d / "model.safetensors", [(k, tuple(t.shape), t.dtype, lambda t=t: t) for k, t in ts.items()])
+
+
+@case
+def c_llama_with_its_config(tmp: Path, base: Path) -> dict:
+    d = tmp / "llama"
+    _llama(d)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1}))
+    return {"argv": ["inspect", str(d)], "expect": ["config.json", "model_type is 'llama'", "expected 'gpt2'"]}
+
+
+@case
+def c_llama_without_config(tmp: Path, base: Path) -> dict:
+    d = tmp / "llama"
+    _llama(d)
+    return {"argv": ["inspect", str(d)], "expect": ["'wte.weight'", "not a GPT-2 checkpoint"]}
+
+
+@case
+def c_llama_with_gpt2_config(tmp: Path, base: Path) -> dict:
+    d = tmp / "llama"
+    _llama(d)
+    shutil.copy(base / "config.json", d / "config.json")
+    return {"argv": ["inspect", str(d)], "expect": ["model.safetensors", "unexpected key 'model.", "GPT-2"]}
+
+
+@case
+def c_config_malformed(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    (d / "config.json").write_text('{"n_layer": 2, "n_embd": 32,')
+    return {"argv": ["inspect", str(d)], "expect": ["config.json", "not valid JSON", "line 1"]}
+
+
+@case
+def c_config_not_an_object(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    (d / "config.json").write_text("[2, 32, 2]")
+    return {"argv": ["inspect", str(d)], "expect": ["config.json", "expected a JSON object", "list"]}
+
+
+@case
+def c_config_wrong_type(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    config(d, n_layer="2")
+    return {"argv": ["inspect", str(d)], "expect": ["config.json", "n_layer", "positive integer", "'2'"]}
+
+
+@case
+def c_config_contradicts_width(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    config(d, n_embd=48, n_head=3)
+    return {"argv": ["inspect", str(d)], "expect": ["config.json", "n_embd=48", "contradicts", "32 wide"]}
+
+
+@case
+def c_config_contradicts_layers(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    config(d, n_layer=24)
+    return {"argv": ["inspect", str(d)], "expect": ["config.json", "n_layer=24", "2 layers", "h.0 to h.1"]}
+
+
+@case
+def c_config_contradicts_vocab(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    config(d, vocab_size=50257)
+    return {"argv": ["inspect", str(d)], "expect": ["config.json", "vocab_size=50257", "'wte.weight'", "1000"]}
+
+
+@case
+def c_mask_not_causal(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    rewrite(d / "model.safetensors", put={"h.1.attn.bias": torch.ones(1, 1, 32, 32)})
+    return {"argv": ["inspect", str(d)], "expect": ["h.1.attn.bias", "not a causal", "lower-triangular"]}
+
+
+@case
+def c_nan_and_inf_weights(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    st = SafetensorsFile(d / "model.safetensors")
+    a, b = st.get("h.0.mlp.c_fc.weight").clone(), st.get("ln_f.bias").clone()
+    del st
+    a[3, 5], b[0] = float("nan"), float("-inf")
+    rewrite(d / "model.safetensors", put={"h.0.mlp.c_fc.weight": a, "ln_f.bias": b})
+    return {
+        "argv": ["inspect", str(d), "--check-finite"],
+        "expect": ["NaN/Inf in 2 tensor(s)", "h.0.mlp.c_fc.weight", "ln_f.bias", "expected finite"],
+    }
+
+
+@case
+def c_bin_pickle_runs_code(tmp: Path, base: Path) -> dict:
+    d = tmp / "evil"
+    d.mkdir()
+    shutil.copy(base / "config.json", d / "config.json")
+    marker = tmp / "pwned"
+    torch.save({"wte.weight": RunsCode(marker)}, d / "pytorch_model.bin")
+    return {
+        "argv": ["inspect", str(d)],
+        "expect": ["pytorch_model.bin", "refused to unpickle", "system", "not loaded"],
+        "absent": [marker],
+    }
+
+
+@case
+def c_bin_legacy_pickle_runs_code(tmp: Path, base: Path) -> dict:
+    d = tmp / "evil_legacy"
+    d.mkdir()
+    marker = tmp / "pwned_legacy"
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps({"wte.weight": RunsCode(marker)}))
+    return {"argv": ["inspect", str(d)], "expect": ["pytorch_model.bin", "refused to unpickle"], "absent": [marker]}
+
+
+@case
+def c_bin_not_a_checkpoint(tmp: Path, base: Path) -> dict:
+    d = tmp / "garbage_bin"
+    d.mkdir()
+    (d / "pytorch_model.bin").write_bytes(b"<html>404 Not Found</html>")
+    return {
+        "argv": ["inspect", str(d)],
+        "expect": ["pytorch_model.bin", "not a PyTorch checkpoint", "zip archive or a pickle"],
+    }
+
+
+@case
+def c_bin_truncated(tmp: Path, base: Path) -> dict:
+    d = tmp / "cut_bin"
+    d.mkdir()
+    torch.save({"wte.weight": torch.zeros(1000, 32)}, d / "pytorch_model.bin")
+    data = (d / "pytorch_model.bin").read_bytes()
+    (d / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    return {"argv": ["inspect", str(d)], "expect": ["pytorch_model.bin", "not a readable PyTorch checkpoint"]}
+
+
+@case
+def c_symlink_loop(tmp: Path, base: Path) -> dict:
+    (tmp / "loop_a").symlink_to(tmp / "loop_b")
+    (tmp / "loop_b").symlink_to(tmp / "loop_a")
+    return {"argv": ["inspect", str(tmp / "loop_a")], "expect": ["loop_a", "symlink loop"]}
+
+
+@case
+def c_broken_symlink(tmp: Path, base: Path) -> dict:
+    (tmp / "dangling.safetensors").symlink_to(tmp / "gone.safetensors")
+    return {"argv": ["inspect", str(tmp / "dangling.safetensors")], "expect": ["dangling", "broken symlink", "gone"]}
+
+
+def _sharded(tmp: Path, base: Path) -> Path:
+    d = copy(base, tmp)
+    st = SafetensorsFile(d / "model.safetensors")
+    keys = st.keys()
+    halves = {
+        "model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+        "model-00002-of-00002.safetensors": keys[len(keys) // 2 :],
+    }
+    for name, ks in halves.items():
+        write_safetensors(d / name, [(k, st.infos[k].shape, st.infos[k].dtype, lambda k=k: st.get(k)) for k in ks])
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: n for n, ks in halves.items() for k in ks}})
+    )
+    return d
+
+
+@case
+def c_shard_index_names_missing_shard(tmp: Path, base: Path) -> dict:
+    d = _sharded(tmp, base)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    return {
+        "argv": ["inspect", str(d)],
+        "expect": ["model.safetensors.index.json", "'model-00002-of-00002.safetensors'", "missing"],
+    }
+
+
+@case
+def c_shard_index_not_json(tmp: Path, base: Path) -> dict:
+    d = _sharded(tmp, base)
+    (d / "model.safetensors.index.json").write_text('{"weight_map": ')
+    return {"argv": ["inspect", str(d)], "expect": ["model.safetensors.index.json", "not a valid shard index"]}
+
+
+@case
+def c_shard_escapes_directory(tmp: Path, base: Path) -> dict:
+    d = _sharded(tmp, base)
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["wte.weight"] = "../../etc/passwd"
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    return {"argv": ["inspect", str(d)], "expect": ["'../../etc/passwd'", "plain file name"]}
+
+
+@case
+def c_tensor_in_two_shards(tmp: Path, base: Path) -> dict:
+    d = _sharded(tmp, base)
+    rewrite(d / "model-00002-of-00002.safetensors", put={"h.0.ln_1.bias": torch.zeros(32)})
+    return {"argv": ["inspect", str(d)], "expect": ["'h.0.ln_1.bias'", "also appears in", "model-00001-of-00002"]}
+
+
+@case
+def c_revision_for_local_path(tmp: Path, base: Path) -> dict:
+    return {"argv": ["inspect", str(base), "--revision", "main"], "expect": ["--revision 'main'", "Hub ids only"]}
+
+
+@case
+def c_inspect_json_dir_missing(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["inspect", str(base), "--json", str(tmp / "no" / "such" / "r.json")],
+        "expect": ["--json", "r.json", "does not exist"],
+    }
+
+
+# -- generate arguments (issue 3's CLI) ------------------------------------------------------------------------------
+def gen(base: Path, *extra: str, prompt: str = "Hello") -> list[str]:
+    return ["generate", str(base), prompt, *extra]
+
+
+@case
+def c_gen_empty_prompt(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, prompt=""), "expect": ["PROMPT", "empty", "expected some text"]}
+
+
+@case
+def c_gen_prompt_longer_than_context(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--greedy", prompt=" the" * 40), "expect": ["PROMPT is 40 tokens", "context is 32"]}
+
+
+@case
+def c_gen_token_ids_out_of_range(tmp: Path, base: Path) -> dict:
+    # The checkpoint's vocabulary has 1000 tokens; GPT-2's tokenizer gives " Paris" id 6342.
+    return {"argv": gen(base, "--greedy", prompt=" Paris"), "expect": ["token id 6342", "out of range", "1000"]}
+
+
+@case
+def c_gen_zero_max_new_tokens(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--max-new-tokens", "0"), "expect": ["--max-new-tokens", "positive integer", "got 0"]}
+
+
+@case
+def c_gen_negative_max_new_tokens(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--max-new-tokens=-3"), "expect": ["--max-new-tokens", "positive integer", "got -3"]}
+
+
+@case
+def c_gen_zero_temperature(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--temperature", "0"), "expect": ["--temperature", "> 0", "got 0.0"]}
+
+
+@case
+def c_gen_negative_temperature(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--temperature=-0.5"), "expect": ["--temperature", "> 0", "got -0.5"]}
+
+
+@case
+def c_gen_top_p_zero(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--top-p", "0"), "expect": ["--top-p", "(0, 1]", "got 0.0"]}
+
+
+@case
+def c_gen_top_p_above_one(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--top-p", "1.5"), "expect": ["--top-p", "(0, 1]", "got 1.5"]}
+
+
+@case
+def c_gen_negative_top_k(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--top-k=-1"), "expect": ["--top-k", "non-negative", "got -1"]}
+
+
+@case
+def c_gen_greedy_with_temperature(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--greedy", "--temperature", "0.7"), "expect": ["--greedy", "--temperature"]}
+
+
+@case
+def c_gen_unknown_device(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--device", "tpu"), "expect": ["'tpu'", "unknown device", "cpu, cuda"]}
+
+
+@case
+def c_gen_cuda_without_cuda(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": gen(base, "--device", "cuda"),
+        "expect": ["'cuda'", "CUDA is not available", "--device cpu"],
+        "no_cuda": True,
+    }
+
+
+@case
+def c_gen_unknown_dtype(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--dtype", "float8"), "expect": ["'float8'", "unknown dtype", "float32"]}
+
+
+@case
+def c_gen_json_dir_missing(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--json", str(tmp / "nodir" / "out.json")), "expect": ["--json", "does not exist"]}
+
+
+@case
+def c_gen_json_is_a_directory(tmp: Path, base: Path) -> dict:
+    (tmp / "adir").mkdir()
+    return {"argv": gen(base, "--json", str(tmp / "adir")), "expect": ["--json", "adir", "is a directory"]}
+
+
+@case
+def c_gen_bad_checkpoint(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    (d / "model.safetensors").write_bytes(b"\x00" * 7)
+    return {"argv": gen(d, "--greedy"), "expect": ["model.safetensors", "7 bytes", "too short"]}
+
+
+@case
+def c_parity_json_dir_missing(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--json", str(tmp / "nodir" / "p.json")],
+        "expect": ["--json", "does not exist"],
+    }
+
+
+def _files(root: Path) -> set[str]:
+    out = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            out.add(os.path.relpath(os.path.join(dirpath, n), root))
+    return out
+
+
+def check_error(rc: int, err: str, expect: list[str]) -> str:
+    """Exit 2, no traceback, and one error line (the last; any other line is a log line) naming the culprit."""
+    assert rc == 2, f"exit code {rc}, stderr: {err}"
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert err.endswith("\n") and lines, err
+    line = lines[-1]
+    assert line.startswith("gpt2-port ") and ": error: " in line, line
+    assert all(ln.startswith(("WARNING ", "INFO ")) for ln in lines[:-1]), err
+    for s in expect:
+        assert s in line, f"{s!r} not in {line!r}"
+    return line
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input(
+    name: str, base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = CASES[name](tmp_path, base)
+    argv = list(spec["argv"])
+    report = tmp_path / "report.json"
+    if argv[0] in ("inspect", "generate", "parity") and "--json" not in argv:
+        argv += ["--json", str(report)]
+    if spec.get("no_cuda"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    before = _files(tmp_path)
+    capsys.readouterr()
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    check_error(rc, err, spec["expect"])
+    assert _files(tmp_path) == before, "files left behind"
+    assert not report.exists()
+    for p in spec.get("absent", []):
+        assert not p.exists(), f"{p} exists: code from the file ran"
+
+
+def test_catalogue_size() -> None:
+    assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize("name", ["header_not_json", "bin_pickle_runs_code", "gen_top_p_above_one"])
+def test_bad_input_real_process(name: str, base: Path, tmp_path: Path) -> None:
+    """The same cases through the console entry point in a real process: the real exit code and stderr."""
+    spec = CASES[name](tmp_path, base)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    before = _files(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpt2_port", *spec["argv"], "--json", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
+    )
+    check_error(r.returncode, r.stderr, spec["expect"])
+    assert r.stdout == ""
+    assert _files(tmp_path) == before
+    for p in spec.get("absent", []):
+        assert not p.exists()
+
+
+def test_argparse_errors_are_one_line_exit_2(base: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(base), "x", "--max-new-tokens", "many"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--max-new-tokens" in err and "'many'" in err
+
+
+def test_internal_error_exit_3_with_hint(
+    base: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected exception is not dressed up as bad input: exit 3, one line, a hint to report it."""
+    import gpt2_port.load as load
+
+    def boom(*a, **k):  # type: ignore[no-untyped-def]
+        raise ZeroDivisionError("simulated bug")
+
+    monkeypatch.setattr(load, "convert_checkpoint", boom)
+    monkeypatch.delenv("GPT2_PORT_DEBUG", raising=False)
+    rc = main(["inspect", str(base)])
+    err = capsys.readouterr().err
+    assert rc == 3 and err.count("\n") == 1 and "Traceback" not in err
+    assert "internal error" in err and "ZeroDivisionError" in err and "report" in err and "GPT2_PORT_DEBUG=1" in err
+    monkeypatch.setenv("GPT2_PORT_DEBUG", "1")
+    with pytest.raises(ZeroDivisionError):
+        main(["inspect", str(base)])
+
+
+def test_atomic_write_never_leaves_a_half_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails half-way leaves the old file intact and no temporary file behind."""
+    from gpt2_port import util
+
+    target = tmp_path / "out.json"
+    target.write_text("old\n")
+
+    class Boom(OSError):
+        pass
+
+    real_fdopen = os.fdopen
+
+    def half_then_fail(fd, mode="r", *a, **k):  # type: ignore[no-untyped-def]
+        f = real_fdopen(fd, mode, *a, **k)
+        real_write = f.write
+
+        def write(data):  # type: ignore[no-untyped-def]
+            real_write(data[: len(data) // 2])
+            raise Boom("disk full")
+
+        f.write = write
+        return f
+
+    monkeypatch.setattr(util.os, "fdopen", half_then_fail)
+    with pytest.raises(Boom):
+        util.atomic_write_text(target, '{"a": 1}\n' * 1000)
+    assert target.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_generate_library_rejects_out_of_range_ids(base: Path) -> None:
+    from gpt2_port.errors import UsageError
+    from gpt2_port.generate import generate
+    from gpt2_port.load import from_pretrained
+
+    model, _ = from_pretrained(base)
+    for ids, msg in (([[5, 1000]], "token id 1000"), ([[-1]], "token id -1"), ([[]], "empty prompt")):
+        with pytest.raises(UsageError, match=msg.replace("(", r"\(")):
+            generate(model, torch.tensor(ids, dtype=torch.long).reshape(len(ids), -1), 3)
+
+
+def test_inspect_check_finite_names_all_and_loader_reports(base: Path, tmp_path: Path) -> None:
+    """--check-finite finds every non-finite tensor (not just the first), and from_pretrained(check_finite=True)
+    reports them by name without failing the load."""
+    from gpt2_port.load import from_pretrained
+
+    d = copy(base, tmp_path)
+    st = SafetensorsFile(d / "model.safetensors")
+    put = {}
+    for k in ("wpe.weight", "h.1.attn.c_proj.weight", "h.0.ln_2.weight"):
+        t = st.get(k).clone()
+        t.view(-1)[-1] = float("inf")
+        put[k] = t
+    del st
+    rewrite(d / "model.safetensors", put=put)
+    _, rep = from_pretrained(d, check_finite=True)
+    assert sorted(rep.nonfinite) == sorted(["wpe.weight", "h.1.attn.c_proj.weight", "h.0.ln_2.weight"])
+
+
+def test_parity_report_always_lists_nonfinite_weights(
+    base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No flag needed: a NaN in the weights shows in the parity report (text and JSON) and fails it (exit 1)."""
+    d = copy(base, tmp_path)
+    st = SafetensorsFile(d / "model.safetensors")
+    t = st.get("h.1.mlp.c_proj.weight").clone()
+    del st
+    t[0, 0] = float("nan")
+    rewrite(d / "model.safetensors", put={"h.1.mlp.c_proj.weight": t})
+    report = tmp_path / "p.json"
+    rc = main(["parity", str(d), "--prompt", " the of and", "--json", str(report)])  # ids < the 1000-token vocab
+    out, err = capsys.readouterr()
+    assert rc == 1, err
+    assert "NaN/Inf in weights" in out and "h.1.mlp.c_proj.weight" in out
+    assert "h.1.mlp.c_proj.weight" in json.loads(report.read_text())["nonfinite_weights"]

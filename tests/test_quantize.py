@@ -1,0 +1,68 @@
+"""int8 quantization: the packed layers compute what their dequantized weights say, and the model stays close to
+float32 (which is derived, here, from the same model before quantization)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpt2_port.errors import UsageError
+from gpt2_port.load import from_pretrained
+from gpt2_port.model import KVCache
+from gpt2_port.quantize import Int8Linear, is_quantized, quantize_int8, quantize_rows
+
+
+def test_quantize_rows_roundtrip() -> None:
+    w = torch.randn(37, 50) * torch.linspace(0.01, 3, 37)[:, None]  # rows of very different scales
+    q, s = quantize_rows(w)
+    assert q.dtype == torch.int8 and s.shape == (37,)
+    assert int(q.abs().max()) == 127  # every row uses the full range
+    err = (q.float() * s[:, None] - w).abs()
+    assert bool((err <= s[:, None] / 2 + 1e-6).all())  # round to nearest: at most half a step per element
+
+
+def test_int8_linear_matches_float() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    q = Int8Linear(lin.weight, lin.bias)
+    assert q.weight.shape == (48, 64)
+    wq, s = quantize_rows(lin.weight)
+    assert torch.allclose(q.weight, wq.float() * s[:, None], atol=1e-6)  # the packed weight is the quantized one
+    x = torch.randn(3, 5, 64)
+    y = q(x)
+    assert y.shape == (3, 5, 48)
+    ref = lin(x).detach()
+    assert float((y - ref).norm() / ref.norm()) < 0.03  # int8 weights and activations: ~1% error
+
+
+def test_quantize_model_close_to_float(tiny_official) -> None:  # noqa: ANN001
+    model, _ = from_pretrained(tiny_official)
+    ids = torch.randint(0, 50257, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = model(ids)
+    assert not is_quantized(model)
+    assert quantize_int8(model) is model and is_quantized(model)
+    n = sum(isinstance(m, Int8Linear) for m in model.modules())
+    assert n == 6 * model.config.n_layer + 1  # q, k, v, c_proj, c_fc, mlp c_proj per block, and the head
+    assert isinstance(model.lm_head, Int8Linear) and model.head_weight.shape == model.wte.weight.shape
+    with torch.inference_mode():
+        got = model(ids)
+        # decode with the KV cache
+        cache = KVCache(model.config, 2, 12, torch.float32, "cpu")
+        a = model(ids[:, :8], cache=cache, last_only=True)
+        steps = [model(ids[:, t : t + 1], cache=cache) for t in range(8, 12)]
+    assert got.shape == ref.shape
+    assert float((got - ref).norm() / ref.norm()) < 0.1
+    # activations are quantized per call (one range per input tensor), so cached steps differ from the full pass
+    # by quantization noise only
+    def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+        return float((x - y).norm() / y.norm())
+
+    assert rel(a[:, 0], got[:, 7]) < 0.05
+    assert rel(torch.cat(steps, 1), got[:, 8:]) < 0.05
+
+
+def test_quantize_refuses_low_precision(tiny_official) -> None:  # noqa: ANN001
+    model, _ = from_pretrained(tiny_official, dtype="bfloat16")
+    with pytest.raises(UsageError, match="float32"):
+        quantize_int8(model)
