@@ -62,10 +62,13 @@ def quant_parity(ckpt: str, options: list[str], prompts: list[str] | None = None
             x = torch.cat([g[n].float().flatten() for g in got])
             y = torch.cat([w[n].float().flatten() for w in want])
             pts[n] = metrics(x, y)[1]
-        agree, lp = [], []
+        agree, lp, margins = [], [], []
         for g, w in zip(got, want):
             gx, wy = g["logits"][0].double(), w["logits"][0].double()
-            agree.append((gx.argmax(-1) == wy.argmax(-1)).float())
+            same = gx.argmax(-1) == wy.argmax(-1)
+            agree.append(same.float())
+            top2 = wy.topk(2, dim=-1).values  # (T, 2): how close the reference's own top two were, where we differ
+            margins += (top2[:, 0] - top2[:, 1])[~same].tolist()
             lp.append((torch.log_softmax(gx, -1) - torch.log_softmax(wy, -1)).abs().max().reshape(1))
         agree_t = torch.cat(agree)
         out["options"][opt] = {
@@ -75,6 +78,9 @@ def quant_parity(ckpt: str, options: list[str], prompts: list[str] | None = None
             "top1_agreement": float(agree_t.mean()),
             "n_positions": int(agree_t.numel()),
             "logprob_max_abs": float(torch.cat(lp).max()),
+            "disagreement_ref_margins": margins,  # reference top-1 minus top-2 logit at each disagreement
+            "ref_median_margin": float(torch.cat([(w["logits"][0].topk(2, -1).values.double().diff(dim=-1).abs())
+                                                   for w in want]).median()),
         }
         del model, got
     return out

@@ -81,6 +81,30 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (3C, C) weight and (3C,) bias that q/k/v are adjacent views of, or None.
+
+    An official checkpoint stores one c_attn and loads as three views into it (no copy); one matmul over the whole is
+    then the reference's own c_attn arithmetic, and a third faster to decode than three strided ones.
+    """
+    if not all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)):
+        return None
+    wq, wk, wv, bq, bk, bv = q.weight, k.weight, v.weight, q.bias, k.bias, v.bias
+    C = wq.shape[1]
+    if wq.shape != (C, C) or not (wq.dtype == wk.dtype == wv.dtype == bq.dtype == bk.dtype == bv.dtype):
+        return None
+    ws, bs = wq.untyped_storage().data_ptr(), bq.untyped_storage().data_ptr()
+    wo, bo = wq.storage_offset(), bq.storage_offset()
+    for i, (w, b) in enumerate(((wk, bk), (wv, bv)), start=1):
+        if w.untyped_storage().data_ptr() != ws or w.storage_offset() != wo + i * C:
+            return None
+        if b.untyped_storage().data_ptr() != bs or b.storage_offset() != bo + i * C:
+            return None
+    if not (wq.stride() == wk.stride() == wv.stride() == (1, 3 * C) and bq.stride() == bk.stride() == bv.stride() == (1,)):
+        return None
+    return wq.as_strided((3 * C, C), (1, 3 * C)), bq.as_strided((3 * C,), (1,))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPT2Config, layer: int) -> None:
         super().__init__()
@@ -100,7 +124,11 @@ class CausalSelfAttention(nn.Module):
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None, rec: Recorder | None, tag: str
     ) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        qkv = fused_qkv(self.q_proj, self.k_proj, self.v_proj)
+        if qkv is not None:  # one (B, T, 3C) matmul, split
+            q, k, v = (self._heads(t) for t in F.linear(x, *qkv).split(C, dim=-1))
+        else:
+            q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         if rec is not None:
             rec(f"{tag}.q", q), rec(f"{tag}.k", k), rec(f"{tag}.v", v)
         if cache is not None:

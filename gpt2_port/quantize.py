@@ -3,9 +3,9 @@
 Weights are quantized once, symmetrically per output row (scale = max|w_row| / 127, zero point 0), and packed for
 fbgemm (torch's x86 quantized backend). At run time `torch.ops.quantized.linear_dynamic` quantizes each input tensor
 to 7-bit unsigned integers on the fly (one scale and zero point per call), multiplies in int8 with int32 accumulation, and rescales to
-float32. So this is dynamic W8A8 rather than pure weight-only: on a 2-core AVX2 CPU it was the only int8 kernel
-faster than float32 (torch's weight-only `_weight_int8pack_mm` and `torch._int_mm` were 10-50x slower there; see
-BENCHMARKS.md). LayerNorm, attention, the KV cache and the embedding lookups stay float32.
+float32. So this is dynamic W8A8, made as accurate as weight-only int8 by a second pass over the activations' quantization
+residual (see Int8Linear). On a 2-core AVX2 CPU it was the only int8 kernel faster than float32: torch's weight-only
+`_weight_int8pack_mm` and `torch._int_mm` were 10-50x slower there (see BENCHMARKS.md). LayerNorm, attention, the KV cache and the embedding lookups stay float32.
 
     model = GPT2.from_pretrained("gpt2")          # float32, CPU
     model = quantize_int8(model)                  # in place; returns the same model
@@ -43,25 +43,39 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """y = x @ W^T + b with W held as packed int8 (per-row scales); float32 in, float32 out, CPU only."""
+    """y = x @ W^T + b with W held as packed int8 (per-row scales); float32 in, float32 out, CPU only.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    exact_activations (default): a second int8 pass over the activations' quantization residual
+    (y = W q(x) + W q(x - q(x))): the error becomes that of weight-only int8 (the residual's own rounding is ~1/128 of
+    the first), for one more kernel call whose weights are then in cache. False: one pass, faster, with ~2% error per
+    layer from the 7-bit activations.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, exact_activations: bool = True) -> None:
         super().__init__()
+        self.exact = exact_activations
         self.out_features, self.in_features = weight.shape
         q, scale = quantize_rows(weight)
         zeros = torch.zeros(self.out_features, dtype=torch.long)
         with warnings.catch_warnings():  # torch flags its quantized tensor types as deprecated; the ops still ship
             warnings.simplefilter("ignore")
             qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
-            b = None if bias is None else bias.detach().to(torch.float32).contiguous()
-            self._packed = torch.ops.quantized.linear_prepack(qw, b)
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)
+            torch.quantize_per_tensor_dynamic(torch.zeros(1), torch.quint8, True)  # its once-only warning, silenced
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).clone(), requires_grad=False)
         self.register_buffer("scale", scale, persistent=False)
         self.nbytes = q.numel() + scale.numel() * 4 + (0 if bias is None else bias.numel() * 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
         shape = x.shape
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
         # reduce_range: 7-bit activations, as fbgemm needs (its u8 x s8 pair sums saturate int16 with 8 bits)
-        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features), self._packed, True)  # (M, N)
+        y = torch.ops.quantized.linear_dynamic(x2, self._packed, True)  # (M, N)
+        if self.exact:  # the same quantization fbgemm applied (same qparams), so r is exactly what it dropped
+            r = x2 - torch.quantize_per_tensor_dynamic(x2, torch.quint8, True).dequantize()
+            y += torch.ops.quantized.linear_dynamic(r, self._packed, True)
+        if self.bias is not None:
+            y += self.bias
         return y.view(*shape[:-1], self.out_features)
 
     @property
@@ -77,7 +91,7 @@ class Int8Linear(nn.Module):
 LINEARS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-def quantize_int8(model: GPT2, head: bool = True) -> GPT2:
+def quantize_int8(model: GPT2, head: bool = True, exact_activations: bool = True) -> GPT2:
     """Replace every block Linear (q, k, v, attn c_proj, c_fc, mlp c_proj), and the head if `head`, by Int8Linear.
 
     In place, and returns the model. The model must be float32 on CPU. The tied head keeps `wte` for the embedding
@@ -96,10 +110,10 @@ def quantize_int8(model: GPT2, head: bool = True) -> GPT2:
             lin = getattr(parent, name)
             if isinstance(lin, Int8Linear):
                 continue
-            setattr(parent, name, Int8Linear(lin.weight, lin.bias))
+            setattr(parent, name, Int8Linear(lin.weight, lin.bias, exact_activations))
             n += 1
     if head and not isinstance(model.lm_head, Int8Linear):
-        model.lm_head = Int8Linear(model.head_weight, None)
+        model.lm_head = Int8Linear(model.head_weight, None, exact_activations)
         n += 1
     model.eval().requires_grad_(False)
     log.info("quantized %d linear layers to int8 (per-row weights, dynamic uint8 activations, %s)", n,

@@ -265,6 +265,15 @@ def c_llama_with_gpt2_config(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_absurd_layer_index_without_config(tmp: Path, base: Path) -> dict:
+    """Counting layers by the largest index would build a 10^11-layer model (a hang, then out of memory)."""
+    d = copy(base, tmp)
+    (d / "config.json").unlink()
+    rewrite(d / "model.safetensors", put={"h.99999999999.ln_1.weight": torch.ones(32)})
+    return {"argv": ["inspect", str(d)], "expect": ["no config.json", "not numbered 0..99999999999", "'h.2.*'"]}
+
+
+@case
 def c_config_malformed(tmp: Path, base: Path) -> dict:
     d = copy(base, tmp)
     (d / "config.json").write_text('{"n_layer": 2, "n_embd": 32,')

@@ -93,3 +93,21 @@ def test_fuzz_loader(tmp_path: Path, address_space_cap: None) -> None:
     # The mix is meaningful: most cases are rejected, some still load (data-only or harmless mutations).
     assert counts["error"] > N_CASES // 2 and counts["ok"] > 10, counts
     assert dt < 60, f"{N_CASES} cases took {dt:.1f}s"
+
+
+REGRESSIONS = sorted((REPO / "tests" / "data" / "fuzz_regressions").glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
+def test_fuzz_regressions(path: Path, tmp_path: Path) -> None:
+    """Inputs the fuzzer found escaping as ValueError/TypeError/IndexError (or, for seed2-case826, running away) on
+    the spine's loader; each is now a clean GPT2PortError. The .json beside each file says what it found."""
+    import json
+
+    meta = json.loads(path.with_suffix(".json").read_text())
+    fz.prepare_dir(tmp_path)
+    assert fz.check_case(tmp_path, path.read_bytes(), meta["with_config"], budget_s=5.0) == ("error", "")
+
+
+def test_fuzz_regressions_present() -> None:
+    assert len(REGRESSIONS) >= 5

@@ -74,15 +74,27 @@ def hub(repo_files: dict[str, dict[str, bytes]]):
         yield h
 
 
+class _CurrentStderr:
+    """A stream that writes wherever sys.stderr points now."""
+
+    def write(self, s: str) -> int:
+        return sys.stderr.write(s)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 @pytest.fixture(autouse=True)
-def _hub_logs_to_current_stderr(capsys: pytest.CaptureFixture[str]) -> None:
-    """huggingface_hub gives its logger a StreamHandler bound to the sys.stderr of the moment it first logs; in a
-    test process that is some earlier test's (closed) capture stream. Point it at this test's stderr."""
+def _hub_logs_to_current_stderr() -> None:
+    """huggingface_hub (and transformers) give their loggers a StreamHandler bound to the sys.stderr of the moment
+    they are imported; in a test process that is some earlier test's capture stream, closed since. Make them follow
+    sys.stderr, as they do in a real process."""
     import logging
 
-    for h in logging.getLogger("huggingface_hub").handlers:
-        if isinstance(h, logging.StreamHandler):
-            h.stream = sys.stderr  # not setStream(): that flushes the old, closed stream
+    for name in ("huggingface_hub", "transformers"):
+        for h in logging.getLogger(name).handlers:
+            if type(h) is logging.StreamHandler:
+                h.stream = _CurrentStderr()  # not setStream(): that flushes the old, closed stream
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -95,7 +107,6 @@ def _error_line(err: str) -> str:
     """The CLI's error line: the last line of stderr (the hub may have logged retries or drawn bars before it)."""
     lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip()]
     assert lines, "nothing on stderr"
-    open("/tmp/fh/err.txt", "w").write(err)
     assert "Traceback" not in err
     return lines[-1]
 

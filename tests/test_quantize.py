@@ -32,7 +32,15 @@ def test_int8_linear_matches_float() -> None:
     y = q(x)
     assert y.shape == (3, 5, 48)
     ref = lin(x).detach()
-    assert float((y - ref).norm() / ref.norm()) < 0.03  # int8 weights and activations: ~1% error
+    weight_only = x @ q.weight.T + lin.bias.detach()  # what weight-only int8 computes
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    # the residual pass makes the result weight-only int8's, up to the residual's own (7-bit) rounding
+    assert rel(y, weight_only) < 2e-3 < rel(weight_only, ref) < 0.02
+    one = Int8Linear(lin.weight, lin.bias, exact_activations=False)(x)
+    assert rel(y, weight_only) * 4 < rel(one, weight_only) < 0.05  # one pass: 7-bit activations, ~2% error
 
 
 def test_quantize_model_close_to_float(tiny_official) -> None:  # noqa: ANN001
