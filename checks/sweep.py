@@ -90,7 +90,7 @@ def label(r: Report) -> str:
     return f"{r.dtype}/{r.device}"
 
 
-def _encode(tok: Tokenizer, prompts: Sequence[str], n_positions: int) -> list[list[int]]:
+def _encode(tok: Tokenizer, prompts: Sequence[str], n_positions: int, vocab_size: int) -> list[list[int]]:
     out = []
     for p in prompts:
         ids = tok.encode(p)
@@ -98,6 +98,11 @@ def _encode(tok: Tokenizer, prompts: Sequence[str], n_positions: int) -> list[li
             raise UsageError(f"prompt {p!r} encodes to no tokens")
         if len(ids) > n_positions:
             raise UsageError(f"prompt of {len(ids)} tokens exceeds the context of {n_positions}")
+        if max(ids) >= vocab_size:
+            raise UsageError(
+                f"prompt {p!r} encodes to token id {max(ids)}, outside the model's vocabulary of {vocab_size} "
+                "(the tokenizer does not fit this checkpoint)"
+            )
         out.append(ids)
     return out
 
@@ -147,7 +152,7 @@ def run_detailed(
     cfg, ckpt = rep.config, rep.checkpoint
     names = point_names(cfg.n_layer, detail, per_head, cfg.n_head)
     tok = load_tokenizer(tokenizer if tokenizer is not None else ckpt.root)
-    ids_list = _encode(tok, prompts, cfg.n_positions)
+    ids_list = _encode(tok, prompts, cfg.n_positions, cfg.vocab_size)
     n_tokens = sum(len(i) for i in ids_list)
 
     def run_ref(ref: torch.nn.Module, dev: torch.device) -> Activations:

@@ -478,6 +478,11 @@ def c_gen_token_ids_out_of_range(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_parity_token_ids_out_of_range(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--prompt", " Paris"], "expect": ["token id 6342", "vocabulary of 1000"]}
+
+
+@case
 def c_gen_zero_max_new_tokens(tmp: Path, base: Path) -> dict:
     return {"argv": gen(base, "--max-new-tokens", "0"), "expect": ["--max-new-tokens", "positive integer", "got 0"]}
 
