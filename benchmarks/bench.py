@@ -30,19 +30,34 @@ SIZES = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", default="gpt2", help="comma-separated presets (default gpt2; all four: "
-                   "gpt2,gpt2-medium,gpt2-large,gpt2-xl) or paths of checkpoint directories")
-    p.add_argument("--weights-dir", default="weights/bench", help="where the random checkpoints are written and "
-                   "reused (default weights/bench/<size>)")
+    p.add_argument(
+        "--sizes",
+        default="gpt2",
+        help="comma-separated presets (default gpt2; all four: "
+        "gpt2,gpt2-medium,gpt2-large,gpt2-xl) or paths of checkpoint directories",
+    )
+    p.add_argument(
+        "--weights-dir",
+        default="weights/bench",
+        help="where the random checkpoints are written and reused (default weights/bench/<size>)",
+    )
     p.add_argument("--new-tokens", type=int, default=128, help="greedy decode length, batch 1 (default 128)")
     p.add_argument("--prompt-len", type=int, default=16, help="decode prompt length in tokens (default 16)")
     p.add_argument("--prefill", default="1x128,8x128", help="prefill shapes BxT, comma-separated (default 1x128,8x128)")
-    p.add_argument("--lowp", default="int8,bfloat16,float16",
-                   help="low-precision options to time and check (default int8,bfloat16,float16; '' for none)")
+    p.add_argument(
+        "--lowp",
+        default="int8,int8-fast,bfloat16,float16",
+        help="low-precision options to time and check (default int8,int8-fast,bfloat16,float16; '' for "
+        "none). int8: quantize_int8 (weight-only accuracy); int8-fast: exact_activations=False",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=int, default=0, help="torch threads in every worker (default: torch's default)")
-    p.add_argument("--max-seconds", type=float, default=30.0,
-                   help="time budget of one timed measurement; runs repeat (up to 3 decode / 5 prefill) within it")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=30.0,
+        help="time budget of one timed measurement; runs repeat (up to 3 decode / 5 prefill) within it",
+    )
     p.add_argument("--membw-mb", type=int, default=1024, help="size of the bandwidth test tensor (default 1024 MiB)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-page-cache loads")
     p.add_argument("--no-parity", action="store_true", help="skip the low-precision parity reports")
@@ -80,15 +95,17 @@ def warm_page_cache(files: list[Path]) -> None:
 
 def run_worker(spec: dict, log: list[str]) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)]
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), TOKENIZERS_PARALLELISM="false"
+    )
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if p.returncode != 0 or not p.stdout.strip():
         tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
-        raise RuntimeError(f"worker {spec['impl']}/{spec.get('dtype', 'float32')} failed (exit {p.returncode}): "
-                           + " | ".join(tail))
+        raise RuntimeError(
+            f"worker {spec['impl']}/{spec.get('dtype', 'float32')} failed (exit {p.returncode}): " + " | ".join(tail)
+        )
     res = json.loads(p.stdout.strip().splitlines()[-1])
     res["process_wall_s"] = wall
     log.append(f"{spec['impl']:>5} {res.get('dtype', ''):>8} {spec.get('cache', ''):>5}  {wall:6.1f}s")
@@ -114,8 +131,13 @@ def ensure_checkpoint(size: str, weights_dir: Path) -> Path:
 def machine_info() -> dict:
     import torch
 
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     try:
         import transformers
 
@@ -142,8 +164,15 @@ def bench_size(size: str, a: argparse.Namespace, log: list[str]) -> dict:
     files = sorted(d.glob("*.safetensors"))
     file_bytes = sum(p.stat().st_size for p in files)
     prefill = [[int(x) for x in s.lower().split("x")] for s in a.prefill.split(",") if s]
-    base = {"ckpt": str(d.resolve()), "device": a.device, "threads": a.threads, "max_seconds": a.max_seconds,
-            "new_tokens": a.new_tokens, "prompt_len": a.prompt_len, "prefill_shapes": prefill}
+    base = {
+        "ckpt": str(d.resolve()),
+        "device": a.device,
+        "threads": a.threads,
+        "max_seconds": a.max_seconds,
+        "new_tokens": a.new_tokens,
+        "prompt_len": a.prompt_len,
+        "prefill_shapes": prefill,
+    }
     out: dict = {"size": size, "ckpt": str(d), "file_bytes": file_bytes, "loads": {}, "runs": {}}
     log.append(f"[{size}] {d} ({file_bytes / 1e9:.2f} GB)")
     if not a.no_cold:
@@ -160,7 +189,7 @@ def bench_size(size: str, a: argparse.Namespace, log: list[str]) -> dict:
         out["runs"]["ours_float32_cudagraph"] = r
     lowp = [o for o in a.lowp.split(",") if o]
     for opt in lowp:
-        if opt == "int8" and a.device != "cpu":
+        if opt.startswith("int8") and a.device != "cpu":
             continue
         r = run_worker({**base, "impl": "ours", "dtype": opt, "tasks": ["decode"], "cache": "warm"}, log)
         out["runs"][f"ours_{opt}"] = r
@@ -168,8 +197,13 @@ def bench_size(size: str, a: argparse.Namespace, log: list[str]) -> dict:
         t0 = time.perf_counter()
         # in a child process: it loads the reference and every option, which should not count in anyone's RSS
         cmd = [sys.executable, "-m", "benchmarks.quant_parity", str(d), "--options", ",".join(lowp)]
-        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                           env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+        p = subprocess.run(
+            cmd,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")),
+        )
         if p.returncode != 0:
             raise RuntimeError(f"quant_parity failed: {p.stderr.strip().splitlines()[-1:]}")
         out["parity"] = json.loads(p.stdout)
@@ -189,7 +223,9 @@ def summarize(size_res: dict, bw: dict) -> dict:
             s[f"peak_rss_MB_{cache}"] = (o["peak_rss_MB"], h["peak_rss_MB"], o["peak_rss_MB"] / h["peak_rss_MB"])
             s[f"rss_over_file_{cache}"] = o["peak_rss_MB"] * 1e6 / size_res["file_bytes"]
             s[f"rss_over_params_{cache}"] = o["peak_rss_MB"] * 1e6 / ours["param_bytes"]
-            s[f"load_delta_over_params_{cache}"] = (o["peak_rss_MB"] - o["rss_before_load_MB"]) * 1e6 / ours["param_bytes"]
+            s[f"load_delta_over_params_{cache}"] = (
+                (o["peak_rss_MB"] - o["rss_before_load_MB"]) * 1e6 / ours["param_bytes"]
+            )
             s[f"hf_rss_over_params_{cache}"] = h["peak_rss_MB"] * 1e6 / ours["param_bytes"]
     for shape in ours.get("prefill", {}):
         po, ph = ours["prefill"][shape]["best_s"], hf["prefill"][shape]["best_s"]
@@ -225,9 +261,13 @@ def main(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     argv = " ".join(shlex.quote(x) for x in sys.argv[1:])
     cmd = f"gpt2-port {argv}" if Path(sys.argv[0]).name == "gpt2-port" else f"python -m benchmarks.bench {argv}"
-    results: dict = {"command": cmd,
-                     "machine": machine_info(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                     "settings": {k: v for k, v in vars(a).items() if k != "func"}, "sizes": {}}
+    results: dict = {
+        "command": cmd,
+        "machine": machine_info(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "settings": {k: v for k, v in vars(a).items() if k != "func"},
+        "sizes": {},
+    }
     from benchmarks.worker import membw  # in this process: it needs no isolation
 
     results["membw"] = membw({"threads": a.threads, "membw_bytes": a.membw_mb << 20})

@@ -31,8 +31,16 @@ def greedy_ours(model: GPT2, ids: torch.Tensor, new_tokens: int) -> torch.Tensor
 @torch.inference_mode()
 def greedy_hf(ref: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """transformers' generate, greedy, exactly new_tokens (no EOS stop), default dynamic cache."""
-    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=None,
-                       do_sample=False, num_beams=1, pad_token_id=50256, eos_token_id=None)
+    out = ref.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=None,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=50256,
+        eos_token_id=None,
+    )
     if out.shape[1] != ids.shape[1] + new_tokens:
         raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, asked for {new_tokens}")
     return out[:, ids.shape[1] :]
@@ -108,8 +116,10 @@ class StaticDecoder:
     def capture(self, warmup: int = 2) -> None:
         """Record one step as a CUDA graph (the model and buffers must be on CUDA). Positions are not consumed."""
         if self.k.device.type != "cuda" or not torch.cuda.is_available():
-            raise UsageError(f"CUDA graphs need the model on a CUDA device (it is on {self.k.device}); "
-                             "the eager static step works on any device")
+            raise UsageError(
+                f"CUDA graphs need the model on a CUDA device (it is on {self.k.device}); "
+                "the eager static step works on any device"
+            )
         pos0 = self.pos.clone()
         k0, v0 = self.k.clone(), self.v.clone()
         s = torch.cuda.Stream()

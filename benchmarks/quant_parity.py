@@ -27,14 +27,19 @@ from gpt2_port.load import from_pretrained, locate
 from gpt2_port.quantize import quantize_int8
 from gpt2_port.tokenizer import load_tokenizer
 
-OPTION_DTYPES = {"int8": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "float32": torch.float32}
+OPTION_DTYPES = {
+    "int8": torch.float32,
+    "int8-fast": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
 
 
 def load_option(ckpt: str, option: str) -> torch.nn.Module:
     model, _ = from_pretrained(ckpt, dtype=OPTION_DTYPES[option])
-    if option == "int8":
-        quantize_int8(model)
+    if option.startswith("int8"):
+        quantize_int8(model, exact_activations=option == "int8")
     return model
 
 
@@ -79,8 +84,9 @@ def quant_parity(ckpt: str, options: list[str], prompts: list[str] | None = None
             "n_positions": int(agree_t.numel()),
             "logprob_max_abs": float(torch.cat(lp).max()),
             "disagreement_ref_margins": margins,  # reference top-1 minus top-2 logit at each disagreement
-            "ref_median_margin": float(torch.cat([(w["logits"][0].topk(2, -1).values.double().diff(dim=-1).abs())
-                                                   for w in want]).median()),
+            "ref_median_margin": float(
+                torch.cat([(w["logits"][0].topk(2, -1).values.double().diff(dim=-1).abs()) for w in want]).median()
+            ),
         }
         del model, got
     return out
@@ -89,7 +95,7 @@ def quant_parity(ckpt: str, options: list[str], prompts: list[str] | None = None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quant_parity")
     p.add_argument("ckpt")
-    p.add_argument("--options", default="int8,bfloat16,float16")
+    p.add_argument("--options", default="int8,int8-fast,bfloat16,float16")
     p.add_argument("--prompt", action="append", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)

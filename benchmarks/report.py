@@ -14,6 +14,16 @@ def _r(x: float) -> str:
     return f"{x:.2f}x"
 
 
+def _misses(par: dict) -> str:
+    m = par.get("disagreement_ref_margins") or []
+    if not m:
+        return ""
+    return (
+        f" (reference top-1 - top-2 logit gap at the misses: {', '.join(f'{x:.3f}' for x in m[:4])}; "
+        f"median gap {par['ref_median_margin']:.3f})"
+    )
+
+
 def render(res: dict) -> str:
     m, bw = res["machine"], res["membw"]
     out = [
@@ -50,13 +60,18 @@ def render(res: dict) -> str:
                 continue
             lo, lh, lr = s[f"load_s_{cache}"]
             mo, mh, mr = s[f"peak_rss_MB_{cache}"]
-            out.append(f"| {size} | {pb / 1e6:.0f} | {r['file_bytes'] / 1e6:.0f} | {cache} | {lo:.2f} / {lh:.2f} "
-                       f"| {_r(lr)} | {mo:.0f} / {mh:.0f} | {_r(mr)} | {s[f'rss_over_params_{cache}']:.2f} "
-                       f"| {s[f'load_delta_over_params_{cache}']:.2f} | {s[f'hf_rss_over_params_{cache}']:.2f} |")
+            out.append(
+                f"| {size} | {pb / 1e6:.0f} | {r['file_bytes'] / 1e6:.0f} | {cache} | {lo:.2f} / {lh:.2f} "
+                f"| {_r(lr)} | {mo:.0f} / {mh:.0f} | {_r(mr)} | {s[f'rss_over_params_{cache}']:.2f} "
+                f"| {s[f'load_delta_over_params_{cache}']:.2f} | {s[f'hf_rss_over_params_{cache}']:.2f} |"
+            )
     methods = {r.get("cache_method") for r in res["sizes"].values() if r.get("cache_method")}
     if methods:
-        out += ["", f"Cold page cache: evicted before each cold load with {', '.join(sorted(methods))}; warm: the "
-                "file was read once before the load."]
+        out += [
+            "",
+            f"Cold page cache: evicted before each cold load with {', '.join(sorted(methods))}; warm: the "
+            "file was read once before the load.",
+        ]
     out += [
         "",
         "### Prefill and decode (float32, batch 1 decode, greedy)",
@@ -71,8 +86,10 @@ def render(res: dict) -> str:
     ]
     shapes = list(next(iter(res["sizes"].values()))["runs"]["ours_float32"].get("prefill", {}))
     head = "| size | " + " | ".join(f"prefill {sh} ms (ours / hf) | ratio" for sh in shapes)
-    head += " | decode tok/s (ours / hf) | ratio | weight GB/s (ours / hf) | cap tok/s | share of cap (ours / hf) " \
-            "| same tokens |"
+    head += (
+        " | decode tok/s (ours / hf) | ratio | weight GB/s (ours / hf) | cap tok/s | share of cap (ours / hf) "
+        "| same tokens |"
+    )
     out += [head, "|" + "---|" * (head.count("|") - 1)]
     for size, r in res["sizes"].items():
         s = r["summary"]
@@ -84,19 +101,30 @@ def render(res: dict) -> str:
         wo = r["runs"]["ours_float32"]["decode"]["weight_GBps"]
         wh = r["runs"]["hf_float32"]["decode"]["weight_GBps"]
         n = r["runs"]["ours_float32"]["decode"]["new_tokens"]
-        cells += [f"{do:.1f} / {dh:.1f}", _r(dr), f"{wo:.1f} / {wh:.1f}", f"{s['decode_cap_tok_s']:.1f}",
-                  f"{100 * s['decode_share_of_cap']:.0f}% / {100 * s['hf_decode_share_of_cap']:.0f}%",
-                  f"{s['decode_tokens_match']}/{n}"]
+        cells += [
+            f"{do:.1f} / {dh:.1f}",
+            _r(dr),
+            f"{wo:.1f} / {wh:.1f}",
+            f"{s['decode_cap_tok_s']:.1f}",
+            f"{100 * s['decode_share_of_cap']:.0f}% / {100 * s['hf_decode_share_of_cap']:.0f}%",
+            f"{s['decode_tokens_match']}/{n}",
+        ]
         out.append("| " + " | ".join(cells) + " |")
-    lowp = [(size, k, r) for size, sr in res["sizes"].items() for k, r in sr["runs"].items()
-            if k.startswith("ours_") and k != "ours_float32"]
+    lowp = [
+        (size, k, r)
+        for size, sr in res["sizes"].items()
+        for k, r in sr["runs"].items()
+        if k.startswith("ours_") and k != "ours_float32"
+    ]
     if lowp:
         out += [
             "",
             "### Low precision (gpt2_port decode, batch 1; against float32 transformers)",
             "",
-            "int8 = `gpt2_port.quantize.quantize_int8`: per-output-row int8 weights for every block Linear and the "
-            "head, fbgemm dynamic int8 matmul (activations quantized per call). Parity is against transformers in "
+            "int8 = `gpt2_port.quantize.quantize_int8(model)`: per-output-row int8 weights for every block Linear "
+            "and the head, fbgemm dynamic int8 matmul plus a second pass over the activations' quantization "
+            "residual (the accuracy of weight-only int8); int8-fast = `quantize_int8(model, "
+            "exact_activations=False)`: one pass, 7-bit activations. Parity is against transformers in "
             "float32 (eager) on the parity prompts: norm-relative error of the worst block output and of the "
             "logits, top-1 next-token agreement, largest log-prob difference.",
             "",
@@ -109,11 +137,16 @@ def render(res: dict) -> str:
             opt = k.removeprefix("ours_")
             par = res["sizes"][size].get("parity", {}).get("options", {}).get(opt)
             n = r["decode"]["new_tokens"]
-            pc = (f"{par['worst_block_norm_rel']:.2e} | {par['logits_norm_rel']:.2e} | "
-                  f"{100 * par['top1_agreement']:.1f}% of {par['n_positions']} | {par['logprob_max_abs']:.3f}"
-                  if par else "- | - | - | -")
-            out.append(f"| {size} | {opt} | {r['decode']['tok_s']:.1f} | {_r(s[f'{k}_tok_s'][2])} "
-                       f"| {s[f'{k}_weight_GBps']:.1f} | {pc} | {s[f'{k}_tokens_match_hf']}/{n} |")
+            pc = (
+                f"{par['worst_block_norm_rel']:.2e} | {par['logits_norm_rel']:.2e} | "
+                f"{100 * par['top1_agreement']:.1f}% of {par['n_positions']}{_misses(par)} | {par['logprob_max_abs']:.3f}"
+                if par
+                else "- | - | - | -"
+            )
+            out.append(
+                f"| {size} | {opt} | {r['decode']['tok_s']:.1f} | {_r(s[f'{k}_tok_s'][2])} "
+                f"| {s[f'{k}_weight_GBps']:.1f} | {pc} | {s[f'{k}_tokens_match_hf']}/{n} |"
+            )
     return "\n".join(out) + "\n"
 
 

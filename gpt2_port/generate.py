@@ -51,10 +51,12 @@ class SamplingSettings:
     def validate(self) -> None:
         """UsageError naming the argument and what was expected, for values that make no distribution."""
         if self.do_sample and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-            raise UsageError(f"temperature must be > 0 when sampling, got {self.temperature} (use greedy decoding "
-                             f"for the most likely token)")
+            raise UsageError(
+                f"temperature must be > 0 when sampling, got {self.temperature} (use greedy decoding "
+                f"for the most likely token)"
+            )
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
-            raise UsageError(f"top_k must be a non-negative integer (0 or None: no top-k), got {self.top_k}")
+            raise UsageError(f"top_k must be a non-negative integer (0: no top-k), got {self.top_k}")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise UsageError(f"top_p must be in (0, 1] (1: no top-p), got {self.top_p}")
         if not (self.repetition_penalty > 0):
@@ -139,8 +141,9 @@ class Generation:
 def _check_prompt(model: GPT2, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     cfg = model.config
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-        raise UsageError(f"input_ids must be a (batch, tokens) integer tensor, got {tuple(input_ids.shape)} "
-                         f"{input_ids.dtype}")
+        raise UsageError(
+            f"input_ids must be a (batch, tokens) integer tensor, got {tuple(input_ids.shape)} {input_ids.dtype}"
+        )
     B, T = input_ids.shape
     if B == 0 or T == 0:
         raise UsageError("empty prompt: input_ids holds no tokens (expected at least one token per row)")
@@ -149,12 +152,16 @@ def _check_prompt(model: GPT2, input_ids: torch.Tensor, attention_mask: torch.Te
         bad = lo if lo < 0 else hi
         raise UsageError(f"input_ids: token id {bad} is out of range (expected 0 <= id < {cfg.vocab_size})")
     if T >= cfg.n_positions:
-        raise UsageError(f"prompt is {T} tokens; the model's context is {cfg.n_positions} tokens, so the prompt must "
-                         f"be at most {cfg.n_positions - 1} to leave room for a new token")
+        raise UsageError(
+            f"prompt is {T} tokens; the model's context is {cfg.n_positions} tokens, so the prompt must "
+            f"be at most {cfg.n_positions - 1} to leave room for a new token"
+        )
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
-            raise UsageError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
-                             f"{tuple(attention_mask.shape)}")
+            raise UsageError(
+                f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                f"{tuple(attention_mask.shape)}"
+            )
         m = attention_mask.bool()
         if not bool(m.any(dim=1).all()):
             raise UsageError("empty prompt: a row of attention_mask is all zeros (expected at least one real token)")
@@ -163,7 +170,7 @@ def _check_prompt(model: GPT2, input_ids: torch.Tensor, attention_mask: torch.Te
             raise UsageError("attention_mask must be left-padded (zeros first, then ones) in every row")
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: callers get ordinary tensors back
 def generate_full(
     model: GPT2,
     input_ids: torch.Tensor,
@@ -218,8 +225,14 @@ def generate_full(
     steps_max = min(max_new_tokens, room)
     context_limited = steps_max < max_new_tokens
     if context_limited:
-        log.info("prompt (%d tokens) + %d new tokens would pass the context of %d tokens: generation stops at "
-                    "the context after %d new tokens", T, max_new_tokens, cfg.n_positions, steps_max)
+        log.info(
+            "prompt (%d tokens) + %d new tokens would pass the context of %d tokens: generation stops at "
+            "the context after %d new tokens",
+            T,
+            max_new_tokens,
+            cfg.n_positions,
+            steps_max,
+        )
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
     gen = None
     if seed is not None:
@@ -320,9 +333,16 @@ def generate_full(
             texts[r] += rest
             emit(r, rest)
     return Generation(
-        sequences=seq[:, :S].clone(), new_ids=new_ids, texts=texts if decoders is not None else None,
-        stop_reasons=reasons, prompt_len=T, prefill_s=prefill_s, decode_s=decode_s, decode_tokens=decode_tokens,
-        context_limited=context_limited, max_new_tokens=max_new_tokens,
+        sequences=seq[:, :S].clone(),
+        new_ids=new_ids,
+        texts=texts if decoders is not None else None,
+        stop_reasons=reasons,
+        prompt_len=T,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_tokens=decode_tokens,
+        context_limited=context_limited,
+        max_new_tokens=max_new_tokens,
     )
 
 

@@ -30,8 +30,10 @@ def _engine() -> str:
     for e in ("x86", "fbgemm"):
         if e in engines:
             return e
-    raise UsageError(f"int8 needs torch's x86/fbgemm quantized backend, which this torch build lacks "
-                     f"(supported: {', '.join(engines) or 'none'}); use --dtype float32 or bfloat16")
+    raise UsageError(
+        f"int8 needs torch's x86/fbgemm quantized backend, which this torch build lacks "
+        f"(supported: {', '.join(engines) or 'none'}); use --dtype float32 or bfloat16"
+    )
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +118,11 @@ def quantize_int8(model: GPT2, head: bool = True, exact_activations: bool = True
         model.lm_head = Int8Linear(model.head_weight, None, exact_activations)
         n += 1
     model.eval().requires_grad_(False)
-    log.info("quantized %d linear layers to int8 (per-row weights, dynamic uint8 activations, %s)", n,
-             torch.backends.quantized.engine)
+    log.info(
+        "quantized %d linear layers to int8 (per-row weights, dynamic uint8 activations, %s)",
+        n,
+        torch.backends.quantized.engine,
+    )
     return model
 
 

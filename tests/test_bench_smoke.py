@@ -71,9 +71,31 @@ def test_update_markdown_keeps_other_sections(tmp_path: Path) -> None:
 
 def test_bench_end_to_end(tiny_official: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, md = tmp_path / "r.json", tmp_path / "B.md"
-    rc = cli_main(["bench", "--sizes", str(tiny_official), "--new-tokens", "3", "--prompt-len", "4",
-                   "--prefill", "1x8,2x8", "--lowp", "int8", "--no-cold", "--no-parity", "--max-seconds", "0.1",
-                   "--membw-mb", "16", "--out", str(out), "--markdown", str(md)])
+    rc = cli_main(
+        [
+            "bench",
+            "--sizes",
+            str(tiny_official),
+            "--new-tokens",
+            "3",
+            "--prompt-len",
+            "4",
+            "--prefill",
+            "1x8,2x8",
+            "--lowp",
+            "int8",
+            "--no-cold",
+            "--no-parity",
+            "--max-seconds",
+            "0.1",
+            "--membw-mb",
+            "16",
+            "--out",
+            str(out),
+            "--markdown",
+            str(md),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert {"command", "machine", "membw", "settings", "sizes"} <= set(res)

@@ -61,6 +61,7 @@ def test_quantize_model_close_to_float(tiny_official) -> None:  # noqa: ANN001
         steps = [model(ids[:, t : t + 1], cache=cache) for t in range(8, 12)]
     assert got.shape == ref.shape
     assert float((got - ref).norm() / ref.norm()) < 0.1
+
     # activations are quantized per call (one range per input tensor), so cached steps differ from the full pass
     # by quantization noise only
     def rel(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -98,7 +98,9 @@ def test_decode_of_arbitrary_ids_matches_transformers(tok, hf_tok) -> None:
     byte_tokens = [i for i in range(50257) if len(tok.decode_bytes([i])) == 1 and tok.decode_bytes([i])[0] >= 0x80]
     assert len(byte_tokens) > 60
     for _ in range(200):
-        ids = [rng.choice(byte_tokens) if rng.random() < 0.5 else rng.randrange(50257) for _ in range(rng.randrange(1, 12))]
+        ids = [
+            rng.choice(byte_tokens) if rng.random() < 0.5 else rng.randrange(50257) for _ in range(rng.randrange(1, 12))
+        ]
         assert tok.decode(ids) == hf_tok.decode(ids), ids
 
 
@@ -135,7 +137,9 @@ def test_stream_decoder_matches_decode_on_random_ids(tok) -> None:
     """Whatever the ids, the streamed text is exactly decode(ids), invalid bytes included."""
     rng = random.Random(1)
     for _ in range(200):
-        ids = [rng.randrange(50257) if rng.random() < 0.5 else rng.randrange(128, 256) for _ in range(rng.randrange(1, 15))]
+        ids = [
+            rng.randrange(50257) if rng.random() < 0.5 else rng.randrange(128, 256) for _ in range(rng.randrange(1, 15))
+        ]
         assert "".join(_stream(tok, ids)) == tok.decode(ids), ids
     d = tok.stream_decoder()  # a truncated character at the end becomes one U+FFFD at flush, as decode gives
     ids = tok.encode("🎉")[:-1]

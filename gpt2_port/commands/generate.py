@@ -24,34 +24,68 @@ others print when the batch is done); generation ends at <|endoftext|>, at a --s
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a GPT-2 checkpoint, streamed as it comes",
-                       description="Load MODEL into the scratch GPT-2 and continue PROMPT, streaming the text. Greedy "
-                       "decoding gives the same tokens as transformers' generate(do_sample=False).",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a GPT-2 checkpoint, streamed as it comes",
+        description="Load MODEL into the scratch GPT-2 and continue PROMPT, streaming the text. Greedy "
+        "decoding gives the same tokens as transformers' generate(do_sample=False).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model", metavar="MODEL", help="checkpoint directory, .safetensors file, or Hub id (gpt2, ...)")
     p.add_argument("prompt", metavar="PROMPT", help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=50, metavar="N", help="new tokens per sample (default 50)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (deterministic)")
-    p.add_argument("--temperature", type=float, default=None, metavar="T",
-                   help=f"sampling temperature > 0 (default {DEFAULT_TEMPERATURE})")
-    p.add_argument("--top-k", type=int, default=None, metavar="K",
-                   help=f"sample among the K most likely tokens; 0 turns it off (default {DEFAULT_TOP_K})")
-    p.add_argument("--top-p", type=float, default=None, metavar="P",
-                   help="nucleus sampling: the fewest tokens whose probability reaches P, in (0, 1] (default 1: off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
-                   help="> 1 makes tokens already in the text less likely (default 1.0: off)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        metavar="T",
+        help=f"sampling temperature > 0 (default {DEFAULT_TEMPERATURE})",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"sample among the K most likely tokens; 0 turns it off (default {DEFAULT_TOP_K})",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="nucleus sampling: the fewest tokens whose probability reaches P, in (0, 1] (default 1: off)",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="> 1 makes tokens already in the text less likely (default 1.0: off)",
+    )
     p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed: the same seed, the same output")
     p.add_argument("--num-samples", type=int, default=1, metavar="N", help="samples of the prompt, as one batch")
-    p.add_argument("--stop", action="append", default=None, metavar="STR",
-                   help="stop a sample when its new text contains STR (repeatable)")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="STR",
+        help="stop a sample when its new text contains STR (repeatable)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
     p.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)")
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        default=None,
+        help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)",
+    )
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; for checks)")
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help="write prompt_ids, generated_ids, texts and the timings as JSON")
+    p.add_argument(
+        "--json", metavar="PATH", default=None, help="write prompt_ids, generated_ids, texts and the timings as JSON"
+    )
     p.set_defaults(func=run)
 
 
@@ -61,8 +95,11 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
     from ..generate import SamplingSettings
 
     if args.greedy:
-        given = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k), ("--top-p", args.top_p))
-                 if v is not None]
+        given = [
+            f
+            for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k), ("--top-p", args.top_p))
+            if v is not None
+        ]
         if given:
             raise UsageError(f"--greedy cannot be combined with {', '.join(given)} (those are sampling options)")
     s = SamplingSettings(
@@ -76,16 +113,25 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
         s.validate()
     except UsageError as e:  # name the flag rather than the keyword argument
         msg = str(e)
-        for kw, flag in (("temperature", "--temperature"), ("top_k", "--top-k"), ("top_p", "--top-p"),
-                         ("repetition_penalty", "--repetition-penalty")):
+        for kw, flag in (
+            ("temperature", "--temperature"),
+            ("top_k", "--top-k"),
+            ("top_p", "--top-p"),
+            ("repetition_penalty", "--repetition-penalty"),
+        ):
             if msg.startswith(kw + " "):
-                msg = flag + msg[len(kw):]
+                msg = flag + msg[len(kw) :]
                 break
         raise UsageError(msg) from None
     if args.greedy:
         return {"do_sample": False, "repetition_penalty": s.repetition_penalty}
-    return {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
-            "repetition_penalty": s.repetition_penalty}
+    return {
+        "do_sample": True,
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "repetition_penalty": s.repetition_penalty,
+    }
 
 
 def peak_rss_mb() -> float:
@@ -125,8 +171,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("PROMPT encodes to no tokens: expected some text to continue")
     n_ctx = model.config.n_positions
     if len(prompt_ids) >= n_ctx:
-        raise UsageError(f"PROMPT is {len(prompt_ids)} tokens; the model's context is {n_ctx} tokens, so it must be at "
-                         f"most {n_ctx - 1} tokens")
+        raise UsageError(
+            f"PROMPT is {len(prompt_ids)} tokens; the model's context is {n_ctx} tokens, so it must be at "
+            f"most {n_ctx - 1} tokens"
+        )
 
     n = args.num_samples
     out = sys.stdout
@@ -140,9 +188,18 @@ def run(args: argparse.Namespace) -> int:
             out.write(text)
             out.flush()
 
-    g = generate_full(model, torch.tensor([prompt_ids]), args.max_new_tokens, seed=args.seed,
-                      num_return_sequences=n, stop_strings=args.stop, tokenizer=tok, on_text=on_text,
-                      use_cache=not args.no_cache, **sampling)
+    g = generate_full(
+        model,
+        torch.tensor([prompt_ids]),
+        args.max_new_tokens,
+        seed=args.seed,
+        num_return_sequences=n,
+        stop_strings=args.stop,
+        tokenizer=tok,
+        on_text=on_text,
+        use_cache=not args.no_cache,
+        **sampling,
+    )
     texts = g.texts or []
     out.write("\n")
     for i in range(1, n):
@@ -153,17 +210,30 @@ def run(args: argparse.Namespace) -> int:
     made = sum(len(r) for r in g.new_ids)
     err = sys.stderr
     if g.context_limited:
-        err.write(f"stopped at the context limit: the prompt is {len(prompt_ids)} tokens and the model sees at most "
-                  f"{n_ctx}, so {n_ctx - len(prompt_ids)} of the {args.max_new_tokens} new tokens asked for were made\n")
-    err.write(f"load {report.load_s:.2f}s | prefill {g.prefill_s * 1000:.0f} ms ({len(prompt_ids)} tokens) | decode "
-              f"{g.decode_tok_per_s:.1f} tok/s ({made} new tokens{f' in {n} samples' if n > 1 else ''}) | peak RSS "
-              f"{rss:.0f} MB | {device} {str(dtype).removeprefix('torch.')}\n")
+        err.write(
+            f"stopped at the context limit: the prompt is {len(prompt_ids)} tokens and the model sees at most "
+            f"{n_ctx}, so {n_ctx - len(prompt_ids)} of the {args.max_new_tokens} new tokens asked for were made\n"
+        )
+    err.write(
+        f"load {report.load_s:.2f}s | prefill {g.prefill_s * 1000:.0f} ms ({len(prompt_ids)} tokens) | decode "
+        f"{g.decode_tok_per_s:.1f} tok/s ({made} new tokens{f' in {n} samples' if n > 1 else ''}) | peak RSS "
+        f"{rss:.0f} MB | {device} {str(dtype).removeprefix('torch.')}\n"
+    )
     if args.json:
         data = {
-            "prompt_ids": prompt_ids, "generated_ids": g.new_ids, "texts": texts,
-            "load_s": report.load_s, "prefill_s": g.prefill_s, "decode_tok_per_s": g.decode_tok_per_s,
-            "peak_rss_mb": rss, "stop_reasons": g.stop_reasons, "model": args.model, "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."), "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+            "prompt_ids": prompt_ids,
+            "generated_ids": g.new_ids,
+            "texts": texts,
+            "load_s": report.load_s,
+            "prefill_s": g.prefill_s,
+            "decode_tok_per_s": g.decode_tok_per_s,
+            "peak_rss_mb": rss,
+            "stop_reasons": g.stop_reasons,
+            "model": args.model,
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens,
             **sampling,
         }
         atomic_write_text(args.json, json.dumps(data, indent=2) + "\n")
