@@ -108,6 +108,43 @@ def seen_tokens(input_ids: torch.Tensor, vocab_size: int, attention_mask: torch.
     return seen[:, :vocab_size]
 
 
+# ---------------------------------------------------------------------------------------------- greedy head
+class FastGreedyHead:
+    """Greedy next tokens from a transposed copy of the head weight, used only when provably the exact argmax.
+
+    On CPU a matrix-vector product runs ~30% faster with the weight laid out (C, V) than (V, C), and the head is the
+    largest single read of a decode step. The two layouts sum in different orders, so their logits differ in the last
+    bits. Each is within gamma_n * sum_i |h_i w_ji| <= gamma_n * |h| * |w_j| of the true dot product (Higham, any
+    summation order; gamma_n = n u / (1 - n u), u = 2^-24, n = C), so when the fast top-1 leads the fast top-2 by more
+    than twice that bound (times 2 for safety), the exact logits have the same unique argmax. Otherwise the exact
+    logits are computed as usual. Costs one (C, V) copy of the head weight while generating (154 MB for GPT-2).
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        V, C = weight.shape
+        u = 2.0**-24
+        gamma = C * u / (1 - C * u)
+        self.wt = weight.detach().t().contiguous()  # (C, V)
+        self.scale = 2 * 2 * gamma * float(weight.detach().norm(dim=1).max())
+
+    @staticmethod
+    def usable(model: GPT2) -> bool:
+        """float32 on CPU (no reduced-precision matmul), a plain head, and no recording of the logits."""
+        plain = model.lm_head is None or type(model.lm_head) is torch.nn.Linear
+        return plain and model.device.type == "cpu" and model.dtype == torch.float32 and model._rec is None
+
+    def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
+        """(B, C) float32 final hidden states -> (B,) the exact argmax, or None when the margin is too thin."""
+        fast = h @ self.wt  # (B, V)
+        best = fast.argmax(dim=-1, keepdim=True)  # (B, 1)
+        top1 = fast.gather(1, best)[:, 0]
+        top2 = fast.scatter(1, best, -float("inf")).amax(dim=-1)  # (topk is several times slower on CPU)
+        bound = self.scale * h.norm(dim=-1)  # (B,)
+        if bool(((top1 - top2) > bound).all()):
+            return best[:, 0]
+        return None
+
+
 # ---------------------------------------------------------------------------------------------- the loop
 @dataclass
 class Generation:
@@ -189,8 +226,13 @@ def generate_full(
     tokenizer: Tokenizer | None = None,
     on_text: TextCallback | None = None,
     use_cache: bool = True,
+    fast_head: bool = True,
 ) -> Generation:
-    """Generate up to `max_new_tokens` per row; see the module docstring for the rules. Returns a `Generation`."""
+    """Generate up to `max_new_tokens` per row; see the module docstring for the rules. Returns a `Generation`.
+
+    fast_head: for greedy float32 on CPU without a repetition penalty, pick tokens through `FastGreedyHead` (the
+    same tokens, proven per step; falls back to the exact logits when it cannot prove it).
+    """
     settings = SamplingSettings(do_sample, temperature, top_k, top_p, repetition_penalty)
     settings.validate()
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -261,6 +303,10 @@ def generate_full(
             on_text(row, text)
 
     t0 = time.perf_counter()
+    greedy_head = None
+    if fast_head and not do_sample and repetition_penalty == 1.0 and FastGreedyHead.usable(model):
+        greedy_head = FastGreedyHead(model.head_weight)
+    exact_steps = 0
     prefill_s = 0.0
     decode_tokens = 0
     S = T  # tokens in the sequence so far
@@ -270,13 +316,20 @@ def generate_full(
         else:
             x = seq[:, :S]
         mask = full_mask[:, :S] if full_mask is not None else None
-        logits = model(x, attention_mask=mask, cache=cache, last_only=True)[:, -1].float()  # (B, V)
-        scores = process_logits(logits, seen, settings)
-        if do_sample:
-            probs = F.softmax(scores, dim=-1)
-            nxt = torch.multinomial(probs, num_samples=1, generator=gen).squeeze(1)  # (B,)
+        if greedy_head is not None:
+            h = model(x, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)  # (B, 1, C)
+            nxt = greedy_head.argmax(h[:, -1])
+            if nxt is None:
+                exact_steps += 1
+                nxt = torch.argmax(model.head(h)[:, -1].float(), dim=-1)
         else:
-            nxt = torch.argmax(scores, dim=-1)
+            logits = model(x, attention_mask=mask, cache=cache, last_only=True)[:, -1].float()  # (B, V)
+            scores = process_logits(logits, seen, settings)
+            if do_sample:
+                probs = F.softmax(scores, dim=-1)
+                nxt = torch.multinomial(probs, num_samples=1, generator=gen).squeeze(1)  # (B,)
+            else:
+                nxt = torch.argmax(scores, dim=-1)
         nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
         seq[:, S] = nxt
         S += 1
@@ -343,6 +396,7 @@ def generate_full(
         decode_tokens=decode_tokens,
         context_limited=context_limited,
         max_new_tokens=max_new_tokens,
+        extra={"fast_head": greedy_head is not None, "exact_head_steps": exact_steps},
     )
 
 

@@ -293,8 +293,9 @@ class GPT2(nn.Module):
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
         last_only: bool = False,
+        hidden_only: bool = False,
     ) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, V) logits ((B, 1, V) with last_only).
+        """(B, T) token ids -> (B, T, V) logits ((B, 1, V) with last_only; ln_f's (B, T|1, C) with hidden_only).
 
         attention_mask: (B, S) 1 for real tokens, 0 for (left) padding, S = cached + new tokens.
         position_ids: (B, T); derived from attention_mask when it is given, else counted from the cache length.
@@ -328,11 +329,16 @@ class GPT2(nn.Module):
             rec("ln_f", x)
         if last_only:
             x = x[:, -1:]
-        # (B, T, V); a replaced head (e.g. gpt2_port.quantize's int8 head) is called as a module
-        logits = F.linear(x, self.wte.weight) if self.lm_head is None else self.lm_head(x)
+        if hidden_only:
+            return x
+        logits = self.head(x)  # (B, T, V)
         if rec is not None:
             rec("logits", logits)
         return logits
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., C) final hidden states -> (..., V) logits. A replaced head (e.g. quantize's int8 head) is a module."""
+        return F.linear(x, self.wte.weight) if self.lm_head is None else self.lm_head(x)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied head is one parameter, counted once

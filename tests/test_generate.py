@@ -432,3 +432,21 @@ def test_fused_qkv_view_is_bit_exact(tiny_official: Path) -> None:
         assert fused_qkv(m.h[0].attn.q_proj, m.h[0].attn.k_proj, m.h[0].attn.v_proj) is None
         separate = m(ids)
     torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-5)  # bit-equal with MKL; BLAS may order sums
+
+
+def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transposed-head shortcut picks the same tokens as the exact logits; with no margin it falls back."""
+    from gpt2_port.generate import FastGreedyHead
+
+    ids, mask = _left_pad(PROMPTS)
+    fast = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None)
+    exact = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None, fast_head=False)
+    assert fast.extra["fast_head"] and not exact.extra["fast_head"]
+    assert fast.sequences.tolist() == exact.sequences.tolist()
+    assert fast.extra["exact_head_steps"] < 60  # the shortcut did the work
+    h = torch.randn(4, CHAOTIC.n_embd)
+    head = FastGreedyHead(model.head_weight)
+    assert torch.equal(head.argmax(h), torch.argmax(model.head(h), dim=-1))  # margins are wide on this model
+    monkeypatch.setattr(FastGreedyHead, "argmax", lambda self, h: None)  # never provable: always the exact logits
+    forced = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None)
+    assert forced.extra["exact_head_steps"] == 60 and forced.sequences.tolist() == exact.sequences.tolist()
