@@ -5,5 +5,15 @@ from .errors import CheckpointError, ConfigError, GPT2PortError, HubError, Usage
 from .model import GPT2, KVCache
 
 __version__ = "0.1.0"
-__all__ = ["GPT2", "GPT2Config", "KVCache", "PRESETS", "GPT2PortError", "CheckpointError", "ConfigError",
-           "HubError", "UsageError", "__version__"]
+__all__ = [
+    "GPT2",
+    "GPT2Config",
+    "KVCache",
+    "PRESETS",
+    "GPT2PortError",
+    "CheckpointError",
+    "ConfigError",
+    "HubError",
+    "UsageError",
+    "__version__",
+]

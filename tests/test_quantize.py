@@ -75,3 +75,25 @@ def test_quantize_refuses_low_precision(tiny_official) -> None:  # noqa: ANN001
     model, _ = from_pretrained(tiny_official, dtype="bfloat16")
     with pytest.raises(UsageError, match="float32"):
         quantize_int8(model)
+
+
+def test_generate_cli_int8(tiny_official, tmp_path, capsys) -> None:  # noqa: ANN001
+    """`gpt2-port generate --quantize int8` (and its alias --dtype int8) decodes with the int8 model."""
+    import json
+
+    from gpt2_port.cli import main
+
+    outs = []
+    for flag in (["--quantize", "int8"], ["--dtype", "int8"], []):
+        out = tmp_path / f"g{len(outs)}.json"
+        rc = main(["generate", str(tiny_official), "Hello there", "--greedy", "--max-new-tokens", "8", *flag,
+                   "--json", str(out)])  # fmt: skip
+        assert rc == 0
+        outs.append(json.loads(out.read_text()))
+    err = capsys.readouterr().err
+    assert "cpu int8" in err and "cpu float32" in err
+    assert outs[0]["dtype"] == outs[1]["dtype"] == "int8" and outs[2]["dtype"] == "float32"
+    assert outs[0]["generated_ids"] == outs[1]["generated_ids"]
+    assert len(outs[0]["generated_ids"][0]) == 8
+    assert main(["generate", str(tiny_official), "Hi", "--quantize", "int8", "--dtype", "bfloat16"]) == 2
+    assert "--quantize int8 runs on CPU from float32 weights" in capsys.readouterr().err

@@ -74,7 +74,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="stop a sample when its new text contains STR (repeatable)",
     )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
-    p.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
+    p.add_argument(
+        "--dtype", default="float32", help="float32 (default), float16, bfloat16, or int8 (same as --quantize int8)"
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int8"],
+        default=None,
+        help="int8: weight-only int8 decode on CPU (per-row int8 weights of every block Linear and the head; "
+        "LayerNorm, attention and the KV cache stay float32); loads float32, then quantizes",
+    )
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument(
         "--tokenizer",
@@ -159,12 +168,23 @@ def run(args: argparse.Namespace) -> int:
     if args.stop is not None and any(not s for s in args.stop):
         raise UsageError("--stop needs a non-empty string")
     sampling = sampling_from_args(args)
+    quantize = args.quantize
+    if str(args.dtype).lower() == "int8":
+        quantize, args.dtype = "int8", "float32"
     dtype = parse_dtype(args.dtype)
     device = parse_device(args.device)
+    if quantize and (device.type != "cpu" or dtype != torch.float32):
+        raise UsageError(
+            f"--quantize int8 runs on CPU from float32 weights; got --device {device} --dtype {args.dtype}"
+        )
     if args.json:
         check_writable(args.json, "--json")
 
     model, report = from_pretrained(args.model, dtype=dtype, device=device, revision=args.revision)
+    if quantize:
+        from ..quantize import quantize_int8
+
+        quantize_int8(model)
     tok = load_tokenizer(args.tokenizer if args.tokenizer else report.checkpoint.root)
     prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
@@ -217,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     err.write(
         f"load {report.load_s:.2f}s | prefill {g.prefill_s * 1000:.0f} ms ({len(prompt_ids)} tokens) | decode "
         f"{g.decode_tok_per_s:.1f} tok/s ({made} new tokens{f' in {n} samples' if n > 1 else ''}) | peak RSS "
-        f"{rss:.0f} MB | {device} {str(dtype).removeprefix('torch.')}\n"
+        f"{rss:.0f} MB | {device} {quantize or str(dtype).removeprefix('torch.')}\n"
     )
     if args.json:
         data = {
@@ -231,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
             "stop_reasons": g.stop_reasons,
             "model": args.model,
             "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": quantize or str(dtype).removeprefix("torch."),
             "seed": args.seed,
             "max_new_tokens": args.max_new_tokens,
             **sampling,
