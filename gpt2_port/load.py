@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -280,6 +280,17 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
             )
         return out
 
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Read-ahead advice for these tensors (safetensors files only; see SafetensorsFile.prefetch)."""
+        by_source: dict[int, list[str]] = {}
+        for k in keys:
+            i, name = self._where[k]
+            by_source.setdefault(i, []).append(name)
+        for i, names in by_source.items():
+            src = self._sources[i]
+            if isinstance(src, SafetensorsFile):
+                src.prefetch(names)
+
     def file_of(self, key: str) -> Path:
         return self.files[self._where[key][0]]
 
@@ -405,8 +416,9 @@ def from_pretrained(
     t0 = time.perf_counter()
     dt = parse_dtype(dtype)
     dev = parse_device(device)
-    _, report = convert_checkpoint(model, revision)
+    sd, report = convert_checkpoint(model, revision)
     cfg, state = report.config, report.conversion.state
+    sd.prefetch(k for k in sd if k not in report.conversion.dropped)  # cold cache: one sequential read, not faults
     if check_finite:
         report.nonfinite = nonfinite_tensors(state)
     with torch.device("meta"), _no_random_init():
