@@ -396,7 +396,7 @@ def test_cli_samples_seed_and_stop(tiny_official: Path, tmp_path: Path, capsys: 
         (["--top-k", "-1"], "--top-k"),
         (["--greedy", "--temperature", "0.5"], "--greedy"),
         (["--device", "tpu"], "device"),
-        (["--dtype", "int8"], "dtype"),
+        (["--dtype", "float8"], "dtype"),
         (["--json", "/nonexistent-dir/x.json"], "--json"),
     ],
 )
