@@ -450,3 +450,16 @@ def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytes
     monkeypatch.setattr(FastGreedyHead, "argmax", lambda self, h: None)  # never provable: always the exact logits
     forced = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None)
     assert forced.extra["exact_head_steps"] == 60 and forced.sequences.tolist() == exact.sequences.tolist()
+
+
+def test_fast_greedy_head_is_cached_and_follows_the_weight(tiny_official: Path) -> None:
+    """The transposed head copy is made once per model, and rebuilt when the head weight changes."""
+    from gpt2_port.generate import FastGreedyHead
+
+    m = GPT2.from_pretrained(str(tiny_official))
+    first = FastGreedyHead.for_model(m)
+    assert FastGreedyHead.for_model(m) is first
+    with torch.no_grad():
+        m.wte.weight.mul_(2.0)  # in place: the copy is stale
+    second = FastGreedyHead.for_model(m)
+    assert second is not first and torch.equal(second.wt, m.wte.weight.t())
