@@ -76,3 +76,21 @@ def test_real_process_exit_codes(tiny_official: Path, tmp_path: Path):
     assert missing.stderr.count("\n") == 1 and "nope: no such file or directory" in missing.stderr
     bad_arg = run("parity", str(tiny_official), "--reference-attn", "flash")
     assert bad_arg.returncode == 2 and bad_arg.stderr.count("\n") == 1 and "--reference-attn" in bad_arg.stderr
+
+
+def test_library_never_imports_transformers(tiny_official: Path, tmp_path: Path):
+    """gpt2_port (every module, and a load + generate + inspect through the CLI) runs without importing transformers."""
+    code = f"""
+import sys, pkgutil, importlib
+import gpt2_port
+for m in pkgutil.walk_packages(gpt2_port.__path__, "gpt2_port."):
+    if m.name != "gpt2_port.__main__":
+        importlib.import_module(m.name)
+from gpt2_port.cli import main
+assert main(["inspect", {str(tiny_official)!r}]) == 0
+assert main(["generate", {str(tiny_official)!r}, "Hi", "--greedy", "--max-new-tokens", "3"]) == 0
+print("transformers" in sys.modules)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False"

@@ -4,6 +4,7 @@ weights as heatmaps, queries and keys labelled by their tokens. --compare also d
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,10 +54,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"the plotting code is not importable ({e}): reinstall gpt2-port") from None
     require_matplotlib("--png")
     if args.compare:
-        try:
-            import transformers  # noqa: F401  (checked here, used in checks/)
-        except ImportError:
-            raise UsageError("--compare needs transformers: pip install 'gpt2-port[check]'") from None
+        if importlib.util.find_spec("transformers") is None:  # checked here, imported in checks/ only
+            raise UsageError("--compare needs transformers: pip install 'gpt2-port[check]'")
     from checks import attention_maps
 
     dt, dev = parse_dtype(args.dtype), parse_device(args.device)

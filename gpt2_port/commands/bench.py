@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -11,12 +12,8 @@ def _benchmarks():  # noqa: ANN202
     """Import benchmarks.bench lazily: it needs transformers and lives in the source checkout, not in the wheel."""
     from ..errors import UsageError
 
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise UsageError(
-            f"the benchmark needs transformers ({e.name or e} is not importable): pip install 'gpt2-port[check]'"
-        ) from None
+    if importlib.util.find_spec("transformers") is None:  # checked, never imported here: the library stays free of it
+        raise UsageError("the benchmark needs transformers, which is not installed: pip install 'gpt2-port[check]'")
     repo = Path(__file__).resolve().parents[2]
     if (repo / "benchmarks" / "bench.py").is_file() and str(repo) not in sys.path:
         sys.path.insert(0, str(repo))
