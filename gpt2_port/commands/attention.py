@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
+from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -17,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "matplotlib (pip install 'gpt2-port[plot]'); --compare needs transformers "
         "(pip install 'gpt2-port[check]').",
     )
-    p.add_argument("model", metavar="MODEL", help="checkpoint directory, .safetensors file, or Hub id (gpt2, ...)")
+    add_model_arg(p)
     p.add_argument("text", metavar="TEXT", help="the text to run")
     p.add_argument("--layer", type=int, required=True, help="block index, 0-based (negative counts from the end)")
     p.add_argument("--head", type=int, default=None, help="one head, 0-based (default: every head of the layer)")
@@ -29,13 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
-    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    p.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        default=None,
-        help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)",
-    )
+    add_revision_arg(p)
+    add_tokenizer_arg(p)
     p.set_defaults(func=run)
 
 

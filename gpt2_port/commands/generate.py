@@ -7,6 +7,8 @@ import json
 import resource
 import sys
 
+from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
+
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 50
 
@@ -32,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", metavar="MODEL", help="checkpoint directory, .safetensors file, or Hub id (gpt2, ...)")
+    add_model_arg(p)
     p.add_argument("prompt", metavar="PROMPT", help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=50, metavar="N", help="new tokens per sample (default 50)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (deterministic)")
@@ -84,13 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="int8: weight-only int8 decode on CPU (per-row int8 weights of every block Linear and the head; "
         "LayerNorm, attention and the KV cache stay float32); loads float32, then quantizes",
     )
-    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    p.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        default=None,
-        help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)",
-    )
+    add_revision_arg(p)
+    add_tokenizer_arg(p)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; for checks)")
     p.add_argument(
         "--json", metavar="PATH", default=None, help="write prompt_ids, generated_ids, texts and the timings as JSON"

@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import json
 
+from .common import add_model_arg, add_revision_arg
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -15,8 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tensor count, parameters and bytes, how each tensor maps onto the scratch model, and the "
         "buffers dropped, without running the model.",
     )
-    p.add_argument("model", metavar="MODEL", help="checkpoint directory, .safetensors file, or Hub id (gpt2, ...)")
-    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    add_model_arg(p)
+    add_revision_arg(p)
     p.add_argument(
         "--check-finite",
         action="store_true",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -14,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Exit 0 on pass, 1 on a parity failure, 2 on a usage or input error. Needs transformers "
         "(pip install 'gpt2-port[check]').",
     )
-    p.add_argument("model", metavar="MODEL", help="checkpoint directory, .safetensors file, or Hub id (gpt2, ...)")
+    add_model_arg(p)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); replaces the defaults")
     p.add_argument("--prompt-file", default=None, help="a UTF-8 file with one prompt per non-empty line")
     p.add_argument(
@@ -41,13 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the scratch model's attention path: auto (default) runs the same kind of kernel as the "
         "reference (manual against eager, sdpa against sdpa); sdpa or manual force one",
     )
-    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    p.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        default=None,
-        help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)",
-    )
+    add_revision_arg(p)
+    add_tokenizer_arg(p)
     p.add_argument(
         "--detail",
         default="block",
