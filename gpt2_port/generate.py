@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .decode import DecodePlan
 from .errors import UsageError
 from .model import GPT2, KVCache
 from .tokenizer import EOT_ID, StreamDecoder, Tokenizer
@@ -242,11 +243,14 @@ def generate_full(
     on_text: TextCallback | None = None,
     use_cache: bool = True,
     fast_head: bool = True,
+    fast_step: bool = True,
 ) -> Generation:
     """Generate up to `max_new_tokens` per row; see the module docstring for the rules. Returns a `Generation`.
 
     fast_head: for greedy float32 on CPU without a repetition penalty, pick tokens through `FastGreedyHead` (the
     same tokens, proven per step; falls back to the exact logits when it cannot prove it).
+    fast_step: run the decode steps through `DecodePlan` (the forward's ops without module dispatch; bit-identical
+    hidden states) when the model allows it; False: `model.forward` every step.
     """
     settings = SamplingSettings(do_sample, temperature, top_k, top_p, repetition_penalty)
     settings.validate()
@@ -321,6 +325,7 @@ def generate_full(
     greedy_head = None
     if fast_head and not do_sample and repetition_penalty == 1.0 and FastGreedyHead.usable(model):
         greedy_head = FastGreedyHead.for_model(model)
+    plan = DecodePlan.for_model(model) if cache is not None and fast_step else None
     exact_steps = 0
     prefill_s = 0.0
     decode_tokens = 0
@@ -331,14 +336,17 @@ def generate_full(
         else:
             x = seq[:, :S]
         mask = full_mask[:, :S] if full_mask is not None else None
-        if greedy_head is not None:
+        if plan is not None and step > 0:  # the forward's ops without module dispatch (bit-identical)
+            h = plan.step(x, cache, mask)  # (B, 1, C)
+        else:
             h = model(x, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)  # (B, 1, C)
+        if greedy_head is not None:
             nxt = greedy_head.argmax(h[:, -1])
             if nxt is None:
                 exact_steps += 1
                 nxt = torch.argmax(model.head(h)[:, -1].float(), dim=-1)
         else:
-            logits = model(x, attention_mask=mask, cache=cache, last_only=True)[:, -1].float()  # (B, V)
+            logits = model.head(h)[:, -1].float()  # (B, V)
             scores = process_logits(logits, seen, settings)
             if do_sample:
                 probs = F.softmax(scores, dim=-1)
@@ -411,7 +419,7 @@ def generate_full(
         decode_tokens=decode_tokens,
         context_limited=context_limited,
         max_new_tokens=max_new_tokens,
-        extra={"fast_head": greedy_head is not None, "exact_head_steps": exact_steps},
+        extra={"fast_head": greedy_head is not None, "exact_head_steps": exact_steps, "fast_step": plan is not None},
     )
 
 
