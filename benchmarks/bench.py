@@ -1,7 +1,9 @@
 """The benchmark: gpt2_port against transformers on the same random-weight checkpoints, in one run.
 
-For every size: load time and peak RSS (one fresh process per load; cold then warm page cache), prefill latency
-(B x T tokens filling a KV cache, last-position logits), greedy decode tok/s (batch 1), and the low-precision
+For every size: load time and peak RSS (one fresh process per load, ours and transformers alternating, several
+rounds, cold then warm page cache; the median load stands), prefill latency (B x T tokens filling a KV cache,
+last-position logits) and greedy decode tok/s (batch 1), both timed in one process holding both models with their
+runs interleaved (so machine noise hits both alike), and the low-precision
 options (int8, bfloat16, float16: decode speed, and parity against the float32 transformers reference).
 Results go to JSON and to a Markdown section of BENCHMARKS.md (between `<!-- bench:begin -->` and `<!-- bench:end -->`).
 
@@ -60,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--membw-mb", type=int, default=1024, help="size of the bandwidth test tensor (default 1024 MiB)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-page-cache loads")
+    p.add_argument(
+        "--load-rounds",
+        type=int,
+        default=3,
+        help="fresh-process loads per implementation and cache state, alternating ours/transformers; the median "
+        "stands (default 3)",
+    )
     p.add_argument("--no-parity", action="store_true", help="skip the low-precision parity reports")
     p.add_argument("--out", default="benchmarks/results.json", help="JSON results (default benchmarks/results.json)")
     p.add_argument("--markdown", default=None, help="write/refresh the results section of this Markdown file")
@@ -108,7 +117,7 @@ def run_worker(spec: dict, log: list[str]) -> dict:
         )
     res = json.loads(p.stdout.strip().splitlines()[-1])
     res["process_wall_s"] = wall
-    log.append(f"{spec['impl']:>5} {res.get('dtype', ''):>8} {spec.get('cache', ''):>5}  {wall:6.1f}s")
+    log.append(f"{spec['impl']:>5} {spec.get('dtype', 'float32'):>8} {spec.get('cache', ''):>5}  {wall:6.1f}s")
     return res
 
 
@@ -175,15 +184,24 @@ def bench_size(size: str, a: argparse.Namespace, log: list[str]) -> dict:
     }
     out: dict = {"size": size, "ckpt": str(d), "file_bytes": file_bytes, "loads": {}, "runs": {}}
     log.append(f"[{size}] {d} ({file_bytes / 1e9:.2f} GB)")
-    if not a.no_cold:
-        for impl in ("ours", "hf"):
-            out["cache_method"] = drop_page_cache(files)
-            out["loads"][f"{impl}_cold"] = run_worker({**base, "impl": impl, "tasks": [], "cache": "cold"}, log)
+    # Loads: one fresh process per load; ours and transformers alternate, `--load-rounds` times per cache state, and
+    # the run with the median load time stands for each (all runs are kept in "load_runs").
+    for cache in ([] if a.no_cold else ["cold"]) + ["warm"]:
+        runs: dict[str, list[dict]] = {"ours": [], "hf": []}
+        for r in range(a.load_rounds):
+            for impl in ("ours", "hf") if r % 2 == 0 else ("hf", "ours"):
+                if cache == "cold":
+                    out["cache_method"] = drop_page_cache(files)
+                else:
+                    warm_page_cache(files)
+                runs[impl].append(run_worker({**base, "impl": impl, "tasks": [], "cache": cache}, log))
+        for impl, rs in runs.items():
+            med = sorted(rs, key=lambda x: x["load_s"])[len(rs) // 2]
+            out["loads"][f"{impl}_{cache}"] = {**med, "load_runs": [x["load_s"] for x in rs]}
+    # Speed: both implementations in one process, prefill and decode runs interleaved (benchmarks.worker.interleaved)
     warm_page_cache(files)
-    for impl in ("ours", "hf"):  # warm loads, then prefill and decode in the same process
-        r = run_worker({**base, "impl": impl, "tasks": ["prefill", "decode"], "cache": "warm"}, log)
-        out["loads"][f"{impl}_warm"] = {k: v for k, v in r.items() if k not in ("prefill", "decode")}
-        out["runs"][f"{impl}_float32"] = r
+    duel = run_worker({**base, "impl": "duel", "tasks": ["prefill", "decode"], "cache": "warm"}, log)
+    out["runs"]["ours_float32"], out["runs"]["hf_float32"] = duel["ours"], duel["hf"]
     if a.device.startswith("cuda"):
         r = run_worker({**base, "impl": "ours", "tasks": ["decode"], "static": True, "cache": "warm"}, log)
         out["runs"]["ours_float32_cudagraph"] = r

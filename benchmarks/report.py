@@ -39,18 +39,21 @@ def render(res: dict) -> str:
         f"- Measured memory bandwidth: read {bw['read_GBps']:.1f} GB/s (sum of a {bw['bytes'] / 2**20:.0f} MiB "
         f"float32 tensor), copy {bw['copy_GBps']:.1f} GB/s (read + write)",
         "- Ratios are gpt2_port / transformers: below 1 is better for times and memory, above 1 for tok/s. "
-        "Times are the best of the runs in one process (see `runs` in the JSON).",
+        "Prefill and decode: both models in one process, runs interleaved (ours, hf; hf, ours; ...), best run "
+        "of each (every run in `runs` in the JSON).",
         "",
-        "### Load (one fresh process per load)",
+        "### Load (one fresh process per load, ours and transformers alternating; the median of the rounds)",
         "",
         "Time to a ready model = from the load call (libraries already imported) to the end of a first one-token "
         "forward. Peak RSS = the process's VmHWM at that point, libraries included; 'load delta' subtracts the RSS "
         "before the load call. Checkpoint bytes include the official file's attn.bias mask buffers, which neither "
-        "implementation keeps.",
+        "implementation keeps. Import s = process start to libraries imported (torch; + transformers for hf), "
+        "not part of the load time.",
         "",
-        "| size | params MB | file MB | cache | load s (ours / hf) | ratio | peak RSS MB (ours / hf) | ratio "
+        "| size | params MB | file MB | cache | load s (ours / hf) | ratio | all rounds (ours; hf) "
+        "| import s (ours / hf) | peak RSS MB (ours / hf) | ratio "
         "| ours peak / params | ours load delta / params | hf peak / params |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, r in res["sizes"].items():
         s = r["summary"]
@@ -60,9 +63,12 @@ def render(res: dict) -> str:
                 continue
             lo, lh, lr = s[f"load_s_{cache}"]
             mo, mh, mr = s[f"peak_rss_MB_{cache}"]
+            lo_, lh_ = r["loads"][f"ours_{cache}"], r["loads"][f"hf_{cache}"]
+            rounds = "; ".join(" ".join(f"{t:.2f}" for t in x.get("load_runs", [x["load_s"]])) for x in (lo_, lh_))
             out.append(
                 f"| {size} | {pb / 1e6:.0f} | {r['file_bytes'] / 1e6:.0f} | {cache} | {lo:.2f} / {lh:.2f} "
-                f"| {_r(lr)} | {mo:.0f} / {mh:.0f} | {_r(mr)} | {s[f'rss_over_params_{cache}']:.2f} "
+                f"| {_r(lr)} | {rounds} | {lo_['import_s']:.1f} / {lh_['import_s']:.1f} "
+                f"| {mo:.0f} / {mh:.0f} | {_r(mr)} | {s[f'rss_over_params_{cache}']:.2f} "
                 f"| {s[f'load_delta_over_params_{cache}']:.2f} | {s[f'hf_rss_over_params_{cache}']:.2f} |"
             )
     methods = {r.get("cache_method") for r in res["sizes"].values() if r.get("cache_method")}

@@ -3,7 +3,7 @@
 Run by benchmarks.bench as `python -m benchmarks.worker '<json spec>'`, in a fresh process each time, so that the
 peak RSS it reports (VmHWM) belongs to this one load. Prints one JSON object on the last line of stdout.
 
-spec: impl ("ours" | "hf"), ckpt (directory), dtype ("float32" | "bfloat16" | "float16" | "int8"; int8 is ours
+spec: impl ("ours" | "hf" | "duel": both in one process, prefill and decode timed interleaved), ckpt (directory), dtype ("float32" | "bfloat16" | "float16" | "int8"; int8 is ours
 only), device, tasks (subset of "prefill", "decode"), prefill_shapes ([[B, T], ...]), prompt_len, new_tokens,
 max_seconds (time budget per timed measurement), threads, static (ours: decode through the static step; CUDA graph
 on CUDA), seed. Or impl "membw": the machine's memory bandwidth.
@@ -39,23 +39,6 @@ def sync(device) -> None:  # noqa: ANN001
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device, max_seconds: float, max_runs: int, warmup: int = 1) -> list[float]:  # noqa: ANN001
-    """Wall times of fn() after `warmup` untimed calls: at least one run, more while within max_seconds."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times: list[float] = []
-    t_all = time.perf_counter()
-    while len(times) < max_runs:
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-        if time.perf_counter() - t_all + times[-1] > max_seconds:
-            break
-    return times
-
-
 def membw(spec: dict) -> dict:
     """Read bandwidth (sum over a large float32 tensor) and copy bandwidth (read + write), best of several runs."""
     import torch
@@ -83,33 +66,14 @@ def membw(spec: dict) -> dict:
     }
 
 
-def main(spec: dict) -> dict:
-    if spec["impl"] == "membw":
-        return membw(spec)
+def load(impl: str, spec: dict, dev, dtype_name: str):  # noqa: ANN001, ANN201
+    """Load one implementation; time to a ready model = the load call through a first one-token forward."""
     import torch
 
-    t_imp = time.perf_counter()
-    from gpt2_port.load import parse_device
-
-    if spec["impl"] == "hf":
-        import transformers
-        from transformers import GPT2LMHeadModel
-
-        transformers.logging.set_verbosity_error()
-    from benchmarks.decode import greedy_hf, greedy_ours, greedy_static
-
-    if spec.get("threads"):
-        torch.set_num_threads(int(spec["threads"]))
-    dev = parse_device(spec.get("device", "cpu"))
-    import_s = time.perf_counter() - T_START
-    rss0, _ = rss_mb()
-    dtype_name = spec.get("dtype", "float32")
     dt = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype_name, torch.float32)  # int8*: from float32
     one = torch.zeros(1, 1, dtype=torch.long, device=dev)
-
-    # Time to a ready model: from the load call to the end of a first one-token forward (weights resident).
     t0 = time.perf_counter()
-    if spec["impl"] == "ours":
+    if impl == "ours":
         from gpt2_port.load import from_pretrained
 
         model, _report = from_pretrained(spec["ckpt"], dtype=dt, device=dev)
@@ -119,7 +83,9 @@ def main(spec: dict) -> dict:
             quantize_int8(model, exact_activations=dtype_name == "int8")
         with torch.inference_mode():
             model(one)
-    elif spec["impl"] == "hf":
+    elif impl == "hf":
+        from transformers import GPT2LMHeadModel
+
         if dtype_name.startswith("int8"):
             raise SystemExit("int8 is measured for gpt2_port only")
         model = GPT2LMHeadModel.from_pretrained(spec["ckpt"], dtype=dt).to(dev).eval()
@@ -127,99 +93,161 @@ def main(spec: dict) -> dict:
         with torch.inference_mode():
             model(input_ids=one)
     else:
-        raise SystemExit(f"unknown impl {spec['impl']!r}")
+        raise SystemExit(f"unknown impl {impl!r}")
     sync(dev)
     load_s = time.perf_counter() - t0
-    rss1, peak = rss_mb()
-    res: dict = {
-        "impl": spec["impl"],
-        "dtype": dtype_name,
-        "device": str(dev),
-        "threads": torch.get_num_threads(),
-        "import_s": import_s,
-        "load_s": load_s,
-        "rss_before_load_MB": rss0,
-        "rss_ready_MB": rss1,
-        "peak_rss_MB": peak,
-        "import_to_load_s": t0 - t_imp,
-    }
-    if spec["impl"] == "ours":
-        res["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-        if dtype_name.startswith("int8"):
-            from gpt2_port.quantize import Int8Linear
+    if impl == "ours" and dtype_name.startswith("int8"):
+        from gpt2_port.quantize import Int8Linear
 
-            q = [m for m in model.modules() if isinstance(m, Int8Linear)]
-            rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "wte.weight")
-            res["param_bytes"] = sum(m.nbytes for m in q) + rest  # what one decode step reads (wte: one row)
+        q = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "wte.weight")
+        param_bytes = sum(m.nbytes for m in q) + rest  # what one decode step reads (wte: one row)
     else:
-        res["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return model, load_s, param_bytes
+
+
+def prefill_fn(impl: str, model, ids, dev):  # noqa: ANN001, ANN201
+    """One prefill of ids (B, T): the prompt's forward pass with a KV cache, logits of the last position only."""
+    import torch
+
+    B, T = ids.shape
+    if impl == "ours":
+        from gpt2_port.model import KVCache
+
+        def fn():  # noqa: ANN202
+            with torch.inference_mode():
+                return model(ids, cache=KVCache(model.config, B, T, model.dtype, dev), last_only=True)
+    else:
+
+        def fn():  # noqa: ANN202
+            with torch.inference_mode():
+                return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
+
+    return fn
+
+
+def decode_fn(impl: str, model, ids, static: bool, dev):  # noqa: ANN001, ANN201
+    """fn(n) -> (1, n) greedy tokens after the prompt ids."""
+    from benchmarks.decode import greedy_hf, greedy_ours, greedy_static
+
+    if impl == "ours" and static:
+        return lambda n: greedy_static(model, ids, n, cuda_graph=dev.type == "cuda")
+    if impl == "ours":
+        return lambda n: greedy_ours(model, ids, n)
+    return lambda n: greedy_hf(model, ids, n)
+
+
+def interleaved(fns: dict, device, max_seconds: float, max_runs: int, warmup: bool = True) -> dict[str, list[float]]:  # noqa: ANN001
+    """Wall times of each fn, run in alternating order round after round (ours, hf; then hf, ours; ...), so both
+    see the same machine: one warm-up each (if warmup), at least one timed round, more while the rounds fit in the
+    budget."""
+    names = list(fns)
+    for n in names if warmup else []:
+        fns[n]()
+    sync(device)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    t_all = time.perf_counter()
+    for r in range(max_runs):
+        t_round = time.perf_counter()
+        for n in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            fns[n]()
+            sync(device)
+            times[n].append(time.perf_counter() - t0)
+        if time.perf_counter() - t_all + (time.perf_counter() - t_round) > max_seconds:
+            break
+    return times
+
+
+def stats(times: list[float]) -> dict:
+    return {"best_s": min(times), "median_s": sorted(times)[len(times) // 2], "runs": times}
+
+
+def main(spec: dict) -> dict:
+    """impl "ours" | "hf": one load (and the tasks, timed alone); impl "duel": both loaded in this process, the
+    prefill and decode tasks timed interleaved (see `interleaved`); returns {"ours": {...}, "hf": {...}}."""
+    if spec["impl"] == "membw":
+        return membw(spec)
+    import torch
+
+    t_imp = time.perf_counter()
+    from gpt2_port.load import parse_device
+
+    impls = ["ours", "hf"] if spec["impl"] == "duel" else [spec["impl"]]
+    if "hf" in impls:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    import benchmarks.decode  # noqa: F401
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    dev = parse_device(spec.get("device", "cpu"))
+    import_s = time.perf_counter() - T_START
+    rss0, _ = rss_mb()
+    dtype_name = spec.get("dtype", "float32")
+    res: dict = {}
+    models = {}
+    for impl in impls:
+        model, load_s, param_bytes = load(impl, spec, dev, dtype_name)
+        models[impl] = model
+        rss1, peak = rss_mb()
+        res[impl] = {
+            "impl": impl,
+            "dtype": dtype_name,
+            "device": str(dev),
+            "threads": torch.get_num_threads(),
+            "import_s": import_s,
+            "load_s": load_s,
+            "rss_before_load_MB": rss0,
+            "rss_ready_MB": rss1,
+            "peak_rss_MB": peak,
+            "import_to_load_s": time.perf_counter() - load_s - t_imp,
+            "param_bytes": param_bytes,
+            "interleaved": len(impls) > 1,
+        }
 
     g = torch.Generator().manual_seed(int(spec.get("seed", 0)))
     vocab = 50257
-    max_s = float(spec.get("max_seconds", 20))
+    max_s = float(spec.get("max_seconds", 20)) * len(impls)
     tasks = spec.get("tasks", [])
     if "prefill" in tasks:
-        res["prefill"] = {}
+        for impl in impls:
+            res[impl]["prefill"] = {}
         for B, T in spec.get("prefill_shapes", [[1, 128], [8, 128]]):
             ids = torch.randint(0, vocab, (B, T), generator=g).to(dev)
-            if spec["impl"] == "ours":
-                from gpt2_port.model import KVCache
-
-                def fn(ids=ids, B=B, T=T):  # noqa: ANN001, ANN202
-                    with torch.inference_mode():
-                        return model(ids, cache=KVCache(model.config, B, T, model.dtype, dev), last_only=True)
-            else:
-
-                def fn(ids=ids):  # noqa: ANN001, ANN202
-                    with torch.inference_mode():
-                        return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
-
-            times = timed(fn, dev, max_s, max_runs=int(spec.get("prefill_runs", 5)))
-            res["prefill"][f"{B}x{T}"] = {
-                "best_s": min(times),
-                "median_s": sorted(times)[len(times) // 2],
-                "runs": times,
-            }
+            fns = {impl: prefill_fn(impl, models[impl], ids, dev) for impl in impls}
+            times = interleaved(fns, dev, max_s, max_runs=int(spec.get("prefill_runs", 5)))
+            for impl in impls:
+                res[impl]["prefill"][f"{B}x{T}"] = stats(times[impl])
     if "decode" in tasks:
         P, N = int(spec.get("prompt_len", 16)), int(spec["new_tokens"])
         ids = torch.randint(0, vocab, (1, P), generator=g).to(dev)
         static = bool(spec.get("static"))
-        if spec["impl"] == "ours":
-            if static:
-
-                def fn(n):  # noqa: ANN001, ANN202
-                    return greedy_static(model, ids, n, cuda_graph=dev.type == "cuda")
-            else:
-
-                def fn(n):  # noqa: ANN001, ANN202
-                    return greedy_ours(model, ids, n)
-        else:
-
-            def fn(n):  # noqa: ANN001, ANN202
-                return greedy_hf(model, ids, n)
-
-        fn(min(4, N))  # warm-up: allocator, kernels, page faults
-        toks: list = []
-
-        def run() -> None:
-            toks.append(fn(N))
-
-        times = timed(run, dev, max_s, max_runs=int(spec.get("decode_runs", 3)), warmup=0)
-        best = min(times)
-        res["decode"] = {
-            "prompt_len": P,
-            "new_tokens": N,
-            "best_s": best,
-            "median_s": sorted(times)[len(times) // 2],
-            "tok_s": N / best,
-            "runs": times,
-            "static": static,
-            "cuda_graph": static and dev.type == "cuda",
-            "tokens": toks[-1][0].tolist(),
-        }
-        res["decode"]["weight_GBps"] = res["param_bytes"] * N / best / 1e9
-    _, res["peak_rss_end_MB"] = rss_mb()
-    return res
+        toks: dict[str, list] = {impl: [] for impl in impls}
+        fns = {}
+        for impl in impls:
+            f = decode_fn(impl, models[impl], ids, static, dev)
+            f(min(4, N))  # warm-up: allocator, kernels, page faults
+            fns[impl] = lambda f=f, impl=impl: toks[impl].append(f(N))
+        times = interleaved(fns, dev, max_s, max_runs=int(spec.get("decode_runs", 3)), warmup=False)
+        for impl in impls:
+            best = min(times[impl])
+            res[impl]["decode"] = {
+                "prompt_len": P,
+                "new_tokens": N,
+                **stats(times[impl]),
+                "tok_s": N / best,
+                "static": static,
+                "cuda_graph": static and dev.type == "cuda",
+                "tokens": toks[impl][-1][0].tolist(),
+            }
+            res[impl]["decode"]["weight_GBps"] = res[impl]["param_bytes"] * N / best / 1e9
+    _, peak_end = rss_mb()
+    for impl in impls:
+        res[impl]["peak_rss_end_MB"] = peak_end
+    return res if len(impls) > 1 else res[impls[0]]
 
 
 if __name__ == "__main__":

@@ -85,6 +85,8 @@ def test_bench_end_to_end(tiny_official: Path, tmp_path: Path, capsys: pytest.Ca
             "--lowp",
             "int8",
             "--no-cold",
+            "--load-rounds",
+            "2",
             "--no-parity",
             "--max-seconds",
             "0.1",
@@ -109,6 +111,8 @@ def test_bench_end_to_end(tiny_official: Path, tmp_path: Path, capsys: pytest.Ca
         assert r["impl"] == impl and r["peak_rss_MB"] >= r["rss_before_load_MB"] > 0 and r["load_s"] > 0
         assert set(r["prefill"]) == {"1x8", "2x8"}
         assert len(r["decode"]["tokens"]) == 3 and r["decode"]["tok_s"] > 0
+        assert r["interleaved"]  # both timed in one process, runs alternating
+        assert len(size["loads"][f"{impl}_warm"]["load_runs"]) == 2  # fresh-process loads, alternating
     s = size["summary"]
     assert s["decode_tok_s"][2] == pytest.approx(s["decode_tok_s"][0] / s["decode_tok_s"][1])
     assert s["decode_tokens_match"] == 3  # both greedy in float32 on the same weights
