@@ -337,8 +337,17 @@ class GPT2(nn.Module):
         return logits
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., C) final hidden states -> (..., V) logits. A replaced head (e.g. quantize's int8 head) is a module."""
-        return F.linear(x, self.wte.weight) if self.lm_head is None else self.lm_head(x)
+        """(..., C) final hidden states -> (..., V) logits. A replaced head (e.g. quantize's int8 head) is a module.
+
+        One 2-D matmul over the rows, as transformers' head runs: x[:, -1:] is not contiguous, and a 3-D F.linear
+        on it with a weight that needs no grad goes through bmm instead (measured: not bit-identical for B > 1,
+        and 1.8x slower at 8 x 768 x 50257).
+        """
+        if self.lm_head is not None and type(self.lm_head) is not nn.Linear:
+            return self.lm_head(x)
+        w = self.head_weight
+        b = None if self.lm_head is None else self.lm_head.bias
+        return F.linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])  # (N, C) -> (..., V)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied head is one parameter, counted once

@@ -93,6 +93,24 @@ def test_greedy_124m_equals_transformers_128_tokens(ckpt124: Path) -> None:
     assert got.tolist() == ref.tolist()
 
 
+@pytest.mark.slow
+def test_batched_last_logits_are_bit_identical_to_transformers(ckpt124: Path) -> None:
+    """The head on x[:, -1:] (not contiguous) runs as transformers' does: one 2-D matmul (a 3-D F.linear would take
+    bmm, which differs in the last bits for B > 1)."""
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(ckpt124, dtype=torch.float32).eval()
+    ours = GPT2.from_pretrained(str(ckpt124))
+    ids = torch.randint(0, 50257, (8, 32), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = hf(input_ids=ids, logits_to_keep=1).logits
+        got = ours(ids, last_only=True)
+        full = ours(ids)
+    assert got.shape == ref.shape == (8, 1, 50257)
+    assert torch.equal(got, ref)
+    assert torch.equal(full[:, -1:], got)
+
+
 def test_greedy_equals_transformers(model: GPT2, hf_model) -> None:
     ids = torch.tensor([PROMPTS[2]])
     ref = hf_model.generate(
