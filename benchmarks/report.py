@@ -85,9 +85,9 @@ def render(res: dict) -> str:
         "Prefill = one forward over B x T random tokens that fills a KV cache and returns the last position's logits "
         "(transformers: `use_cache=True, logits_to_keep=1`). Decode = "
         f"{res['settings']['prompt_len']}-token prompt, {res['settings']['new_tokens']} new tokens, greedy, "
-        "tok/s = new tokens / wall time of the whole call (ours: a loop over `model(tok, cache=KVCache, "
-        "last_only=True)`; transformers: `generate(do_sample=False)`). Cap = read bandwidth / bytes of weights "
-        "read per token.",
+        "tok/s = new tokens / wall time of the whole call (ours: `model.generate(do_sample=False)`, static KV "
+        "cache, DecodePlan steps, the proven-exact fast greedy head; transformers: `generate(do_sample=False)`). "
+        "Cap = read bandwidth / bytes of weights read per token.",
         "",
     ]
     shapes = list(next(iter(res["sizes"].values()))["runs"]["ours_float32"].get("prefill", {}))
