@@ -112,6 +112,26 @@ class SafetensorsFile:
             except OSError:  # advice only
                 return
 
+    def release(self, names: Iterable[str]) -> None:
+        """Drop these tensors' pages from this process (MADV_DONTNEED over the whole pages inside each tensor).
+
+        For tensors read once and then discarded (the checked mask buffers): their pages leave the RSS instead of
+        staying resident beside the weights. Only whole pages inside a tensor's bytes are dropped, so a neighbour
+        tensor is never affected; the tensors must not have been written (MAP_PRIVATE copies would be lost).
+        """
+        if self._mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        for n in names:
+            info = self.infos[n]
+            start = -(-info.begin // page) * page
+            stop = info.end - info.end % page
+            if stop > start:
+                try:
+                    self._mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
+                except OSError:  # advice only
+                    return
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {k: i.shape for k, i in self.infos.items()}
 

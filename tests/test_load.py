@@ -133,3 +133,47 @@ def test_missing_and_empty(tmp_path: Path):
         locate(tmp_path / "nope")
     with pytest.raises(CheckpointError, match="no weights found"):
         locate(tmp_path)
+
+
+_FILE_RSS = """
+import sys
+from pathlib import Path
+import torch
+from gpt2_port.load import from_pretrained
+
+def file_rss_kb(path):
+    total, mine = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):  # a mapping's header line ("start-end perms ...")
+            mine = len(head) >= 6 and line.rstrip().endswith(str(path))
+        elif mine and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+f = Path(sys.argv[1]) / "model.safetensors"
+model, report = from_pretrained(sys.argv[1])
+after_load = file_rss_kb(f)
+with torch.inference_mode():
+    model(torch.tensor([[464, 2444]]))
+print(after_load, file_rss_kb(f), len(report.conversion.dropped))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+def test_checked_mask_buffers_leave_the_rss(ckpt124: Path):
+    """The official file's 12 causal masks (48 MB) are read to be checked, then their pages are dropped: after the
+    load and a forward, the file's resident pages are the weights', not weights + masks."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FILE_RSS, str(ckpt124)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    after_load, after_forward, dropped = (int(x) for x in out)
+    mask_kb = 12 * 1024 * 1024 * 4 // 1024  # 12 layers x (1024 x 1024) float32
+    assert dropped == 12
+    assert after_load < mask_kb // 4  # nothing of the masks stays mapped in (the weights are not touched yet)
+    weights_kb = (ckpt124 / "model.safetensors").stat().st_size // 1024 - mask_kb
+    assert weights_kb * 0.95 < after_forward < weights_kb + mask_kb // 4  # the weights, resident; no masks
