@@ -60,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="time budget of one timed measurement; runs repeat (up to 3 decode / 5 prefill) within it",
     )
+    p.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=0,
+        help="interleaved rounds of prefill and of decode, within --max-seconds (default 5 prefill, 3 decode)",
+    )
     p.add_argument("--membw-mb", type=int, default=1024, help="size of the bandwidth test tensor (default 1024 MiB)")
     p.add_argument("--no-cold", action="store_true", help="skip the cold-page-cache loads")
     p.add_argument(
@@ -181,6 +187,7 @@ def bench_size(size: str, a: argparse.Namespace, log: list[str]) -> dict:
         "new_tokens": a.new_tokens,
         "prompt_len": a.prompt_len,
         "prefill_shapes": prefill,
+        **({"prefill_runs": a.speed_rounds, "decode_runs": a.speed_rounds} if a.speed_rounds > 0 else {}),
     }
     out: dict = {"size": size, "ckpt": str(d), "file_bytes": file_bytes, "loads": {}, "runs": {}}
     log.append(f"[{size}] {d} ({file_bytes / 1e9:.2f} GB)")
