@@ -7,10 +7,12 @@ so a load costs one copy of the weights at most. Every failure is a CheckpointEr
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
 import struct
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,8 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python 3.11 lacks the constant
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -89,14 +93,44 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self.infos)
 
-    def prefetch(self, names: Iterable[str]) -> None:
-        """Ask the kernel to read these tensors' pages ahead (MADV_WILLNEED), in as few ranges as possible.
+    def resident_fraction(self, samples: int = 256) -> float | None:
+        """The share of `samples` evenly spaced pages of the file already in the page cache (mincore), or None
+        where that cannot be asked (not Linux/glibc, or the call failed)."""
+        if self._mm is None or not sys.platform.startswith("linux"):
+            return None
+        page = mmap.PAGESIZE
+        npages = -(-len(self._mm) // page)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            buf = (ctypes.c_char * len(self._mm)).from_buffer(self._mm)
+            try:
+                base = ctypes.addressof(buf)
+                vec = (ctypes.c_ubyte * 1)()
+                picks = sorted({i * npages // samples for i in range(samples)})
+                hits = 0
+                for i in picks:
+                    if libc.mincore(ctypes.c_void_p(base + i * page), ctypes.c_size_t(page), vec) != 0:
+                        return None
+                    hits += vec[0] & 1
+            finally:
+                del buf  # release the export, or the map could never be closed
+            return hits / len(picks)
+        except (OSError, AttributeError, TypeError, ValueError):
+            return None
 
-        Tensors are then faulted in from the page cache instead of one small read per page fault on first use: a
-        cold load reads the file sequentially. Page-cache only: it does not add to the process's RSS.
+    def prefetch(self, names: Iterable[str]) -> None:
+        """Bring these tensors' pages in ahead of use, in as few ranges as possible.
+
+        Cold (the file mostly not in the page cache): read-ahead advice (MADV_WILLNEED), so the first forward faults
+        pages in from the page cache instead of one small disk read per fault, and the file is read sequentially.
+        Warm (>= 90% of sampled pages cached): MADV_POPULATE_READ maps the cached pages into the process in one call
+        per range instead of one page fault at a time during the first forward (gpt2-xl warm: ~0.9 s against ~1.1 s
+        to a ready model). On a cold file the populate call waits on every read in order and measured slower.
         """
         if self._mm is None or not hasattr(mmap, "MADV_WILLNEED"):
             return
+        warm = (self.resident_fraction() or 0.0) >= 0.9
+        advice = MADV_POPULATE_READ if warm and sys.platform.startswith("linux") else mmap.MADV_WILLNEED
         page = mmap.PAGESIZE
         ranges = sorted((self.infos[n].begin, self.infos[n].end) for n in names if self.infos[n].nbytes)
         merged: list[list[int]] = []
@@ -108,8 +142,8 @@ class SafetensorsFile:
         for b, e in merged:
             start = b - b % page
             try:
-                self._mm.madvise(mmap.MADV_WILLNEED, start, e - start)
-            except OSError:  # advice only
+                self._mm.madvise(advice, start, e - start)
+            except OSError:  # advice only (MADV_POPULATE_READ needs Linux 5.14)
                 return
 
     def release(self, names: Iterable[str]) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,7 +165,7 @@ print(after_load, file_rss_kb(f), len(report.conversion.dropped))
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
 def test_checked_mask_buffers_leave_the_rss(ckpt124: Path):
     """The official file's 12 causal masks (48 MB) are read to be checked, then their pages are dropped: after the
-    load and a forward, the file's resident pages are the weights', not weights + masks."""
+    load and after a forward, the file's resident pages are at most the weights', never weights + masks."""
     import subprocess
     import sys
 
@@ -174,6 +175,33 @@ def test_checked_mask_buffers_leave_the_rss(ckpt124: Path):
     after_load, after_forward, dropped = (int(x) for x in out)
     mask_kb = 12 * 1024 * 1024 * 4 // 1024  # 12 layers x (1024 x 1024) float32
     assert dropped == 12
-    assert after_load < mask_kb // 4  # nothing of the masks stays mapped in (the weights are not touched yet)
     weights_kb = (ckpt124 / "model.safetensors").stat().st_size // 1024 - mask_kb
+    assert after_load < weights_kb + mask_kb // 4  # at most the weights (mapped in when the file is warm); no masks
     assert weights_kb * 0.95 < after_forward < weights_kb + mask_kb // 4  # the weights, resident; no masks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore/madvise: Linux")
+def test_resident_fraction_and_prefetch(tiny_official: Path, tmp_path: Path):
+    """prefetch asks the page cache (mincore on sampled pages) whether the file is warm: populate when it is, read-
+    ahead advice when not; either way the loaded model is the same."""
+    import os
+
+    from gpt2_port.safetensors_io import SafetensorsFile
+
+    f = tmp_path / "model.safetensors"
+    shutil.copy(tiny_official / "model.safetensors", f)
+    shutil.copy(tiny_official / "config.json", tmp_path / "config.json")
+    f.read_bytes()  # warm
+    sf = SafetensorsFile(f)
+    assert sf.resident_fraction() == 1.0
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    cold = SafetensorsFile(f).resident_fraction()
+    assert cold is not None and 0.0 <= cold <= 1.0  # tmpfs keeps every page: 1.0 there, ~0 on a disk
+    sf.prefetch(sf.keys())  # warm path (populate), then the cold path on the evicted copy: both only advice
+    SafetensorsFile(f).prefetch(sf.keys())
+    torch.testing.assert_close(logits(tmp_path), logits(tiny_official), rtol=0, atol=0)
