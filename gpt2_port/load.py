@@ -280,8 +280,8 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
             )
         return out
 
-    def prefetch(self, keys: Iterable[str]) -> None:
-        """Read-ahead advice for these tensors (safetensors files only; see SafetensorsFile.prefetch)."""
+    def _by_file(self, keys: Iterable[str]) -> Iterator[tuple[SafetensorsFile, list[str]]]:
+        """These keys grouped by the safetensors file holding them (.bin sources have no pages to advise on)."""
         by_source: dict[int, list[str]] = {}
         for k in keys:
             i, name = self._where[k]
@@ -289,15 +289,17 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
         for i, names in by_source.items():
             src = self._sources[i]
             if isinstance(src, SafetensorsFile):
-                src.prefetch(names)
+                yield src, names
+
+    def prefetch(self, keys: Iterable[str]) -> None:
+        """Bring these tensors' pages in ahead of use (see SafetensorsFile.prefetch)."""
+        for src, names in self._by_file(keys):
+            src.prefetch(names)
 
     def release(self, keys: Iterable[str]) -> None:
-        """Drop these tensors' pages from the process (safetensors files only; see SafetensorsFile.release)."""
-        for k in keys:
-            i, name = self._where[k]
-            src = self._sources[i]
-            if isinstance(src, SafetensorsFile):
-                src.release([name])
+        """Drop these tensors' pages from the process (see SafetensorsFile.release)."""
+        for src, names in self._by_file(keys):
+            src.release(names)
 
     def file_of(self, key: str) -> Path:
         return self.files[self._where[key][0]]

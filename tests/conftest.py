@@ -10,11 +10,23 @@ import torch
 
 from gpt2_port.config import GPT2Config
 from gpt2_port.demo import write_demo_checkpoint
+from gpt2_port.model import GPT2
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TOKENIZER = REPO.parent / "shared" / "gpt2-tokenizer"
 
 TINY = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128)
+
+
+def chaotic_model(cfg: GPT2Config, seed: int) -> GPT2:
+    """Random weights large enough that greedy text keeps changing (GPT-2's 0.02 init, untrained, repeats one token
+    forever, which would make equality tests weak); LayerNorm gains around 1. Separate q/k/v (no fused c_attn)."""
+    torch.manual_seed(seed)
+    m = GPT2(cfg).eval().requires_grad_(False)
+    for name, p in m.named_parameters():
+        base = 1.0 if "ln_" in name and name.endswith("weight") else 0.0
+        p.copy_(base + 0.3 * torch.randn_like(p))
+    return m
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, chaotic_model
 
-from gpt2_port.config import GPT2Config
 from gpt2_port.decode import DecodePlan
 from gpt2_port.generate import generate_full
 from gpt2_port.load import from_pretrained
@@ -16,12 +16,7 @@ from gpt2_port.quantize import quantize_int8
 
 
 def _chaotic(seed: int = 3) -> GPT2:
-    """Random weights large enough that every step's state differs visibly (separate q/k/v: no fused c_attn)."""
-    torch.manual_seed(seed)
-    m = GPT2(GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128)).eval().requires_grad_(False)
-    for name, p in m.named_parameters():
-        p.copy_((1.0 if "ln_" in name and name.endswith("weight") else 0.0) + 0.3 * torch.randn_like(p))
-    return m
+    return chaotic_model(TINY, seed)
 
 
 @pytest.fixture(scope="module")

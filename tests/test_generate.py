@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import chaotic_model
 
 from gpt2_port import adapter
 from gpt2_port.cli import main
@@ -25,12 +26,7 @@ PROMPTS = [[464, 2444, 4721, 511, 3835], [15496, 11, 995], [36235, 39141, 373, 2
 
 
 def _chaotic(seed: int = 1) -> GPT2:
-    torch.manual_seed(seed)
-    m = GPT2(CHAOTIC).eval().requires_grad_(False)
-    for name, p in m.named_parameters():
-        base = 1.0 if "ln_" in name and name.endswith("weight") else 0.0
-        p.copy_(base + 0.3 * torch.randn_like(p))
-    return m
+    return chaotic_model(CHAOTIC, seed)
 
 
 @pytest.fixture(autouse=True)
