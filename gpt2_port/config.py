@@ -22,6 +22,12 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = True
     n_inner: int | None = None  # MLP width; None means 4 * n_embd
+    # Training-only settings, read from and written to config.json as transformers names them. Dropout is active in
+    # train mode only (eval() output never depends on them); the official files say 0.1.
+    embd_pdrop: float = 0.1  # after wte + wpe
+    attn_pdrop: float = 0.1  # on the attention probabilities
+    resid_pdrop: float = 0.1  # on the attention output and the MLP output, before each residual add
+    initializer_range: float = 0.02  # std of the normal init of Linear and Embedding weights
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"):
@@ -37,6 +43,13 @@ class GPT2Config:
             not isinstance(self.n_inner, int) or isinstance(self.n_inner, bool) or self.n_inner <= 0
         ):
             raise ConfigError(f"config: n_inner must be a positive integer or null, got {self.n_inner!r}")
+        for name in ("embd_pdrop", "attn_pdrop", "resid_pdrop"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 1):
+                raise ConfigError(f"config: {name} must be a number in [0, 1), got {v!r}")
+        r = self.initializer_range
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not (0 < r < 1) or math.isnan(r):
+            raise ConfigError(f"config: initializer_range must be a number in (0, 1), got {r!r}")
 
     @property
     def head_dim(self) -> int:
@@ -45,6 +58,10 @@ class GPT2Config:
     @property
     def d_mlp(self) -> int:
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    def with_dropout(self, p: float) -> GPT2Config:
+        """The same config with every dropout rate set to p (fine-tunes often use 0.0)."""
+        return dataclasses.replace(self, embd_pdrop=p, attn_pdrop=p, resid_pdrop=p)
 
     def num_params(self) -> int:
         """Parameter count with the head tied to wte (counted once)."""
@@ -60,11 +77,11 @@ class GPT2Config:
         d: dict[str, Any] = {
             "activation_function": "gelu_new",
             "architectures": ["GPT2LMHeadModel"],
-            "attn_pdrop": 0.1,
+            "attn_pdrop": self.attn_pdrop,
             "bos_token_id": 50256,
-            "embd_pdrop": 0.1,
+            "embd_pdrop": self.embd_pdrop,
             "eos_token_id": 50256,
-            "initializer_range": 0.02,
+            "initializer_range": self.initializer_range,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "model_type": "gpt2",
             "n_ctx": self.n_positions,
@@ -72,7 +89,7 @@ class GPT2Config:
             "n_head": self.n_head,
             "n_layer": self.n_layer,
             "n_positions": self.n_positions,
-            "resid_pdrop": 0.1,
+            "resid_pdrop": self.resid_pdrop,
             "summary_activation": None,
             "summary_first_dropout": 0.1,
             "summary_proj_to_labels": True,
@@ -150,6 +167,10 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> GPT2Confi
             layer_norm_epsilon=get("layer_norm_epsilon", default=1e-5),
             tie_word_embeddings=tie,
             n_inner=d.get("n_inner"),
+            embd_pdrop=get("embd_pdrop", default=0.1),
+            attn_pdrop=get("attn_pdrop", default=0.1),
+            resid_pdrop=get("resid_pdrop", default=0.1),
+            initializer_range=get("initializer_range", default=0.02),
         )
     except ConfigError as e:
         raise ConfigError(f"{source}: {str(e).removeprefix('config: ')}") from None
