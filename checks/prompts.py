@@ -62,28 +62,28 @@ def parse_ids(text: str, what: str) -> list[int]:
     return out
 
 
-def check_ids(ids: Sequence[int], label: str, n_positions: int, vocab_size: int) -> None:
+def check_ids(ids: Sequence[int], label: str, n_positions: int, vocab_size: int, hint: str = "") -> None:
     """Every prompt fits the model: not empty, within the context, every id inside the vocabulary."""
     if not ids:
         raise UsageError(f"{label} encodes to no tokens")
     if len(ids) > n_positions:
         raise UsageError(f"{label} is {len(ids)} tokens, more than the model's context of {n_positions}")
     if max(ids) >= vocab_size:
-        raise UsageError(
-            f"{label} has token id {max(ids)}, outside the model's vocabulary of {vocab_size}"
-            + (" (the tokenizer does not fit this checkpoint)" if label.startswith("prompt ") else "")
-        )
+        raise UsageError(f"{label} has token id {max(ids)}, outside the model's vocabulary of {vocab_size}{hint}")
 
 
 def resolve(inputs: Inputs, encode, n_positions: int, vocab_size: int) -> list[list[int]]:
     """The token ids of every prompt: stored ids as they are, texts through `encode` (called only if needed)."""
     out = []
     for k, (text, ids) in enumerate(zip(inputs.texts, inputs.ids)):
+        hint = ""
         if ids is None:
             ids = encode(text)
-            label = f"prompt {text!r}"
+            label, hint = f"prompt {text!r}", " (the tokenizer does not fit this checkpoint)"
+        elif text is not None:
+            label = f"prompt {text!r} (stored as GPT-2 token ids)"
         else:
-            label = f"prompt {text!r}" if text is not None else f"token ids #{k + 1}"
-        check_ids(ids, label, n_positions, vocab_size)
+            label = f"token ids #{k + 1}"
+        check_ids(ids, label, n_positions, vocab_size, hint)
         out.append(list(ids))
     return out
