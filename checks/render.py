@@ -50,6 +50,12 @@ def num(x: float | None) -> str:
     return "0" if x == 0 else f"{x:.3e}"
 
 
+def tol(x: float) -> str:
+    """A tolerance as written in the table: 1e-06, or 2.50e-01 where one digit would round it."""
+    short = f"{x:.0e}"
+    return short if float(short) == x else f"{x:.2e}"
+
+
 def ok(passed: bool) -> str:
     return "OK" if passed else "FAIL"
 
@@ -86,12 +92,12 @@ def _why(r: Report) -> str:
     ff = r.first_failure
     p = next((p for p in r.points if p.name == ff), None)
     if p is not None:
-        return f"norm_rel {num(p.norm_rel)} > {p.tolerance:.0e}"
+        return f"norm_rel {num(p.norm_rel)} > {tol(p.tolerance)}"
     if ff == "weights":
         return f"NaN/Inf in {len(r.nonfinite_weights)} weight tensor(s)"
     if ff == "top1_agreement":
         return f"top-1 agreement {100 * r.top1_agreement:.1f}% < {100 * r.top1_tolerance:.0f}%"
-    return f"log-prob max abs diff {num(r.logprob_max_abs)} > {r.logprob_tolerance:.0e}"
+    return f"log-prob max abs diff {num(r.logprob_max_abs)} > {tol(r.logprob_tolerance)}"
 
 
 def result_line(r: Report) -> str:
@@ -117,7 +123,7 @@ def point_table(r: Report) -> Table:
         row = [p.name, num(p.max_abs), num(p.norm_rel), f"{p.cosine:.10f}", num(p.elementwise_rel)]
         if floor:
             row += [num(p.noise_norm_rel), p.noise_verdict or "-"]
-        row += [f"{p.tolerance:.0e}", ok(p.passed)]
+        row += [f"{tol(p.tolerance)}", ok(p.passed)]
         t.rows.append(row)
         if not p.passed:
             t.bad.add(i)
@@ -131,7 +137,7 @@ def point_table(r: Report) -> Table:
         f"{ok(r.top1_passed)}{nonfinite}"
     )
     t.notes.append(
-        f"log-prob max abs diff {num(r.logprob_max_abs)} (tol {r.logprob_tolerance:.0e})  {ok(r.logprob_passed)}"
+        f"log-prob max abs diff {num(r.logprob_max_abs)} (tol {tol(r.logprob_tolerance)})  {ok(r.logprob_passed)}"
     )
     if floor:
         t.notes.append(f"noise floor: {r.noise_floor}; norm_rel within {NOISE_MARGIN:g}x of it counts as within")
@@ -179,10 +185,10 @@ def sweep_table(s: Sweep) -> Table:
     t = Table(f"sweep: every configuration against {s.baseline}", cols)
     for i, r in enumerate(s.reports):
         worst = max(r.points, key=lambda p: p.norm_rel)
-        tol = max(p.tolerance for p in r.points if p.name != "embed")
+        gate = max(p.tolerance for p in r.points if p.name != "embed")
         row = [
             label(r),
-            f"{tol:.0e}",
+            tol(gate),
             f"{num(worst.norm_rel)} ({worst.name})",
             r.first_failure or "none",
             f"{100 * r.top1_agreement:.1f}%",
@@ -242,7 +248,9 @@ def render_plain(s: Sweep, only_failures: bool = False) -> str:
     out = header(s)
     for t in tables(s, only_failures):
         widths = [max([len(c)] + [len(row[j]) for row in t.rows]) for j, c in enumerate(t.columns)]
-        out += ["", t.title, ("  " + "  ".join(c.ljust(w) for c, w in zip(t.columns, widths))).rstrip()]
+        out += ["", t.title]
+        if t.rows:
+            out.append(("  " + "  ".join(c.ljust(w) for c, w in zip(t.columns, widths))).rstrip())
         out += [("  " + "  ".join(v.ljust(w) for v, w in zip(row, widths))).rstrip() for row in t.rows]
         out += [f"  {n}" for n in t.notes + _hidden_note(t)]
     return "\n".join(out + [""] + summary(s)) + "\n"

@@ -110,7 +110,7 @@ def _read_text(path: str, what: str) -> str:
         raise UsageError(f"{what} {path}: cannot read ({e.__class__.__name__}: {e})") from None
 
 
-def read_inputs(args: argparse.Namespace):  # noqa: ANN201  (gpt2_port_checks.prompts.Inputs)
+def read_inputs(args: argparse.Namespace):  # -> gpt2_port_checks.prompts.Inputs (imported lazily)
     """The prompts in the order given: --prompt, --prompt-file, --ids, --ids-file; the defaults when none."""
     from gpt2_port_checks.prompts import Inputs, default_inputs, parse_ids
 
