@@ -271,7 +271,7 @@ def render_rich(s: Sweep, only_failures: bool = False, width: int = 120) -> str:
         con.print(t.title, style="bold", markup=False)
         rt = RichTable(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
         for j, c in enumerate(t.columns):
-            rt.add_column(c, justify="left" if j == 0 else "right", no_wrap=True)
+            rt.add_column(c, justify="left" if j == 0 else "right", overflow="fold")
         for i, row in enumerate(t.rows):
             rt.add_row(*row, style="bold red" if i in t.bad else None)
         if t.rows:
