@@ -7,8 +7,8 @@ runs interleaved (so machine noise hits both alike), and the low-precision
 options (int8, bfloat16, float16: decode speed, and parity against the float32 transformers reference).
 Results go to JSON and to a Markdown section of BENCHMARKS.md (between `<!-- bench:begin -->` and `<!-- bench:end -->`).
 
-    gpt2-port bench --sizes gpt2,gpt2-medium,gpt2-large,gpt2-xl --out benchmarks/results.json --markdown BENCHMARKS.md
-    python -m benchmarks.bench ...   (the same, without the console script)
+    ./dev bench --sizes gpt2,gpt2-medium,gpt2-large,gpt2-xl --out benchmarks/results.json --markdown BENCHMARKS.md
+    python -m benchmarks ...   (the same, from the checkout's root; benchmarks/ is not part of the installed package)
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def main(a: argparse.Namespace) -> int:
     log: list[str] = []
     t0 = time.perf_counter()
     argv = " ".join(shlex.quote(x) for x in sys.argv[1:])
-    cmd = f"gpt2-port {argv}" if Path(sys.argv[0]).name == "gpt2-port" else f"python -m benchmarks.bench {argv}"
+    cmd = f"python -m benchmarks {argv}"
     results: dict = {
         "command": cmd,
         "machine": machine_info(),
@@ -314,13 +314,7 @@ def main(a: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    from gpt2_port.errors import GPT2PortError
+if __name__ == "__main__":  # python -m benchmarks.bench: the same as python -m benchmarks
+    from benchmarks.__main__ import main as cli_main
 
-    try:
-        sys.exit(main(parser.parse_args()))
-    except GPT2PortError as e:
-        print(f"bench: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(cli_main())

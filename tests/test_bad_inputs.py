@@ -567,6 +567,69 @@ def c_parity_json_dir_missing(tmp: Path, base: Path) -> dict:
     }
 
 
+# -- parity inputs given as token ids, and outputs to stdout -----------------------------------------------------------
+@case
+def c_parity_ids_not_an_integer(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--ids", "464 x"], "expect": ["--ids '464 x'", "'x' is not a token id"]}
+
+
+@case
+def c_parity_ids_negative(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--ids", "3,-5"], "expect": ["--ids '3,-5'", "token id -5 is negative"]}
+
+
+@case
+def c_parity_ids_empty(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--ids", " , "], "expect": ["--ids", "no token ids"]}
+
+
+@case
+def c_parity_ids_outside_vocabulary(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--ids", "5 1000"],
+        "expect": ["token ids #1", "token id 1000", "vocabulary of 1000"],
+    }
+
+
+@case
+def c_parity_ids_longer_than_context(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--ids", " ".join(["5"] * 40)], "expect": ["40 tokens", "context of 32"]}
+
+
+@case
+def c_parity_default_prompts_outside_vocabulary(tmp: Path, base: Path) -> dict:
+    # The default prompts are stored GPT-2 ids; this checkpoint's vocabulary has 1000 tokens.
+    return {"argv": ["parity", str(base)], "expect": ["The students opened their books", "token id 4721", "1000"]}
+
+
+@case
+def c_parity_ids_file_missing(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--ids-file", str(tmp / "no_ids.txt")],
+        "expect": ["--ids-file", "no_ids.txt", "cannot read"],
+    }
+
+
+@case
+def c_parity_ids_file_bad_line(tmp: Path, base: Path) -> dict:
+    f = tmp / "ids.txt"
+    f.write_text("5 6\n\n7 eight\n")
+    return {"argv": ["parity", str(base), "--ids-file", str(f)], "expect": ["ids.txt line 3", "'eight'"]}
+
+
+@case
+def c_parity_json_and_markdown_both_stdout(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--json", "-", "--markdown", "-"],
+        "expect": ["--json and --markdown", "stdout"],
+    }
+
+
+@case
+def c_parity_plot_to_stdout(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--plot", "-"], "expect": ["--plot -", "file path"]}
+
+
 def _files(root: Path) -> set[str]:
     out = set()
     for dirpath, dirnames, filenames in os.walk(root):

@@ -46,14 +46,14 @@ def run(args: argparse.Namespace) -> int:
 
     check_writable(args.png, "--png")
     try:
-        from checks.plots import require_matplotlib
-    except ImportError as e:  # checks/ ships with the package; this is a broken install
+        from gpt2_port_checks.plots import require_matplotlib
+    except ImportError as e:  # gpt2_port_checks ships in the same wheel; this is a broken install
         raise UsageError(f"the plotting code is not importable ({e}): reinstall gpt2-port") from None
     require_matplotlib("--png")
     if args.compare:
         if importlib.util.find_spec("transformers") is None:  # checked here, imported in checks/ only
             raise UsageError("--compare needs transformers: pip install 'gpt2-port[check]'")
-    from checks import attention_maps
+    from gpt2_port_checks import attention_maps
 
     dt, dev = parse_dtype(args.dtype), parse_device(args.device)
     model, rep = from_pretrained(args.model, dtype=dt, device=dev, revision=args.revision)
