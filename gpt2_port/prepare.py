@@ -36,8 +36,8 @@ from .util import atomic_write_text
 
 log = logging.getLogger(__name__)
 
-READ_BYTES = 1 << 22  # 4 MiB per read
-ENCODE_CHARS = 1 << 20  # encode once about 1M characters are pending (~250k ids, ~0.5 MB as uint16)
+READ_BYTES = 1 << 20  # 1 MiB per read
+ENCODE_CHARS = 1 << 18  # encode pieces of about 256k characters (~70k ids: ~2.5 MB as a list of Python ints)
 DTYPE = np.dtype("<u2")  # nanoGPT's np.uint16 on a little-endian machine, spelled out so it holds everywhere
 VOCAB_SIZE = 50257
 # The tokenizer files, in both spellings (a Hugging Face snapshot's, and OpenAI's), hashed into meta.json.
@@ -134,8 +134,9 @@ def scan(
 
 
 # -- streamed encoding ----------------------------------------------------------------------------------------------
-def safe_cut(text: str, lo: int = 1) -> int:
-    """The last index i >= lo where encoding text[:i] and text[i:] apart gives the ids of encoding text whole; 0 if none.
+def safe_cut(text: str, lo: int = 1, hi: int | None = None) -> int:
+    """The last index i in [lo, hi) where encoding text[:i] and text[i:] apart gives the ids of encoding text whole;
+    0 if there is none.
 
     GPT-2's pre-tokenizer (`'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+`) has no
     piece that holds a non-space character followed by a space: letters, numbers and punctuation exclude whitespace,
@@ -144,7 +145,7 @@ def safe_cut(text: str, lo: int = 1) -> int:
     space is not ("a\\n\\nb" gives "\\n", "\\n"; "a\\n\\n" alone gives "\\n\\n"). `str.isspace` is true for every
     character the regex's Unicode `\\s` matches (and for a few more), so "not isspace" is never wrong.
     """
-    i = len(text) - 1
+    i = (len(text) if hi is None else min(hi, len(text))) - 1
     while i >= lo:
         j = max(text.rfind(" ", lo, i + 1), text.rfind("\n", lo, i + 1))
         if j < lo:
@@ -162,19 +163,26 @@ class StreamEncoder:
         self.tokenizer, self.sink, self.encode_chars = tokenizer, sink, encode_chars
         self.pending = ""
         self.searched = 0  # pending[:searched] holds no safe cut (a very long line of text without spaces)
+        self.warned = False
 
     def push(self, text: str) -> None:
         self.pending += text
-        if len(self.pending) < self.encode_chars:
-            return
-        cut = safe_cut(self.pending, max(1, self.searched))
-        if cut == 0:
-            self.searched = len(self.pending)
-            if self.searched > 64 * self.encode_chars:
-                log.warning("%d characters without a space or newline: held in memory until one comes", self.searched)
-            return
-        self.sink(self.tokenizer.encode_ordinary(self.pending[:cut]))
-        self.pending, self.searched = self.pending[cut:], 0
+        start = 0  # encode pieces of at most encode_chars (when a cut allows), so their ids stay small too
+        while len(self.pending) - start >= self.encode_chars:
+            cut = safe_cut(self.pending, start + 1, start + self.encode_chars + 1)
+            if cut == 0:  # none in the window: the last one anywhere, unless this stretch was searched already
+                cut = safe_cut(self.pending, max(start + 1, self.searched))
+            if cut == 0:
+                self.searched = len(self.pending)
+                if self.searched - start > 64 * self.encode_chars and not self.warned:
+                    self.warned = True
+                    log.warning("%d characters without a space or newline: held until one comes", self.searched - start)
+                break
+            self.sink(self.tokenizer.encode_ordinary(self.pending[start:cut]))
+            start = cut
+        if start:
+            self.pending = self.pending[start:]
+            self.searched = max(0, self.searched - start)
 
     def finish(self) -> None:
         if self.pending:
