@@ -342,15 +342,14 @@ def prepare(
     created = make_out_dir(out)
     writers: list[BinWriter] = []
     try:
-        train, val = BinWriter(out / "train.bin"), None
-        writers.append(train)
-        val = BinWriter(out / "val.bin")
-        writers.append(val)
+        for name in ("train.bin", "val.bin"):
+            writers.append(BinWriter(out / name))
     except OSError as e:
         for w in writers:
             w.discard()
         remove_dirs(created)
         raise UsageError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    train, val = writers
 
     try:
         sources, done = [], 0
@@ -380,8 +379,6 @@ def prepare(
             empty = "train.bin" if train.tokens == 0 else "val.bin"
             raise UsageError(f"{empty} would be empty (corpus too small for --val-fraction {val_fraction})")
 
-        from . import __version__
-
         meta = {
             "format": "nanoGPT .bin: little-endian uint16 token ids, no header",
             "dtype": "uint16",
@@ -392,7 +389,7 @@ def prepare(
             "split": split,
             "sources": [{**asdict(s), "split": source_split[i]} for i, s in enumerate(sources)],
             "tokenizer": tokenizer_info(tokenizer, tokenizer_dir),
-            "created_by": f"gpt2-port {__version__} prepare",
+            "created_by": "gpt2-port prepare",
         }
         train.commit()
         val.commit()
