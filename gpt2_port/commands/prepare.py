@@ -17,8 +17,9 @@ nanoGPT's data/shakespeare/prepare.py does. Several files are documents: the las
 the order given, go to val.bin, and documents are separated by <|endoftext|> (50256). A split that would be empty is
 an error. Text is encoded with encode_ordinary: "<|endoftext|>" written in a file is ordinary text.
 
-memory: the corpus is streamed (4 MiB reads, ~1M-character pieces cut only where the BPE's pre-tokenizer cannot join
-across the cut), so a multi-GB corpus needs no more memory than a small one.
+memory: the corpus is streamed (1 MiB reads, pieces of about 256k characters cut only where the BPE's pre-tokenizer
+cannot join across the cut, so the ids equal encoding the whole text), so a multi-GB corpus needs no more memory than
+a small one. A first pass hashes each file and checks that it is UTF-8 before anything is encoded.
 """
 
 
