@@ -65,6 +65,8 @@ def check_input(path: str | os.PathLike[str]) -> Path:
         raise UsageError(f"{p}: no such file (expected a UTF-8 text file)")
     if p.is_dir():
         raise UsageError(f"{p}: is a directory (expected a UTF-8 text file; pass the files inside it)")
+    if not p.is_file():  # a pipe (<(zcat ...)), a device: both passes need to read it, and its size is unknown
+        raise UsageError(f"{p}: not a regular file (a pipe or a device?); expected a text file, which is read twice")
     if not os.access(p, os.R_OK):
         raise UsageError(f"{p}: not readable (permission denied)")
     return p

@@ -601,6 +601,12 @@ def c_prepare_directory_as_file(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_prepare_fifo(tmp: Path, base: Path) -> dict:
+    os.mkfifo(tmp / "pipe")  # opening it would block until a writer comes: it must be refused before that
+    return {"argv": prep(tmp, base, tmp / "pipe"), "expect": ["pipe", "not a regular file", "read twice"]}
+
+
+@case
 def c_prepare_empty_corpus(tmp: Path, base: Path) -> dict:
     a, b = text_file(tmp, "a.txt", b""), text_file(tmp, "b.txt", b"")
     return {"argv": prep(tmp, base, a, b), "expect": ["a.txt", "b.txt", "empty corpus", "0 bytes"]}
