@@ -310,3 +310,18 @@ def test_cli_shows_the_bar_only_on_a_terminal_or_when_asked(
     assert main([*argv, "--progress"]) == 0
     err = capsys.readouterr().err
     assert "scan" in err and "encode" in err and "100%" in err and "1.1 MB/1.1 MB" in err
+
+
+def test_cli_shows_the_bar_when_stderr_is_a_terminal(
+    shakespeare: Path,
+    tokenizer_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["prepare", str(shakespeare), "--out", str(tmp_path / "o"), "--tokenizer", str(tokenizer_dir)]) == 0
+    err = capsys.readouterr().err
+    assert "\rencode [" in err and "100%" in err
