@@ -146,6 +146,18 @@ def test_safe_cut_is_after_a_non_space_and_before_a_space_or_newline() -> None:
     assert safe_cut("a\u00a0 b") == 0  # U+00A0 is whitespace to the regex: the space after it is no boundary
 
 
+def test_isspace_covers_every_character_the_pretokenizers_whitespace_matches(tok: Tokenizer) -> None:
+    """safe_cut relies on it: tiktoken's regex \\s is Unicode White_Space; str.isspace must be true for each of them."""
+    import regex  # the `regex` package (a transformers dependency) knows Unicode properties; Rust's \s is White_Space
+
+    every = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
+    white = regex.findall(r"\p{White_Space}", every)
+    assert len(white) == 25 and all(c.isspace() for c in white)
+    for w in white:  # and cutting before a space after a non-space holds next to each of them
+        text = f"a{w} b{w}{w} c {w}d"
+        assert list(encode_stream(tok, iter(text), encode_chars=1)) == tok.enc.encode_ordinary(text), repr(w)
+
+
 def test_pending_text_stays_bounded_by_the_piece_size(shakespeare: Path, tok: Tokenizer) -> None:
     """Memory is flat: after each push the encoder holds less than one piece of text."""
     held = []
