@@ -421,7 +421,8 @@ def _split_one(
     if k == 0 or k == source.chars:
         empty = "train.bin" if k == 0 else "val.bin"
         raise UsageError(
-            f"{path}: {source.chars} characters are too few for --val-fraction {val_fraction} ({empty} would be empty)"
+            f"{path}: too few characters ({source.chars}) to split at --val-fraction {val_fraction}: {empty} would be "
+            "empty; expected a longer text"
         )
     enc_train = StreamEncoder(tokenizer, train.write, encode_chars)
     enc_val = StreamEncoder(tokenizer, val.write, encode_chars)

@@ -639,6 +639,16 @@ def c_prepare_val_split_empty(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_prepare_too_short_to_split(tmp: Path, base: Path) -> dict:
+    f = text_file(tmp, "tiny.txt", b"H")  # int(1 * 0.9) = 0 characters for train
+    return {
+        "argv": prep(tmp, base, f),
+        "expect": ["tiny.txt", "too few characters (1)", "--val-fraction 0.1", "train.bin would be empty"],
+        "absent": [tmp / "prepared"],
+    }
+
+
+@case
 def c_prepare_out_under_a_file(tmp: Path, base: Path) -> dict:
     f = text_file(tmp)
     return {"argv": prep(tmp, base, f, out=f / "out"), "expect": ["--out", "corpus.txt", "is a file, not a directory"]}
