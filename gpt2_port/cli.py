@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "gpt2_port.commands.attention",
     "gpt2_port.commands.inspect",
     "gpt2_port.commands.demo",
+    "gpt2_port.commands.prepare",
 ]
 
 

@@ -30,6 +30,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")
 
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Encode special-token text ("<|endoftext|>") as ordinary text, as nanoGPT's prepare scripts do."""
+        return self.enc.encode_ordinary(text)
+
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode(ids, errors="replace")
 

@@ -630,6 +630,116 @@ def c_parity_plot_to_stdout(tmp: Path, base: Path) -> dict:
     return {"argv": ["parity", str(base), "--plot", "-"], "expect": ["--plot -", "file path"]}
 
 
+# -- gpt2-port prepare -----------------------------------------------------------------------------------------------
+def prep(tmp: Path, base: Path, *files: Path | str, out: Path | str | None = None, extra: tuple = ()) -> list[str]:
+    """prepare's argv with the tokenizer files the base checkpoint carries; --out defaults to tmp/prepared."""
+    out = tmp / "prepared" if out is None else out
+    return ["prepare", *map(str, files), "--out", str(out), "--tokenizer", str(base), *extra]
+
+
+def text_file(tmp: Path, name: str = "corpus.txt", data: bytes = b"First Citizen:\nBefore we proceed.\n") -> Path:
+    (tmp / name).write_bytes(data)
+    return tmp / name
+
+
+@case
+def c_prepare_not_utf8(tmp: Path, base: Path) -> dict:
+    f = text_file(tmp, "latin1.txt", "caf\u00e9 au lait\n".encode() * 3 + "d\u00e9j\u00e0 vu\n".encode("latin-1"))
+    return {
+        "argv": prep(tmp, base, f),
+        "expect": ["latin1.txt", "not UTF-8", "invalid byte 0xe9 at byte offset 43", "expected UTF-8"],
+        "absent": [tmp / "prepared"],
+    }
+
+
+@case
+def c_prepare_missing_file(tmp: Path, base: Path) -> dict:
+    return {"argv": prep(tmp, base, text_file(tmp), tmp / "nope.txt"), "expect": ["nope.txt", "no such file"]}
+
+
+@case
+def c_prepare_directory_as_file(tmp: Path, base: Path) -> dict:
+    (tmp / "texts").mkdir()
+    return {"argv": prep(tmp, base, tmp / "texts"), "expect": ["texts", "is a directory", "UTF-8 text file"]}
+
+
+@case
+def c_prepare_fifo(tmp: Path, base: Path) -> dict:
+    os.mkfifo(tmp / "pipe")  # opening it would block until a writer comes: it must be refused before that
+    return {"argv": prep(tmp, base, tmp / "pipe"), "expect": ["pipe", "not a regular file", "read twice"]}
+
+
+@case
+def c_prepare_empty_corpus(tmp: Path, base: Path) -> dict:
+    a, b = text_file(tmp, "a.txt", b""), text_file(tmp, "b.txt", b"")
+    return {"argv": prep(tmp, base, a, b), "expect": ["a.txt", "b.txt", "empty corpus", "0 bytes"]}
+
+
+@case
+def c_prepare_val_fraction_zero(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": prep(tmp, base, text_file(tmp), extra=("--val-fraction", "0")),
+        "expect": ["--val-fraction", "(0, 1)", "got 0.0"],
+    }
+
+
+@case
+def c_prepare_val_fraction_above_one(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": prep(tmp, base, text_file(tmp), extra=("--val-fraction", "1.5")),
+        "expect": ["--val-fraction", "(0, 1)", "got 1.5"],
+    }
+
+
+@case
+def c_prepare_val_split_empty(tmp: Path, base: Path) -> dict:
+    a, b = text_file(tmp, "a.txt"), text_file(tmp, "b.txt")
+    return {
+        "argv": prep(tmp, base, a, b),
+        "expect": ["--val-fraction 0.1 of 2 documents", "none in val.bin", ">= 0.25"],
+        "absent": [tmp / "prepared"],
+    }
+
+
+@case
+def c_prepare_too_short_to_split(tmp: Path, base: Path) -> dict:
+    f = text_file(tmp, "tiny.txt", b"H")  # int(1 * 0.9) = 0 characters for train
+    return {
+        "argv": prep(tmp, base, f),
+        "expect": ["tiny.txt", "too few characters (1)", "--val-fraction 0.1", "train.bin would be empty"],
+        "absent": [tmp / "prepared"],
+    }
+
+
+@case
+def c_prepare_out_under_a_file(tmp: Path, base: Path) -> dict:
+    f = text_file(tmp)
+    return {"argv": prep(tmp, base, f, out=f / "out"), "expect": ["--out", "corpus.txt", "is a file, not a directory"]}
+
+
+@case
+def c_prepare_out_is_a_file(tmp: Path, base: Path) -> dict:
+    f = text_file(tmp)
+    return {"argv": prep(tmp, base, f, out=f), "expect": ["--out", "corpus.txt", "not a directory"]}
+
+
+@case
+def c_prepare_out_in_proc(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": prep(tmp, base, text_file(tmp), out="/proc/gpt2-port-x"),
+        "expect": ["--out /proc/gpt2-port-x", "cannot create directory"],
+        "absent": [Path("/proc/gpt2-port-x")],
+    }
+
+
+@case
+def c_prepare_tokenizer_dir_without_files(tmp: Path, base: Path) -> dict:
+    (tmp / "tok").mkdir()
+    argv = prep(tmp, base, text_file(tmp))
+    argv[argv.index("--tokenizer") + 1] = str(tmp / "tok")
+    return {"argv": argv, "expect": ["--tokenizer", "tok", "no vocab.json + merges.txt"]}
+
+
 def _files(root: Path) -> set[str]:
     out = set()
     for dirpath, dirnames, filenames in os.walk(root):
