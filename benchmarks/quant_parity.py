@@ -23,7 +23,8 @@ from checks.parity import (
     load_reference,
     metrics,
 )
-from gpt2_port.load import from_pretrained, locate
+from gpt2_port.checkpoint import locate
+from gpt2_port.load import from_pretrained
 from gpt2_port.quantize import quantize_int8
 from gpt2_port.tokenizer import load_tokenizer
 

@@ -29,7 +29,7 @@ def reference_probs(
 ) -> torch.Tensor:
     """transformers' (eager) attention probabilities at `layer`: (nh, T, T). A forward hook on GPT2Attention sees
     its (attn_output, attn_weights) return value."""
-    from gpt2_port.load import locate
+    from gpt2_port.checkpoint import locate
 
     from .parity import load_reference
 

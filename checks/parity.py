@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from gpt2_port.checkpoint import Checkpoint
 from gpt2_port.config import GPT2Config
 from gpt2_port.errors import UsageError
-from gpt2_port.load import Checkpoint
 from gpt2_port.model import GPT2
 from gpt2_port.util import atomic_write_text, check_writable
 

@@ -39,8 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..devices import parse_device, parse_dtype
     from ..errors import UsageError
-    from ..load import from_pretrained, parse_device, parse_dtype
+    from ..load import from_pretrained
     from ..tokenizer import load_tokenizer
     from ..util import check_writable
 

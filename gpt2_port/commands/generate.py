@@ -149,9 +149,10 @@ def peak_rss_mb() -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..devices import parse_device, parse_dtype
     from ..errors import UsageError
     from ..generate import generate_full
-    from ..load import from_pretrained, parse_device, parse_dtype
+    from ..load import from_pretrained
     from ..tokenizer import load_tokenizer
     from ..util import atomic_write_text, check_writable
 
