@@ -20,3 +20,14 @@ def add_tokenizer_arg(p: argparse.ArgumentParser) -> None:
         default=None,
         help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)",
     )
+
+
+def report_written(written: list[str], stderr: bool = False) -> None:
+    """Say which files a command wrote ("wrote PATH"), at its end. On stderr when asked, or when an output went to
+    stdout (`-`), so that a JSON or Markdown stream on stdout stays clean."""
+    import sys
+
+    stream = sys.stderr if stderr or "stdout" in written else sys.stdout
+    for w in written:
+        if w != "stdout":
+            print(f"wrote {w}", file=stream)

@@ -7,7 +7,7 @@ import json
 import resource
 import sys
 
-from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
+from .common import add_model_arg, add_revision_arg, add_tokenizer_arg, report_written
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 50
@@ -90,7 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_tokenizer_arg(p)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; for checks)")
     p.add_argument(
-        "--json", metavar="PATH", default=None, help="write prompt_ids, generated_ids, texts and the timings as JSON"
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="write prompt_ids, generated_ids, texts and the timings as JSON (- for stdout, after the text)",
     )
     p.set_defaults(func=run)
 
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from ..generate import generate_full
     from ..load import from_pretrained
     from ..tokenizer import load_tokenizer
-    from ..util import atomic_write_text, check_writable
+    from ..util import check_writable, write_output
 
     # every argument is checked before the (slow) load
     if not args.prompt:
@@ -254,5 +257,5 @@ def run(args: argparse.Namespace) -> int:
             "max_new_tokens": args.max_new_tokens,
             **sampling,
         }
-        atomic_write_text(args.json, json.dumps(data, indent=2) + "\n")
+        report_written([write_output(args.json, json.dumps(data, indent=2) + "\n", "--json")], stderr=True)
     return 0
