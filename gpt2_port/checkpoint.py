@@ -20,10 +20,9 @@ import torch
 from . import hub
 from .errors import CheckpointError, UsageError
 from .safetensors_io import SafetensorsFile
+from .tokenizer import find_files
 
 log = logging.getLogger(__name__)
-
-TOKENIZER_FILE_PAIRS = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))
 
 
 @dataclass
@@ -39,10 +38,7 @@ class Checkpoint:
 
     def tokenizer_files(self) -> tuple[Path, Path] | None:
         """The checkpoint's vocab.json + merges.txt (or OpenAI's encoder.json + vocab.bpe), if both are there."""
-        for v, m in TOKENIZER_FILE_PAIRS:
-            if (self.root / v).is_file() and (self.root / m).is_file():
-                return self.root / v, self.root / m
-        return None
+        return find_files(self.root)
 
 
 def weights_in_dir(d: Path) -> tuple[list[Path], str]:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from ..devices import parse_device, parse_dtype
     from ..errors import UsageError
     from ..load import from_pretrained
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import load_tokenizer, tokenizer_for
     from ..util import check_writable
 
     check_writable(args.png, "--png")
@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from checks import attention_maps
 
     dt, dev = parse_dtype(args.dtype), parse_device(args.device)
+    tok = load_tokenizer(args.tokenizer, strict=True) if args.tokenizer is not None else None
     model, rep = from_pretrained(args.model, dtype=dt, device=dev, revision=args.revision)
     cfg = rep.config
     layer = args.layer + cfg.n_layer if args.layer < 0 else args.layer
@@ -66,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--layer {args.layer}: the model has {cfg.n_layer} layers (0..{cfg.n_layer - 1})")
     if args.head is not None and not 0 <= args.head < cfg.n_head:
         raise UsageError(f"--head {args.head}: the model has {cfg.n_head} heads (0..{cfg.n_head - 1})")
-    tok = load_tokenizer(args.tokenizer if args.tokenizer is not None else rep.checkpoint.root)
+    if tok is None:
+        tok = tokenizer_for(rep.checkpoint.root)
     ids = tok.encode(args.text)
     if not ids:
         raise UsageError("TEXT encodes to no tokens")

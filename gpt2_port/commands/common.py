@@ -18,7 +18,8 @@ def add_tokenizer_arg(p: argparse.ArgumentParser) -> None:
         "--tokenizer",
         metavar="DIR",
         default=None,
-        help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)",
+        help="directory with vocab.json + merges.txt, or encoder.json + vocab.bpe (default: the checkpoint's, "
+        "else the GPT-2 BPE shipped with gpt2-port; never the network)",
     )
 
 

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
     from ..generate import generate_full
     from ..load import from_pretrained
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import load_tokenizer, tokenizer_for
     from ..util import check_writable, write_output
 
     # every argument is checked before the (slow) load
@@ -180,13 +180,15 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.json:
         check_writable(args.json, "--json")
+    tok = load_tokenizer(args.tokenizer, strict=True) if args.tokenizer is not None else None
 
     model, report = from_pretrained(args.model, dtype=dtype, device=device, revision=args.revision)
     if quantize:
         from ..quantize import quantize_int8
 
         quantize_int8(model)
-    tok = load_tokenizer(args.tokenizer if args.tokenizer else report.checkpoint.root)
+    if tok is None:
+        tok = tokenizer_for(report.checkpoint.root)
     prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
         raise UsageError("PROMPT encodes to no tokens: expected some text to continue")

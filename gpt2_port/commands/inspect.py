@@ -49,6 +49,12 @@ def run(args: argparse.Namespace) -> int:
     say(
         f"  config    {rep.checkpoint.config_file.name if rep.checkpoint.config_file else 'inferred from tensor shapes'}"
     )
+    tok_files = rep.checkpoint.tokenizer_files()
+    say(
+        f"  tokenizer {' + '.join(f.name for f in tok_files)}"
+        if tok_files
+        else "  tokenizer none in the checkpoint (commands use the GPT-2 BPE shipped with gpt2-port)"
+    )
     say("config")
     for f in dataclasses.fields(cfg):
         say(f"  {f.name:<20}{getattr(cfg, f.name)}")
@@ -86,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             "root": str(rep.checkpoint.root),
             "files": [str(f) for f in rep.checkpoint.weight_files],
             "format": rep.checkpoint.fmt,
+            "tokenizer_files": [str(f) for f in tok_files] if tok_files else None,
             "config": dataclasses.asdict(cfg),
             "tensors": len(sd),
             "parameters": n_params,
