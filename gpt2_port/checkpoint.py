@@ -7,7 +7,6 @@ maps every tensor name to a memory-mapped tensor (safetensors) or a tensor from 
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import os
@@ -110,13 +109,13 @@ def locate(model: str | os.PathLike[str], revision: str | None = None) -> Checkp
     if p.is_symlink():
         raise CheckpointError(f"{s}: broken symlink (points to {os.readlink(p)!r}, which does not exist)")
     if looks_like_path(s):
-        hint = _did_you_mean(s, _local_candidates(p))
+        hint = hub.did_you_mean(s, _local_candidates(p) + hub.OFFICIAL_IDS)
         raise CheckpointError(
             f"{s}: no such file or directory (it looks like a path, so it was not looked up as a Hub model id){hint}"
         )
     if hub.looks_like_hub_id(s):
         return _from_hub(s, revision)
-    hint = _did_you_mean(s, _local_candidates(p) + hub.OFFICIAL_IDS)
+    hint = hub.did_you_mean(s, _local_candidates(p) + hub.OFFICIAL_IDS)
     raise CheckpointError(
         f"{s}: no such file or directory, and not a Hub model id (like gpt2 or openai-community/gpt2){hint}"
     )
@@ -148,11 +147,6 @@ def _local_candidates(p: Path, limit: int = 2000) -> list[str]:
         return []
     prefix = "" if str(parent) in ("", ".") else str(parent).rstrip("/") + "/"
     return [prefix + n for n in names]
-
-
-def _did_you_mean(s: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(s, sorted(set(candidates)), n=3, cutoff=0.6)
-    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 def _from_hub(model_id: str, revision: str | None) -> Checkpoint:

@@ -7,6 +7,7 @@ messages that say what to do, and name the cache directory searched.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from pathlib import Path
@@ -21,8 +22,10 @@ HUB_ALIASES = {
     "gpt2-large": "openai-community/gpt2-large",
     "gpt2-xl": "openai-community/gpt2-xl",
 }
-# The names a "did you mean" offers: the short aliases and the repos they stand for.
-OFFICIAL_IDS = [*HUB_ALIASES, *HUB_ALIASES.values()]
+# The names a "did you mean" offers: the short aliases and the repos they stand for; "gpt2-small", the name the
+# papers give the 124M model, is matched too and offered as the id that holds it.
+OFFICIAL_IDS = [*HUB_ALIASES, *HUB_ALIASES.values(), "gpt2-small", "openai-community/gpt2-small"]
+_MEANT = {"gpt2-small": "gpt2", "openai-community/gpt2-small": "openai-community/gpt2"}
 # Only what the port needs; the gpt2 repos also hold TF, Flax, ONNX, rust and tflite weights (several GB).
 HUB_PATTERNS = [
     "config.json",
@@ -47,6 +50,21 @@ def looks_like_hub_id(s: str) -> bool:
         and not s.startswith((".", "/", "~"))
         and not s.endswith((".safetensors", ".bin"))
     )
+
+
+def did_you_mean(word: str, candidates: list[str]) -> str:
+    """ "; did you mean X?" naming the closest candidates (those about as close as the best one), or ""."""
+    scored = []
+    for c in set(candidates):
+        m = difflib.SequenceMatcher(None, word, c)
+        if m.real_quick_ratio() >= 0.6 and m.quick_ratio() >= 0.6 and m.ratio() >= 0.6:
+            scored.append((m.ratio(), c))
+    if not scored:
+        return ""
+    best = max(r for r, _ in scored)
+    close = [_MEANT.get(c, c) for r, c in sorted(scored, key=lambda rc: (-rc[0], rc[1])) if r >= best - 0.05]
+    close = list(dict.fromkeys(close))[:3]
+    return f"; did you mean {' or '.join(close)}?"
 
 
 def is_offline() -> bool:
@@ -81,6 +99,7 @@ def download(model_id: str, revision: str | None, patterns: list[str]) -> Path:
     except hf_errors.RepositoryNotFoundError:
         raise HubError(
             f"{model_id}: no such model on the Hugging Face Hub (or it is private/gated: run `hf auth login`)"
+            f"{did_you_mean(model_id, OFFICIAL_IDS)}"
         ) from None
     except hf_errors.RevisionNotFoundError:
         raise HubError(f"{model_id}: revision {revision!r} not found on the Hub") from None
