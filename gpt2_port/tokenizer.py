@@ -125,14 +125,17 @@ def mergeable_ranks(vocab_json: Path, merges_txt: Path) -> dict[bytes, int]:
         ranks[bytes([b])] = len(ranks)
     for i, m in enumerate(merges):
         if len(m) != 2:
-            raise ValueError(f"{merges_txt.name} line {i + 2}: expected two tokens, got {len(m)}")
+            raise CheckpointError(f"{merges_txt}: line {i + 2}: expected two tokens, got {len(m)}")
         ranks[to_bytes(m[0]) + to_bytes(m[1])] = len(ranks)
     vocab = json.loads(vocab_json.read_bytes().decode("utf-8"))
     if not isinstance(vocab, dict):
-        raise ValueError(f"{vocab_json.name} is not a JSON object")
+        raise CheckpointError(f"{vocab_json}: expected a JSON object of token -> id, got {type(vocab).__name__}")
     ids = {to_bytes(k): v for k, v in vocab.items() if k not in (EOT, "<|startoftext|>")}
     if ids != ranks:
-        raise ValueError(f"{vocab_json.name} does not match {merges_txt.name} (ids are not the merge order)")
+        raise CheckpointError(
+            f"{vocab_json} / {merges_txt}: not GPT-2 tokenizer files ({vocab_json.name} does not match "
+            f"{merges_txt.name}: the ids are not the merge order)"
+        )
     return ranks
 
 
