@@ -188,9 +188,11 @@ def _one_error_line(err: str) -> str:
     return lines[-1]
 
 
-def test_inspect_json_to_stdout(tiny_official: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_json_to_stdout(
+    tiny_official: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`--json -`: stdout is the JSON alone (the readable report moves to stderr), and no file named `-`."""
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     assert main(["inspect", str(tiny_official), "--json", "-"]) == 0
     out, err = capsys.readouterr()
     data = json.loads(out)
