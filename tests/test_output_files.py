@@ -251,3 +251,13 @@ def test_demo_checkpoint_out_unwritable(capsys: pytest.CaptureFixture[str]) -> N
     rc = main(["demo-checkpoint", "--out", "/proc/gpt2-demo"])
     line = _one_error_line(capsys.readouterr().err)
     assert rc == 2 and "--out /proc/gpt2-demo: cannot create files in /proc" in line
+
+
+@needs_dev_full
+def test_attention_png_dev_full(tiny_official: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    rc = main(["attention", str(tiny_official), "Hello world", "--layer", "0", "--png", "/dev/full"])
+    out, err = capsys.readouterr()
+    line = _one_error_line(err)
+    assert rc == 2 and "--png /dev/full: cannot write (No space left on device)" in line
+    assert "wrote" not in out and _is_chr("/dev/full")
