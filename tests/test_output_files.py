@@ -261,3 +261,28 @@ def test_attention_png_dev_full(tiny_official: Path, capsys: pytest.CaptureFixtu
     line = _one_error_line(err)
     assert rc == 2 and "--png /dev/full: cannot write (No space left on device)" in line
     assert "wrote" not in out and _is_chr("/dev/full")
+
+
+def test_demo_checkpoint_late_write_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that fills while the checkpoint is written: exit 2, one line, no partial file left."""
+    from gpt2_port import util
+
+    real_fdopen = os.fdopen
+
+    def full_disk(fd, mode="r", *a, **k):  # type: ignore[no-untyped-def]
+        f = real_fdopen(fd, mode, *a, **k)
+
+        def write(data):  # type: ignore[no-untyped-def]
+            raise OSError(28, "No space left on device")
+
+        f.write = write
+        return f
+
+    monkeypatch.setattr(util.os, "fdopen", full_disk)
+    out = tmp_path / "ck"
+    rc = main(["demo-checkpoint", "--out", str(out)])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and f"--out {out}: cannot write the checkpoint (No space left on device)" in line
+    assert list(out.iterdir()) == []
