@@ -113,7 +113,7 @@ def prefill_fn(impl: str, model, ids, dev):  # noqa: ANN001, ANN201
 
     B, T = ids.shape
     if impl == "ours":
-        from gpt2_port.model import KVCache
+        from gpt2_port.kv_cache import KVCache
 
         def fn():  # noqa: ANN202
             with torch.inference_mode():

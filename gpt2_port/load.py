@@ -7,11 +7,13 @@ so a float32 load peaks at about one copy of the weights.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -19,8 +21,11 @@ from . import adapter
 from .checkpoint import Checkpoint, LazyStateDict, locate
 from .config import GPT2Config, check_against_shapes, infer_from_shapes, read_config_json
 from .devices import parse_device, parse_dtype
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, UsageError
 from .model import GPT2
+from .safetensors_io import write_safetensors
+from .tokenizer import find_files
+from .util import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +125,53 @@ def from_pretrained(
         report.load_s,
     )
     return m, report
+
+
+def save_pretrained(
+    model: GPT2,
+    directory: str | os.PathLike[str],
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write `model` in the official layout, loadable by transformers' and gpt2_port's `from_pretrained`.
+
+    `config.json` (with the dropout and init fields); `model.safetensors` in float32 or the model's dtype, Conv1D
+    weights as [in, out], q/k/v fused back into `c_attn`, no mask buffers; tied head: un-prefixed keys and no
+    `lm_head` (as openai-community/gpt2 ships), untied: transformers' `save_pretrained` layout (`transformer.`
+    prefix, `lm_head.weight`). Tokenizer files (vocab.json, merges.txt) are copied beside the weights from
+    `tokenizer_dir`, else from the checkpoint the model was loaded from, when either has them. Every file is written
+    atomically; tensors are streamed one at a time.
+    """
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: exists and is not a directory (save_pretrained writes a checkpoint directory)")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    prefix = "" if cfg.tie_word_embeddings else "transformer."
+    state = {k: v for k, v in model.state_dict().items()}
+    tensors = adapter.hf_tensors(state, cfg, prefix)
+    shapes = {k: tuple(make().shape) for k, make in tensors}  # views and small cats: cheap next to the write
+
+    def on_cpu(make):  # noqa: ANN001, ANN202
+        return lambda: make().cpu()
+
+    entries = [(k, shapes[k], model.dtype, on_cpu(make)) for k, make in tensors]
+    write_safetensors(out / "model.safetensors", entries, metadata={"format": "pt"})
+    atomic_write_text(out / "config.json", json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    src = _tokenizer_source(model, tokenizer_dir)
+    if src is not None:
+        for name, f in zip(("vocab.json", "merges.txt"), src):
+            if f.resolve() != (out / name).resolve():
+                atomic_write_bytes(out / name, f.read_bytes())
+    log.info("saved %s (%s params) to %s", cfg, f"{model.num_params():,}", out)
+    return out
+
+
+def _tokenizer_source(model: GPT2, tokenizer_dir: str | os.PathLike[str] | None) -> tuple[Path, Path] | None:
+    if tokenizer_dir is not None:
+        d = Path(tokenizer_dir)
+        found = find_files(d)
+        if found is not None:
+            return found
+        raise UsageError(f"tokenizer directory {d}: no vocab.json + merges.txt (or encoder.json + vocab.bpe)")
+    report = getattr(model, "load_report", None)
+    return None if report is None else report.checkpoint.tokenizer_files()

@@ -13,8 +13,8 @@ from benchmarks.decode import StaticDecoder, greedy_hf, greedy_ours, greedy_stat
 from benchmarks.report import BEGIN, END, update_markdown
 from gpt2_port.cli import main as cli_main
 from gpt2_port.errors import UsageError
+from gpt2_port.kv_cache import KVCache
 from gpt2_port.load import from_pretrained
-from gpt2_port.model import KVCache
 
 
 def test_static_step_matches_forward(tiny_official: Path) -> None:
