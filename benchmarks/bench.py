@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gpt2_port.config import PRESETS
 from gpt2_port.errors import UsageError
-from gpt2_port.util import atomic_write_text, check_writable
+from gpt2_port.util import check_writable, write_output
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
@@ -304,13 +304,16 @@ def main(a: argparse.Namespace) -> int:
         log.clear()
     results["total_s"] = time.perf_counter() - t0
     results["machine"]["loadavg_end"] = os.getloadavg()
-    atomic_write_text(a.out, json.dumps(results, indent=1) + "\n")
+    written = [write_output(a.out, json.dumps(results, indent=1) + "\n", "--out")]
     from benchmarks.report import render, update_markdown
 
     md = render(results)
-    print(md)
+    print(md, file=sys.stderr if "-" in (a.out, a.markdown) else sys.stdout)  # keep a JSON/Markdown stdout clean
     if a.markdown:
-        update_markdown(a.markdown, md)
+        written.append(update_markdown(a.markdown, md))
+    for w in written:
+        if w != "stdout":
+            print(f"wrote {w}", file=sys.stderr)
     return 0
 
 

@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-from gpt2_port.load import from_pretrained, locate
+from gpt2_port.checkpoint import locate
+from gpt2_port.load import from_pretrained
 from gpt2_port.quantize import quantize_int8
 from gpt2_port.tokenizer import load_tokenizer
 from gpt2_port_checks.metrics import metrics, next_token

@@ -172,7 +172,7 @@ def main(spec: dict) -> dict:
     import torch
 
     t_imp = time.perf_counter()
-    from gpt2_port.load import parse_device
+    from gpt2_port.devices import parse_device
 
     impls = ["ours", "hf"] if spec["impl"] == "duel" else [spec["impl"]]
     if "hf" in impls:  # imported here, before any timing: the load time excludes every import (for both)

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 
+from gpt2_port.checkpoint import locate
+from gpt2_port.devices import parse_device, parse_dtype
 from gpt2_port.errors import UsageError
-from gpt2_port.load import from_pretrained, locate, nonfinite_tensors, parse_device, parse_dtype
+from gpt2_port.load import from_pretrained, nonfinite_tensors
 from gpt2_port.model import GPT2
 from gpt2_port.tokenizer import Tokenizer, load_tokenizer
 

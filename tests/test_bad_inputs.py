@@ -740,6 +740,101 @@ def c_prepare_tokenizer_dir_without_files(tmp: Path, base: Path) -> dict:
     return {"argv": argv, "expect": ["--tokenizer", "tok", "no vocab.json + merges.txt"]}
 
 
+# -- output paths, tokenizer directories and model names (each "after" check gets the error line) ----------------------
+def _stays_char_device(path: str) -> Callable[[str], None]:
+    def check(line: str) -> None:
+        import stat
+
+        assert stat.S_ISCHR(os.stat(path).st_mode), f"{path} is no longer a character device"
+        kept = line.split("the results are kept in ")[-1].strip()  # kept on purpose, outside tmp: tidy up here
+        assert "the results are kept in " in line and Path(kept).is_file(), line
+        Path(kept).unlink()
+
+    return check
+
+
+@case
+def c_inspect_json_dev_full(tmp: Path, base: Path) -> dict:
+    """The write fails after the work (a full device): one line, the results kept, the device untouched."""
+    return {
+        "argv": ["inspect", str(base), "--json", "/dev/full"],
+        "expect": ["--json /dev/full", "cannot write", "No space left on device", "kept in"],
+        "after": [_stays_char_device("/dev/full")],
+    }
+
+
+@case
+def c_gen_json_proc(tmp: Path, base: Path) -> dict:
+    """os.access says yes to root here; the early check creates a real file, which fails before the load."""
+    return {"argv": gen(base, "--json", "/proc/out.json"), "expect": ["--json /proc/out.json", "cannot create a file"]}
+
+
+@case
+def c_inspect_json_under_a_file(tmp: Path, base: Path) -> dict:
+    (tmp / "afile").write_text("x")
+    return {
+        "argv": ["inspect", str(base), "--json", str(tmp / "afile" / "r.json")],
+        "expect": ["--json", "afile", "is not a directory"],
+    }
+
+
+@case
+def c_inspect_json_socket(tmp: Path, base: Path) -> dict:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(tmp / "s.sock"))
+    s.close()  # the socket file stays: a path that must be refused, not replaced
+    return {
+        "argv": ["inspect", str(base), "--json", str(tmp / "s.sock")],
+        "expect": ["--json", "s.sock", "is a socket", "expected a regular file"],
+    }
+
+
+@case
+def c_demo_out_proc(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["demo-checkpoint", "--out", "/proc/gpt2-demo"],
+        "expect": ["--out /proc/gpt2-demo", "cannot create"],
+    }
+
+
+@case
+def c_attention_png_proc(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["attention", str(base), "Hello", "--layer", "0", "--png", "/proc/a.png"],
+        "expect": ["--png /proc/a.png", "cannot create a file in /proc"],
+    }
+
+
+@case
+def c_gen_tokenizer_dir_without_files(tmp: Path, base: Path) -> dict:
+    (tmp / "tok").mkdir()
+    (tmp / "tok" / "vocab.json").write_text("{}")
+    return {
+        "argv": gen(base, "--tokenizer", str(tmp / "tok")),
+        "expect": ["--tokenizer", "tok", "missing merges.txt"],
+    }
+
+
+@case
+def c_path_typo_beside_a_directory(tmp: Path, base: Path) -> dict:
+    (tmp / "weights" / "gpt2-random").mkdir(parents=True)
+    return {
+        "argv": ["inspect", str(tmp / "weights" / "gpt2-randon")],
+        "expect": [
+            "gpt2-randon: no such file or directory",
+            "looks like a path",
+            f"did you mean {tmp}/weights/gpt2-random?",
+        ],
+    }
+
+
+@case
+def c_model_name_close_to_an_official_id(tmp: Path, base: Path) -> dict:
+    return {"argv": ["inspect", "gpt2-smal"], "expect": ["gpt2-smal", "not a Hub model id", "did you mean gpt2?"]}
+
+
 def _files(root: Path) -> set[str]:
     out = set()
     for dirpath, dirnames, filenames in os.walk(root):
@@ -777,11 +872,13 @@ def test_bad_input(
     capsys.readouterr()
     rc = main(argv)
     out, err = capsys.readouterr()
-    check_error(rc, err, spec["expect"])
+    line = check_error(rc, err, spec["expect"])
     assert _files(tmp_path) == before, "files left behind"
     assert not report.exists()
     for p in spec.get("absent", []):
         assert not p.exists(), f"{p} exists: code from the file ran"
+    for after in spec.get("after", []):
+        after(line)
 
 
 def test_catalogue_size() -> None:
