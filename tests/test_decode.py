@@ -8,11 +8,13 @@ import pytest
 import torch
 from conftest import TINY, chaotic_model
 
+from gpt2_port.c_attn import fused_qkv
 from gpt2_port.decode import DecodePlan
+from gpt2_port.errors import UsageError
 from gpt2_port.generate import generate_full
 from gpt2_port.kv_cache import KVCache
 from gpt2_port.load import from_pretrained
-from gpt2_port.model import GPT2, fused_qkv
+from gpt2_port.model import GPT2
 from gpt2_port.quantize import quantize_int8
 
 
@@ -96,5 +98,5 @@ def test_plan_refuses_to_pass_the_context() -> None:
     model = _chaotic()
     cache = KVCache(model.config, 1, 128, model.dtype, "cpu")
     cache.length = 128
-    with pytest.raises(ValueError, match="exceeds the context of 128"):
+    with pytest.raises(UsageError, match="exceeds the context of 128"):
         DecodePlan(model).step(torch.tensor([[1]]), cache)

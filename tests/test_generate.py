@@ -432,7 +432,7 @@ def test_cli_prompt_errors(tiny_official: Path, capsys: pytest.CaptureFixture[st
 
 def test_fused_qkv_view_is_bit_exact(tiny_official: Path) -> None:
     """An official checkpoint's q/k/v load as views of one c_attn, used as one matmul (as the reference computes it)."""
-    from gpt2_port.model import fused_qkv
+    from gpt2_port.c_attn import fused_qkv
 
     m = GPT2.from_pretrained(str(tiny_official))
     a = m.h[0].attn
