@@ -4,8 +4,10 @@ pre-LN residual blocks, final LayerNorm, and a head tied to `wte`.
 Module names follow Hugging Face (`wte`, `wpe`, `drop`, `h.{i}.ln_1`, `attn`, `mlp.c_fc`, `ln_f`) so that per-layer
 activations line up with the reference. Dropout sits at transformers' four sites (embeddings, attention
 probabilities, attention output, MLP output) and is active in train mode only. Named taps (`model.record()`) expose
-every intermediate for the checker. Shapes: B batch, T new tokens, S keys (past + new), C n_embd, nh heads, hs head
-size, V vocab.
+every intermediate for the checker. q, k and v are computed as c_attn computes them (gpt2_port/c_attn.py). The
+inference shortcuts elsewhere (decode.py's DecodePlan, generate's fast greedy head, the fused c_attn view, int8) ask
+`wants_grad` first and never run in train mode or when a gradient is wanted. Shapes: B batch, T new tokens, S keys
+(past + new), C n_embd, nh heads, hs head size, V vocab.
 """
 
 from __future__ import annotations
