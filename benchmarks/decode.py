@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gpt2_port.decode import DecodePlan
 from gpt2_port.errors import UsageError
 from gpt2_port.kv_cache import KVCache
 from gpt2_port.model import GPT2
@@ -46,8 +47,10 @@ class StaticDecoder:
     """One-token decode steps over fixed-size KV buffers: every tensor keeps its shape from step to step, and the
     position lives in a tensor, so a step can be captured once as a CUDA graph and replayed.
 
-    Uses the model's own modules (q/k/v/c_proj, LayerNorms, MLP, head), attending over all `max_len` slots with a
-    mask of the filled ones. `step()` runs eagerly anywhere; `capture()` records it as a CUDA graph (CUDA only).
+    The block step is gpt2_port.decode's `LayerStep` (the one DecodePlan runs, checked bit for bit against
+    `Block.forward`); only the attention differs: it stores k, v with index_copy_ at the position tensor and attends
+    over all `max_len` slots with a mask of the filled ones. `step()` runs eagerly anywhere; `capture()` records it
+    as a CUDA graph (CUDA only).
     """
 
     def __init__(self, model: GPT2, batch: int, max_len: int) -> None:
@@ -55,6 +58,7 @@ class StaticDecoder:
         if max_len > cfg.n_positions:
             raise UsageError(f"max_len {max_len} exceeds the context of {cfg.n_positions}")
         self.model, self.batch, self.max_len = model, batch, max_len
+        self.plan = DecodePlan(model)
         dev, dt = model.device, model.dtype
         shape = (cfg.n_layer, batch, cfg.n_head, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dt, device=dev)  # (L, B, nh, max_len, hs)
@@ -79,20 +83,15 @@ class StaticDecoder:
         return logits
 
     def _step(self) -> torch.Tensor:
-        m, B = self.model, self.batch
-        x = m.wte(self.tok) + m.wpe(self.pos)[None]  # (B, 1, C)
         mask = (self.slots <= self.pos)[None, None, None]  # (1, 1, 1, max_len): filled slots and this one
-        for i, block in enumerate(m.h):
-            a = block.attn
-            h = block.ln_1(x)
-            q, k, v = a._heads(a.q_proj(h)), a._heads(a.k_proj(h)), a._heads(a.v_proj(h))  # (B, nh, 1, hs)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # (B, nh, 1, hs)
             self.k[i].index_copy_(2, self.pos, k)
             self.v[i].index_copy_(2, self.pos, v)
-            y = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, scale=a.head_dim**-0.5)
-            x = x + a.c_proj(y.transpose(1, 2).reshape(B, 1, -1))
-            x = x + block.mlp(block.ln_2(x))
-        x = m.ln_f(x)
-        return F.linear(x, m.wte.weight) if m.lm_head is None else m.lm_head(x)  # (B, 1, V)
+            return F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, scale=self.plan.scale)
+
+        h = self.plan.run(self.plan.embed(self.tok, self.pos), attend)  # (B, 1, C)
+        return self.model.head(h)  # (B, 1, V)
 
     @torch.inference_mode()
     def step(self, tok: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from .adapter import hf_shapes
 from .config import GPT2Config, preset
 from .errors import UsageError
+from .init import weight_std
 from .safetensors_io import write_safetensors
 from .util import atomic_write_bytes, atomic_write_text
 
@@ -30,7 +31,13 @@ TOKENIZER_FILES = {
 
 
 def _tensor_maker(key: str, shape: tuple[int, ...], cfg: GPT2Config, seed: int):
-    """A deterministic random tensor per key, initialised like GPT-2 (N(0, 0.02), residual projections scaled)."""
+    """A deterministic random tensor per key (seeded by the key's name), initialised like GPT-2.
+
+    Matrices and `wte` follow the package's init rule (gpt2_port.init.weight_std: N(0, initializer_range), the
+    residual projections `c_proj.weight` scaled by 1/sqrt(2 n_layer)). Deliberately different, so that a parity
+    check exercises every parameter: LayerNorm gains 1 + N(0, 0.1) rather than 1, biases N(0, 0.02) rather than 0,
+    and `wpe` N(0, 0.01), as OpenAI's original TensorFlow code initialised it (transformers uses 0.02).
+    """
 
     def make() -> torch.Tensor:
         g = torch.Generator().manual_seed(seed * 1_000_003 + int(hashlib.sha1(key.encode()).hexdigest()[:8], 16))
@@ -40,12 +47,8 @@ def _tensor_maker(key: str, shape: tuple[int, ...], cfg: GPT2Config, seed: int):
         if key.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
             return 1.0 + 0.1 * torch.randn(shape, generator=g)  # not exactly 1, so the scale is exercised
         if key.endswith(".bias"):
-            return 0.02 * torch.randn(shape, generator=g)
-        std = 0.02
-        if key.endswith("c_proj.weight"):
-            std = 0.02 / (2 * cfg.n_layer) ** 0.5
-        if key == "wpe.weight":
-            std = 0.01
+            return 0.02 * torch.randn(shape, generator=g)  # not 0, so the shift is exercised
+        std = 0.01 if key == "wpe.weight" else weight_std(key, cfg)
         return std * torch.randn(shape, generator=g)
 
     return make

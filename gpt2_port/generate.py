@@ -18,6 +18,7 @@ Generation never slides the window: when prompt + new tokens would pass the cont
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 from .decode import DecodePlan
 from .errors import UsageError
 from .kv_cache import KVCache
-from .model import GPT2
+from .load import nonfinite_tensors
+from .model import GPT2, wants_grad
 from .tokenizer import EOT_ID, StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -41,14 +43,29 @@ TextCallback = Callable[[int, str], None]
 # ---------------------------------------------------------------------------------------------- logits processing
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How the next token is chosen. Values that disable a step: temperature 1.0, top_k None/0, top_p None/1.0,
-    repetition_penalty 1.0."""
+    """How the next token is chosen: the sampling options, defined here once. `generate_full`, `generate` and
+    `GPT2.generate` take them as keyword arguments of these names. Values that disable a step: temperature 1.0,
+    top_k None/0, top_p None/1.0, repetition_penalty 1.0."""
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float = 1.0
+
+    @classmethod
+    def from_options(cls, options: dict) -> SamplingSettings:
+        """The settings named by keyword arguments, validated; UsageError for a name that is no option."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise UsageError(
+                f"generate: unknown argument(s) {', '.join(map(repr, unknown))}: the sampling options are "
+                f"{', '.join(names)}; see gpt2_port.generate.generate_full for the others"
+            )
+        settings = cls(**options)
+        settings.validate()
+        return settings
 
     def validate(self) -> None:
         """UsageError naming the argument and what was expected, for values that make no distribution."""
@@ -146,13 +163,23 @@ class FastGreedyHead:
 
     @staticmethod
     def usable(model: GPT2) -> bool:
-        """float32 on CPU (no reduced-precision matmul), a plain head, and no recording of the logits."""
+        """float32 on CPU (no reduced-precision matmul), a plain head, no recording of the logits, and inference
+        (not in train mode, no gradient wanted: the copy is detached)."""
         plain = model.lm_head is None or type(model.lm_head) is torch.nn.Linear
-        return plain and model.device.type == "cpu" and model.dtype == torch.float32 and model.taps.rec is None
+        cpu32 = model.device.type == "cpu" and model.dtype == torch.float32
+        return plain and cpu32 and model.taps.rec is None and not wants_grad(model)
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
-        """(B, C) float32 final hidden states -> (B,) the exact argmax, or None when the margin is too thin."""
+        """(B, C) float32 final hidden states -> (B,) the exact argmax, or None when the margin is too thin.
+
+        Non-finite logits always get None, so that the exact ones are computed (and generate checks them): NaN fails
+        the margin test, and an Inf in h or the weight makes the bound Inf. A logit that overflows from finite
+        inputs would pass the margin test with an infinite lead; with torch's unscaled norms their bound overflows
+        first, but the explicit test does not rely on how a norm is computed (~20 us on a (1, 50257) row).
+        """
         fast = h @ self.wt  # (B, V)
+        if not bool(torch.isfinite(fast).all()):
+            return None
         best = fast.argmax(dim=-1, keepdim=True)  # (B, 1)
         top1 = fast.gather(1, best)[:, 0]
         top2 = fast.scatter(1, best, -float("inf")).amax(dim=-1)  # (topk is several times slower on CPU)
@@ -160,6 +187,158 @@ class FastGreedyHead:
         if bool(((top1 - top2) > bound).all()):
             return best[:, 0]
         return None
+
+
+class NextToken:
+    """Chooses each row's next token from the last position's final hidden state: through `FastGreedyHead` when it
+    applies, else the head's float32 logits, processed (`process_logits`), then argmax or a draw from the softmax.
+
+    Logits that hold NaN or Inf stop generation with a UsageError naming the step (and the model's non-finite
+    weights, if any): their argmax would be an arbitrary token and text made of it silent garbage.
+    """
+
+    def __init__(
+        self,
+        model: GPT2,
+        settings: SamplingSettings,
+        seen: torch.Tensor | None,
+        generator: torch.Generator | None,
+        fast_head: bool,
+    ) -> None:
+        self.model, self.settings, self.seen, self.generator = model, settings, seen, generator
+        greedy = not settings.do_sample and settings.repetition_penalty == 1.0
+        usable = fast_head and greedy and FastGreedyHead.usable(model)
+        self.fast_head = FastGreedyHead.for_model(model) if usable else None
+        self.exact_steps = 0  # steps where the fast head could not prove its argmax
+
+    def __call__(self, h: torch.Tensor, step: int) -> torch.Tensor:
+        """(B, 1, C) ln_f output of the last position -> (B,) token ids. step: 0 for the first new token."""
+        if self.fast_head is not None:
+            nxt = self.fast_head.argmax(h[:, -1])
+            if nxt is not None:
+                return nxt
+            self.exact_steps += 1
+        logits = self.model.head(h)[:, -1].float()  # (B, V)
+        if not bool(torch.isfinite(logits).all()):
+            raise UsageError(nonfinite_message(self.model, step))
+        if self.fast_head is not None:
+            return torch.argmax(logits, dim=-1)
+        scores = process_logits(logits, self.seen, self.settings)
+        if self.settings.do_sample:
+            probs = F.softmax(scores, dim=-1)
+            return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)  # (B,)
+        return torch.argmax(scores, dim=-1)
+
+
+def nonfinite_message(model: GPT2, step: int) -> str:
+    """One line: the step whose logits are not finite, and the weights that are not (checked now, once)."""
+    bad = nonfinite_tensors(dict(model.named_parameters()) | dict(model.named_buffers()))
+    if bad:
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        cause = f"non-finite weights: {', '.join(bad[:8])}{more} (expected finite values; check the checkpoint)"
+    else:
+        cause = f"the weights are all finite, so an activation overflowed in {str(model.dtype).removeprefix('torch.')}"
+    return f"generate: the logits of step {step + 1} (new token {step + 1}) hold NaN or Inf; {cause}"
+
+
+# ---------------------------------------------------------------------------------------------- stopping
+class Rows:
+    """Each row's progress: its new tokens, whether and why it stopped (EOS, a stop string), and its text, streamed
+    to `on_text` as it forms whole characters. `unfinished` (B,) bool lives on the model's device."""
+
+    def __init__(
+        self,
+        B: int,
+        device: torch.device,
+        eos_token_id: int | None,
+        stops: list[str],
+        tokenizer: Tokenizer | None,
+        on_text: TextCallback | None,
+    ) -> None:
+        self.unfinished = torch.ones(B, dtype=torch.bool, device=device)
+        self.new_ids: list[list[int]] = [[] for _ in range(B)]
+        self.reasons = ["length"] * B
+        self.decoders: list[StreamDecoder] | None = (
+            [tokenizer.stream_decoder() for _ in range(B)] if tokenizer else None
+        )
+        self.texts = [""] * B
+        self.eos, self.stops, self.on_text = eos_token_id, stops, on_text
+        self.longest_stop = max((len(s) for s in stops), default=0)
+
+    def _emit(self, row: int, text: str) -> None:
+        if text and self.on_text is not None:
+            self.on_text(row, text)
+
+    def _stop(self, row: int, reason: str) -> None:
+        self.reasons[row] = reason
+        self.unfinished[row] = False
+
+    def _flush(self, row: int) -> None:
+        if self.decoders is not None:
+            rest = self.decoders[row].flush()
+            self.texts[row] += rest
+            self._emit(row, rest)
+
+    def accept(self, toks: list[int], running: list[bool]) -> int:
+        """Take one step's token per row (rows not `running` skip theirs); returns how many rows took one."""
+        taken = 0
+        for r, (tok, was_running) in enumerate(zip(toks, running)):
+            if not was_running:
+                continue
+            taken += 1
+            self.new_ids[r].append(tok)
+            if self.eos is not None and tok == self.eos:
+                self._stop(r, "eos")
+                self._flush(r)
+            elif self.decoders is not None:
+                self._add_text(r, tok)
+        return taken
+
+    def _add_text(self, r: int, tok: int) -> None:
+        """Decode the row's token; a stop string in the new text cuts the text just after it and stops the row."""
+        piece = self.decoders[r].push(tok)  # type: ignore[index]
+        if not piece:
+            return
+        before = len(self.texts[r])
+        self.texts[r] += piece
+        if self.stops:
+            start = max(0, before - self.longest_stop + 1)
+            hits = [(i, s) for s in self.stops if (i := self.texts[r].find(s, start)) >= 0]
+            if hits:
+                i, s = min(hits)
+                end = i + len(s)
+                self._emit(r, self.texts[r][before:end])
+                self.texts[r] = self.texts[r][:end]
+                self._stop(r, "stop")
+                return
+        self._emit(r, piece)
+
+    def close(self, context_limited: bool) -> None:
+        """After the last step: rows still running stopped at the length (or the context), their text flushed."""
+        for r in range(len(self.reasons)):
+            if self.reasons[r] == "length" and context_limited:
+                self.reasons[r] = "context"
+            if self.reasons[r] in ("length", "context"):
+                self._flush(r)
+
+
+# ---------------------------------------------------------------------------------------------- the steps
+def prefill(model: GPT2, ids: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+    """The prompt (B, T) through the forward, filling the cache -> (B, 1, C) the last position's ln_f output."""
+    return model(ids, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)
+
+
+def decode_one_token(
+    model: GPT2, plan: DecodePlan | None, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None
+) -> torch.Tensor:
+    """seq (B, S) so far -> (B, 1, C) ln_f output at its last token: one cached step (through the plan when there is
+    one), or, without a cache, the whole sequence again."""
+    if cache is None:
+        return model(seq, attention_mask=mask, last_only=True, hidden_only=True)
+    x = seq[:, -1:]  # (B, 1)
+    if plan is not None:  # the forward's ops without module dispatch (bit-identical)
+        return plan.step(x, cache, mask)
+    return model(x, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -224,47 +403,10 @@ def _check_prompt(model: GPT2, input_ids: torch.Tensor, attention_mask: torch.Te
             raise UsageError("attention_mask must be left-padded (zeros first, then ones) in every row")
 
 
-@torch.no_grad()  # not inference_mode: callers get ordinary tensors back
-def generate_full(
-    model: GPT2,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    seed: int | None = None,
-    attention_mask: torch.Tensor | None = None,
-    eos_token_id: int | None = EOT_ID,
-    pad_token_id: int | None = None,
-    num_return_sequences: int = 1,
-    stop_strings: Sequence[str] | str | None = None,
-    tokenizer: Tokenizer | None = None,
-    on_text: TextCallback | None = None,
-    use_cache: bool = True,
-    fast_head: bool = True,
-    fast_step: bool = True,
-) -> Generation:
-    """Generate up to `max_new_tokens` per row; see the module docstring for the rules. Returns a `Generation`.
-
-    fast_head: for greedy float32 on CPU without a repetition penalty, pick tokens through `FastGreedyHead` (the
-    same tokens, proven per step; falls back to the exact logits when it cannot prove it).
-    fast_step: run the decode steps through `DecodePlan` (the forward's ops without module dispatch; bit-identical
-    hidden states) when the model allows it; False: `model.forward` every step.
-    """
-    settings = SamplingSettings(do_sample, temperature, top_k, top_p, repetition_penalty)
-    settings.validate()
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not isinstance(num_return_sequences, int) or num_return_sequences < 1:
-        raise UsageError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}")
-    stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
-    if any(not s for s in stops):
-        raise UsageError("stop strings must be non-empty")
-    if (stops or on_text is not None) and tokenizer is None:
-        raise UsageError("stop strings and on_text need a tokenizer (pass tokenizer=...)")
-
+def _prepare(
+    model: GPT2, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, num_return_sequences: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Checked (B * num_return_sequences, T) ids and mask on the model's device; the mask None when nothing is padded."""
     dev = model.device
     if not isinstance(input_ids, torch.Tensor):
         input_ids = torch.tensor(input_ids, dtype=torch.long)
@@ -280,11 +422,57 @@ def generate_full(
         input_ids = input_ids.repeat_interleave(num_return_sequences, dim=0)
         if attention_mask is not None:
             attention_mask = attention_mask.repeat_interleave(num_return_sequences, dim=0)
+    return input_ids, attention_mask
 
+
+def _check_options(max_new_tokens: int, num_return_sequences: int, stops: list[str], needs_tokenizer: bool) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(num_return_sequences, int) or num_return_sequences < 1:
+        raise UsageError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}")
+    if any(not s for s in stops):
+        raise UsageError("stop strings must be non-empty")
+    if needs_tokenizer:
+        raise UsageError("stop strings and on_text need a tokenizer (pass tokenizer=...)")
+
+
+@torch.no_grad()  # not inference_mode: callers get ordinary tensors back
+def generate_full(
+    model: GPT2,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    seed: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    eos_token_id: int | None = EOT_ID,
+    pad_token_id: int | None = None,
+    num_return_sequences: int = 1,
+    stop_strings: Sequence[str] | str | None = None,
+    tokenizer: Tokenizer | None = None,
+    on_text: TextCallback | None = None,
+    use_cache: bool = True,
+    fast_head: bool = True,
+    fast_step: bool = True,
+    **sampling: object,
+) -> Generation:
+    """Generate up to `max_new_tokens` per row; see the module docstring for the rules. Returns a `Generation`.
+
+    sampling: `SamplingSettings`' fields by keyword (do_sample, temperature, top_k, top_p, repetition_penalty).
+    fast_head: for greedy float32 on CPU without a repetition penalty, pick tokens through `FastGreedyHead` (the
+    same tokens, proven per step; falls back to the exact logits when it cannot prove it).
+    fast_step: run the decode steps through `DecodePlan` (the forward's ops without module dispatch; bit-identical
+    hidden states) when the model allows it; False: `model.forward` every step.
+    Neither shortcut runs in train mode (generation then runs the forward, dropout included).
+    """
+    settings = SamplingSettings.from_options(sampling)
+    stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
+    _check_options(
+        max_new_tokens, num_return_sequences, stops, (bool(stops) or on_text is not None) and tokenizer is None
+    )
+    input_ids, attention_mask = _prepare(model, input_ids, attention_mask, num_return_sequences)
     B, T = input_ids.shape
-    cfg = model.config
-    room = cfg.n_positions - T
-    steps_max = min(max_new_tokens, room)
+    dev, cfg = model.device, model.config
+    steps_max = min(max_new_tokens, cfg.n_positions - T)
     context_limited = steps_max < max_new_tokens
     if context_limited:
         log.info(
@@ -296,134 +484,63 @@ def generate_full(
             steps_max,
         )
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(seed)
+    gen = None if seed is None else torch.Generator(device=dev).manual_seed(seed)
 
     L = T + steps_max
-    seq = torch.full((B, L), pad, dtype=torch.long, device=dev)
+    seq = torch.full((B, L), pad, dtype=torch.long, device=dev)  # (B, L): the prompt, then the new tokens
     seq[:, :T] = input_ids
     full_mask = None
     if attention_mask is not None:
         full_mask = torch.ones(B, L, dtype=torch.long, device=dev)
         full_mask[:, :T] = attention_mask
-    seen = seen_tokens(input_ids, cfg.vocab_size, attention_mask) if repetition_penalty != 1.0 else None
+    seen = seen_tokens(input_ids, cfg.vocab_size, attention_mask) if settings.repetition_penalty != 1.0 else None
     cache = KVCache(cfg, B, L, model.dtype, dev) if use_cache else None
-
-    unfinished = torch.ones(B, dtype=torch.bool, device=dev)
-    new_ids: list[list[int]] = [[] for _ in range(B)]
-    reasons = ["length"] * B
-    decoders: list[StreamDecoder] | None = [tokenizer.stream_decoder() for _ in range(B)] if tokenizer else None
-    texts = [""] * B
-    longest_stop = max((len(s) for s in stops), default=0)
-
-    def emit(row: int, text: str) -> None:
-        if text and on_text is not None:
-            on_text(row, text)
+    choose = NextToken(model, settings, seen, gen, fast_head)
+    plan = DecodePlan.for_model(model) if cache is not None and fast_step else None
+    rows = Rows(B, dev, eos_token_id, stops, tokenizer, on_text)
 
     t0 = time.perf_counter()
-    greedy_head = None
-    if fast_head and not do_sample and repetition_penalty == 1.0 and FastGreedyHead.usable(model):
-        greedy_head = FastGreedyHead.for_model(model)
-    plan = DecodePlan.for_model(model) if cache is not None and fast_step else None
-    exact_steps = 0
-    prefill_s = 0.0
-    decode_tokens = 0
-    S = T  # tokens in the sequence so far
+    prefill_s, decode_tokens, S = 0.0, 0, T  # S: tokens in the sequence so far
     for step in range(steps_max):
-        if cache is not None:
-            x = seq[:, :T] if step == 0 else seq[:, S - 1 : S]
-        else:
-            x = seq[:, :S]
         mask = full_mask[:, :S] if full_mask is not None else None
-        if plan is not None and step > 0:  # the forward's ops without module dispatch (bit-identical)
-            h = plan.step(x, cache, mask)  # (B, 1, C)
+        if step == 0:
+            h = prefill(model, seq[:, :T], mask, cache)  # (B, 1, C)
         else:
-            h = model(x, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)  # (B, 1, C)
-        if greedy_head is not None:
-            nxt = greedy_head.argmax(h[:, -1])
-            if nxt is None:
-                exact_steps += 1
-                nxt = torch.argmax(model.head(h)[:, -1].float(), dim=-1)
-        else:
-            logits = model.head(h)[:, -1].float()  # (B, V)
-            scores = process_logits(logits, seen, settings)
-            if do_sample:
-                probs = F.softmax(scores, dim=-1)
-                nxt = torch.multinomial(probs, num_samples=1, generator=gen).squeeze(1)  # (B,)
-            else:
-                nxt = torch.argmax(scores, dim=-1)
-        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
+            h = decode_one_token(model, plan, seq[:, :S], mask, cache)
+        nxt = torch.where(rows.unfinished, choose(h, step), pad)  # (B,): finished rows get padding
         seq[:, S] = nxt
         S += 1
         if seen is not None:
-            seen[torch.arange(B, device=dev), nxt] |= unfinished
-        toks = nxt.tolist()  # one host sync per step (needed to stream and to stop)
-        was_running = unfinished.tolist()
-        for r in range(B):
-            if not was_running[r]:
-                continue
-            tok = toks[r]
-            new_ids[r].append(tok)
-            if step > 0:
-                decode_tokens += 1
-            if eos_token_id is not None and tok == eos_token_id:
-                reasons[r] = "eos"
-                unfinished[r] = False
-                if decoders is not None:
-                    rest = decoders[r].flush()
-                    texts[r] += rest
-                    emit(r, rest)
-                continue
-            if decoders is None:
-                continue
-            piece = decoders[r].push(tok)
-            if not piece:
-                continue
-            before = len(texts[r])
-            texts[r] += piece
-            if stops:
-                start = max(0, before - longest_stop + 1)
-                hits = [(i, s) for s in stops if (i := texts[r].find(s, start)) >= 0]
-                if hits:
-                    i, s = min(hits)
-                    end = i + len(s)
-                    emit(r, texts[r][before:end])
-                    texts[r] = texts[r][:end]
-                    reasons[r] = "stop"
-                    unfinished[r] = False
-                    continue
-            emit(r, piece)
+            seen[torch.arange(B, device=dev), nxt] |= rows.unfinished
+        taken = rows.accept(nxt.tolist(), rows.unfinished.tolist())  # one host sync per step (to stream, to stop)
         if step == 0:
             prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-        if not bool(unfinished.any()):
+        else:
+            decode_tokens += taken
+        if not bool(rows.unfinished.any()):
             break
     decode_s = time.perf_counter() - t0 if S - T > 1 else 0.0
-
-    for r in range(B):
-        if reasons[r] == "length" and context_limited:
-            reasons[r] = "context"
-        if decoders is not None and reasons[r] in ("length", "context"):
-            rest = decoders[r].flush()
-            texts[r] += rest
-            emit(r, rest)
+    rows.close(context_limited)
     return Generation(
         sequences=seq[:, :S].clone(),
-        new_ids=new_ids,
-        texts=texts if decoders is not None else None,
-        stop_reasons=reasons,
+        new_ids=rows.new_ids,
+        texts=rows.texts if rows.decoders is not None else None,
+        stop_reasons=rows.reasons,
         prompt_len=T,
         prefill_s=prefill_s,
         decode_s=decode_s,
         decode_tokens=decode_tokens,
         context_limited=context_limited,
         max_new_tokens=max_new_tokens,
-        extra={"fast_head": greedy_head is not None, "exact_head_steps": exact_steps, "fast_step": plan is not None},
+        extra={
+            "fast_head": choose.fast_head is not None,
+            "exact_head_steps": choose.exact_steps,
+            "fast_step": plan is not None,
+        },
     )
 
 
-def generate(model: GPT2, input_ids: torch.Tensor, max_new_tokens: int, **kwargs) -> torch.Tensor:
-    """Like transformers' `generate`: LongTensor (B * num_return_sequences, T + new). Arguments: `generate_full`."""
-    return generate_full(model, input_ids, max_new_tokens, **kwargs).sequences
+def generate(model: GPT2, input_ids: torch.Tensor, max_new_tokens: int, **options: object) -> torch.Tensor:
+    """Like transformers' `generate`: LongTensor (B * num_return_sequences, T + new). Options: `generate_full`."""
+    return generate_full(model, input_ids, max_new_tokens, **options).sequences

@@ -69,3 +69,21 @@ def causal_lm_loss(
     """transformers' `GPT2LMHeadModel(input_ids, labels=labels).loss`: labels are the inputs, shifted here."""
     _check(logits, labels, "labels")
     return cross_entropy(logits, shift_labels(labels, ignore_index), ignore_index, num_items)
+
+
+def check_labels(labels: torch.Tensor, input_ids: torch.Tensor, vocab_size: int, partial: bool = False) -> None:
+    """UsageError unless `labels` fit `input_ids` as transformers takes them: the same (B, T), integer token ids in
+    range or IGNORE_INDEX. partial: the forward keeps only some positions' logits (labels need all of them)."""
+    if partial:
+        raise UsageError("labels need the logits of every position: not with last_only or hidden_only")
+    if tuple(labels.shape) != tuple(input_ids.shape):
+        raise UsageError(
+            f"labels of shape {tuple(labels.shape)} do not match input_ids {tuple(input_ids.shape)} "
+            "(expected the same (B, T): transformers shifts them inside)"
+        )
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise UsageError(f"labels must hold integer token ids, got dtype {labels.dtype}")
+    kept = labels[labels != IGNORE_INDEX]
+    if kept.numel() and not (0 <= int(kept.min()) and int(kept.max()) < vocab_size):
+        bad = int(kept.min()) if int(kept.min()) < 0 else int(kept.max())
+        raise UsageError(f"labels: token id {bad} is out of range (expected {IGNORE_INDEX} or 0 <= id < {vocab_size})")

@@ -4,8 +4,10 @@ pre-LN residual blocks, final LayerNorm, and a head tied to `wte`.
 Module names follow Hugging Face (`wte`, `wpe`, `drop`, `h.{i}.ln_1`, `attn`, `mlp.c_fc`, `ln_f`) so that per-layer
 activations line up with the reference. Dropout sits at transformers' four sites (embeddings, attention
 probabilities, attention output, MLP output) and is active in train mode only. Named taps (`model.record()`) expose
-every intermediate for the checker. Shapes: B batch, T new tokens, S keys (past + new), C n_embd, nh heads, hs head
-size, V vocab.
+every intermediate for the checker. q, k and v are computed as c_attn computes them (gpt2_port/c_attn.py). The
+inference shortcuts elsewhere (decode.py's DecodePlan, generate's fast greedy head, the fused c_attn view, int8) ask
+`wants_grad` first and never run in train mode or when a gradient is wanted. Shapes: B batch, T new tokens, S keys
+(past + new), C n_embd, nh heads, hs head size, V vocab.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .c_attn import project_qkv
 from .config import GPT2Config
 from .errors import UsageError
 from .init import init_tensor_
 from .kv_cache import KVCache
-from .loss import IGNORE_INDEX, causal_lm_loss
+from .loss import causal_lm_loss, check_labels
 from .masks import build_mask, causal, positions_from_mask
 from .taps import Recorder, Taps
 
@@ -52,34 +55,6 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
-def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (3C, C) weight and (3C,) bias that q/k/v are adjacent views of, or None. Inference only.
-
-    An official checkpoint stores one c_attn and loads as three views into it (no copy); one matmul over the whole is
-    then the reference's own c_attn arithmetic, and decodes faster than three strided ones (measured ~30% less time).
-    The view is built with as_strided on q's weight, so autograd would send all of c_attn's gradient to q_proj: it
-    is None whenever a gradient is wanted (see `CausalSelfAttention.project`).
-    """
-    if not all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)):
-        return None
-    wq, wk, wv, bq, bk, bv = q.weight, k.weight, v.weight, q.bias, k.bias, v.bias
-    C = wq.shape[1]
-    if not (wq.shape == wk.shape == wv.shape == (C, C) and wq.dtype == wk.dtype == wv.dtype == bq.dtype):
-        return None
-    ws, bs = wq.untyped_storage().data_ptr(), bq.untyped_storage().data_ptr()
-    wo, bo = wq.storage_offset(), bq.storage_offset()
-    for i, (w, b) in enumerate(((wk, bk), (wv, bv)), start=1):
-        if w.untyped_storage().data_ptr() != ws or w.storage_offset() != wo + i * C:
-            return None
-        if b.untyped_storage().data_ptr() != bs or b.storage_offset() != bo + i * C:
-            return None
-    if not wq.stride() == wk.stride() == wv.stride() == (1, 3 * C):
-        return None
-    if not bq.stride() == bk.stride() == bv.stride() == (1,):
-        return None
-    return wq.as_strided((3 * C, C), (1, 3 * C)), bq.as_strided((3 * C,), (1,))
-
-
 def wants_grad(m: nn.Module) -> bool:
     """True in train mode, or when autograd is recording and a parameter needs a gradient: no inference shortcuts."""
     return m.training or (torch.is_grad_enabled() and any(p.requires_grad for p in m.parameters()))
@@ -104,20 +79,8 @@ class CausalSelfAttention(nn.Module):
         return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, T, C) -> q, k, v (B, T, C) each, through c_attn's arithmetic: one (B*T, C) @ (C, 3C) addmm."""
-        B, T, C = x.shape
-        q, k, v = self.q_proj, self.k_proj, self.v_proj
-        grad = wants_grad(self)
-        if grad and all(
-            type(m) is nn.Linear and m.bias is not None for m in (q, k, v)
-        ):  # c_attn as transformers holds it, [in, 3 out], assembled so autograd splits
-            w = torch.cat((q.weight.t(), k.weight.t(), v.weight.t()), dim=1)  # (C, 3C)
-            b = torch.cat((q.bias, k.bias, v.bias))  # (3C,)
-            return torch.addmm(b, x.reshape(-1, C), w).view(B, T, 3 * C).split(C, dim=-1)
-        fused = None if grad else fused_qkv(q, k, v)
-        if fused is not None:  # the checkpoint's own c_attn storage, viewed: no copy
-            return F.linear(x, *fused).split(C, dim=-1)
-        return q(x), k(x), v(x)
+        """(B, T, C) -> q, k, v (B, T, C) each, through c_attn's arithmetic: one (B*T, C) @ (C, 3C) matmul."""
+        return project_qkv(x, self.q_proj, self.k_proj, self.v_proj, grad=wants_grad(self))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
         B, T, C = x.shape
@@ -301,7 +264,7 @@ class GPT2(nn.Module):
             bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
             raise UsageError(f"input_ids: token id {bad} is out of range (expected 0 <= id < {V})")
         if labels is not None:
-            self._check_labels(labels, input_ids, last_only or hidden_only)
+            check_labels(labels, input_ids, self.config.vocab_size, partial=last_only or hidden_only)
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = positions_from_mask(attention_mask)[:, past:]
@@ -327,23 +290,6 @@ class GPT2(nn.Module):
             return CausalLMOutput(causal_lm_loss(logits, labels), logits)
         return logits
 
-    def _check_labels(self, labels: torch.Tensor, input_ids: torch.Tensor, partial: bool) -> None:
-        if partial:
-            raise UsageError("labels need the logits of every position: not with last_only or hidden_only")
-        if tuple(labels.shape) != tuple(input_ids.shape):
-            raise UsageError(
-                f"labels of shape {tuple(labels.shape)} do not match input_ids {tuple(input_ids.shape)} "
-                "(expected the same (B, T): transformers shifts them inside)"
-            )
-        if labels.dtype.is_floating_point or labels.dtype == torch.bool:
-            raise UsageError(f"labels must hold integer token ids, got dtype {labels.dtype}")
-        kept = labels[labels != IGNORE_INDEX]
-        if kept.numel() and not (0 <= int(kept.min()) and int(kept.max()) < self.config.vocab_size):
-            bad = int(kept.min()) if int(kept.min()) < 0 else int(kept.max())
-            raise UsageError(
-                f"labels: token id {bad} is out of range (expected {IGNORE_INDEX} or 0 <= id < {self.config.vocab_size})"
-            )
-
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits. A replaced head (e.g. quantize's int8 head) is a module.
 
@@ -360,34 +306,8 @@ class GPT2(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied head is one parameter, counted once
 
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        attention_mask: torch.Tensor | None = None,
-        eos_token_id: int | None = 50256,
-        **kwargs,
-    ) -> torch.Tensor:
-        """LongTensor (B, T + new) as transformers' generate returns; see gpt2_port.generate for every option."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **options) -> torch.Tensor:
+        """LongTensor (B, T + new) as transformers' generate returns; the options: gpt2_port.generate.generate_full."""
         from .generate import generate
 
-        return generate(
-            self,
-            input_ids,
-            max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            attention_mask=attention_mask,
-            eos_token_id=eos_token_id,
-            **kwargs,
-        )
+        return generate(self, input_ids, max_new_tokens, **options)

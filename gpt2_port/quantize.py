@@ -9,6 +9,9 @@ residual (see Int8Linear). On a 2-core AVX2 CPU it was the only int8 kernel fast
 
     model = GPT2.from_pretrained("gpt2")          # float32, CPU
     model = quantize_int8(model)                  # in place; returns the same model
+
+Inference only: an int8 layer has no float weight to update and no backward, so it raises UsageError when run in
+train mode or with a gradient wanted; `check_trainable(model)` is the check training code makes before it starts.
 """
 
 from __future__ import annotations
@@ -53,8 +56,12 @@ class Int8Linear(nn.Module):
     layer from the 7-bit activations.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, exact_activations: bool = True) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, exact_activations: bool = True, name: str = "int8 layer"
+    ) -> None:
         super().__init__()
+        self.name = name  # the replaced Linear's name in the model, for errors
+        self.training = False  # inference only: created in eval mode (model.train() makes the forward refuse)
         self.exact = exact_activations
         self.out_features, self.in_features = weight.shape
         q, scale = quantize_rows(weight)
@@ -69,6 +76,11 @@ class Int8Linear(nn.Module):
         self.nbytes = q.numel() + scale.numel() * 4 + (0 if bias is None else bias.numel() * 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
+        if self.training or (x.requires_grad and torch.is_grad_enabled()):
+            raise UsageError(
+                f"{self.name} is int8: int8 layers run inference only (this call is in train mode or wants a "
+                "gradient); call model.eval() under torch.no_grad(), or load the float32 checkpoint to train"
+            )
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         # reduce_range: 7-bit activations, as fbgemm needs (its u8 x s8 pair sums saturate int16 with 8 bits)
@@ -105,17 +117,17 @@ def quantize_int8(model: GPT2, head: bool = True, exact_activations: bool = True
         raise UsageError(f"int8 quantizes a float32 model (this one is {model.dtype}); load it with dtype float32")
     torch.backends.quantized.engine = _engine()
     n = 0
-    for block in model.h:
+    for i, block in enumerate(model.h):
         for path in LINEARS:
             parent_name, name = path.split(".")
             parent = getattr(block, parent_name)
             lin = getattr(parent, name)
             if isinstance(lin, Int8Linear):
                 continue
-            setattr(parent, name, Int8Linear(lin.weight, lin.bias, exact_activations))
+            setattr(parent, name, Int8Linear(lin.weight, lin.bias, exact_activations, f"h.{i}.{path}"))
             n += 1
     if head and not isinstance(model.lm_head, Int8Linear):
-        model.lm_head = Int8Linear(model.head_weight, None, exact_activations)
+        model.lm_head = Int8Linear(model.head_weight, None, exact_activations, "lm_head")
         n += 1
     model.eval().requires_grad_(False)
     log.info(
@@ -128,3 +140,14 @@ def quantize_int8(model: GPT2, head: bool = True, exact_activations: bool = True
 
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def check_trainable(model: nn.Module) -> None:
+    """UsageError when the model holds int8 layers (they have no float weights to update and no backward): training
+    code calls this before its first step, so the error names the cause rather than a later step's symptom."""
+    int8 = [name for name, m in model.named_modules() if isinstance(m, Int8Linear)]
+    if int8:
+        raise UsageError(
+            f"the model is quantized to int8 ({len(int8)} layers, e.g. {int8[0]}) and cannot be trained: int8 "
+            "layers have no float weights and no backward; load the float32 checkpoint to train"
+        )

@@ -456,7 +456,7 @@ def c_inspect_json_dir_missing(tmp: Path, base: Path) -> dict:
     }
 
 
-# -- generate arguments (issue 3's CLI) ------------------------------------------------------------------------------
+# -- generate: arguments and inputs --------------------------------------------------------------------------------
 def gen(base: Path, *extra: str, prompt: str = "Hello") -> list[str]:
     return ["generate", str(base), prompt, *extra]
 
@@ -557,6 +557,21 @@ def c_gen_bad_checkpoint(tmp: Path, base: Path) -> dict:
     d = copy(base, tmp)
     (d / "model.safetensors").write_bytes(b"\x00" * 7)
     return {"argv": gen(d, "--greedy"), "expect": ["model.safetensors", "7 bytes", "too short"]}
+
+
+@case
+def c_gen_nan_weight(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    st = SafetensorsFile(d / "model.safetensors")
+    w = st.get("h.0.mlp.c_fc.weight").clone()
+    del st
+    w[3, 5] = float("nan")
+    rewrite(d / "model.safetensors", put={"h.0.mlp.c_fc.weight": w})
+    # sampled (the default): multinomial would fail on NaN; ids of "a,b" (64, 11, 65) fit the 1000-token vocabulary
+    return {
+        "argv": gen(d, prompt="a,b"),
+        "expect": ["logits of step 1", "NaN or Inf", "h.0.mlp.c_fc.weight", "expected finite"],
+    }
 
 
 @case

@@ -8,11 +8,14 @@ import pytest
 import torch
 from conftest import TINY, chaotic_model
 
+from gpt2_port.c_attn import fused_qkv
 from gpt2_port.decode import DecodePlan
+from gpt2_port.errors import UsageError
 from gpt2_port.generate import generate_full
 from gpt2_port.kv_cache import KVCache
 from gpt2_port.load import from_pretrained
-from gpt2_port.model import GPT2, fused_qkv
+from gpt2_port.masks import build_mask
+from gpt2_port.model import GPT2
 from gpt2_port.quantize import quantize_int8
 
 
@@ -96,5 +99,60 @@ def test_plan_refuses_to_pass_the_context() -> None:
     model = _chaotic()
     cache = KVCache(model.config, 1, 128, model.dtype, "cpu")
     cache.length = 128
-    with pytest.raises(ValueError, match="exceeds the context of 128"):
+    with pytest.raises(UsageError, match="exceeds the context of 128"):
         DecodePlan(model).step(torch.tensor([[1]]), cache)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padded"])
+@pytest.mark.parametrize("which", ["official", "chaotic"])
+def test_layer_step_is_bit_identical_to_block_forward(which: str, padded: bool, request: pytest.FixtureRequest) -> None:
+    """The one block step both decoders run equals `Block.forward` bit for bit, output and cache writes, with the
+    fused c_attn view (official) and with separate q/k/v (chaotic)."""
+    model = request.getfixturevalue("official") if which == "official" else _chaotic()
+    cfg, B, past = model.config, 2, 5
+    caches = [KVCache(cfg, B, past + 1, model.dtype, "cpu") for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    caches[0].k.normal_(generator=g), caches[0].v.normal_(generator=g)  # past keys and values (the slot at past too)
+    for c in caches:
+        c.k.copy_(caches[0].k), c.v.copy_(caches[0].v)
+        c.length = past
+    mask2d = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]) if padded else None
+    mask = build_mask(mask2d, 1, past + 1, torch.device("cpu"))
+    plan = DecodePlan(model)
+    with torch.no_grad():
+        for i, block in enumerate(model.h):
+            x = torch.randn(B, 1, cfg.n_embd, generator=g)
+            ref = block(x, mask, caches[0])
+            got = plan.layers[i](x, plan.attention(caches[1], mask))
+            assert torch.equal(got, ref), f"block {i}: max diff {(got - ref).abs().max().item():.3e}"
+            assert torch.equal(caches[0].k[i], caches[1].k[i]) and torch.equal(caches[0].v[i], caches[1].v[i])
+
+
+def test_no_inference_shortcut_in_train_mode_or_with_gradients(official: GPT2) -> None:
+    """DecodePlan and the fast greedy head run only in eval mode with no gradient wanted; generate then falls back to
+    the forward, and a plan made earlier refuses to step."""
+    from gpt2_port.generate import FastGreedyHead
+
+    m, ids = official, torch.tensor([[3, 1, 4]])
+    assert DecodePlan.for_model(m) is not None and FastGreedyHead.usable(m)
+    plan = DecodePlan(m)
+    cache = KVCache(m.config, 1, 8, m.dtype, "cpu")
+    m.train()
+    try:
+        assert DecodePlan.for_model(m) is None and not FastGreedyHead.usable(m)
+        with pytest.raises(UsageError, match="DecodePlan runs inference only"), torch.no_grad():
+            plan.step(ids[:, :1], cache)
+        g = generate_full(m, ids, 3, eos_token_id=None)
+        assert not g.extra["fast_step"] and not g.extra["fast_head"] and g.sequences.shape == (1, 6)
+    finally:
+        m.eval()
+    m.requires_grad_(True)  # eval mode, but autograd records: a gradient is wanted
+    try:
+        assert DecodePlan.for_model(m) is None and not FastGreedyHead.usable(m)
+        with pytest.raises(UsageError, match="DecodePlan runs inference only"):
+            plan.step(ids[:, :1], cache)
+        with torch.no_grad():
+            assert DecodePlan.for_model(m) is not None and FastGreedyHead.usable(m)
+    finally:
+        m.requires_grad_(False)
+    assert cache.length == 0  # the refused steps wrote nothing

@@ -432,7 +432,7 @@ def test_cli_prompt_errors(tiny_official: Path, capsys: pytest.CaptureFixture[st
 
 def test_fused_qkv_view_is_bit_exact(tiny_official: Path) -> None:
     """An official checkpoint's q/k/v load as views of one c_attn, used as one matmul (as the reference computes it)."""
-    from gpt2_port.model import fused_qkv
+    from gpt2_port.c_attn import fused_qkv
 
     m = GPT2.from_pretrained(str(tiny_official))
     a = m.h[0].attn
@@ -477,3 +477,91 @@ def test_fast_greedy_head_is_cached_and_follows_the_weight(tiny_official: Path) 
         m.wte.weight.mul_(2.0)  # in place: the copy is stale
     second = FastGreedyHead.for_model(m)
     assert second is not first and torch.equal(second.wt, m.wte.weight.t())
+
+
+# ------------------------------------------------------------------------------------------ non-finite values
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_nan_weight_stops_generate_naming_step_and_tensor(sample: bool) -> None:
+    """NaN in one weight makes every logit NaN: generate stops at the first step, naming the tensor (greedy would
+    otherwise pick token 0 forever, and sampling fail inside torch.multinomial)."""
+    m = _chaotic()
+    with torch.no_grad():
+        m.h[0].mlp.c_fc.weight[3, 5] = float("nan")
+    kw = dict(do_sample=True, top_k=20, seed=1) if sample else {}
+    with pytest.raises(UsageError) as e:
+        generate_full(m, torch.tensor([PROMPTS[0]]), 10, eos_token_id=None, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("generate: the logits of step 1 (new token 1) hold NaN or Inf; non-finite weights: ")
+    assert msg.endswith("h.0.mlp.c_fc.weight (expected finite values; check the checkpoint)")
+
+
+def test_nonfinite_logits_name_the_first_bad_step() -> None:
+    """A NaN in the position embedding of position 5 spoils the logits from the step that reads it: the 4th new
+    token after a 3-token prompt; the steps before are made."""
+    m = _chaotic()
+    with torch.no_grad():
+        m.wpe.weight[5, 0] = float("nan")
+    with pytest.raises(UsageError, match=r"logits of step 4 \(new token 4\) hold NaN or Inf; non-finite weights: wpe"):
+        generate_full(m, torch.tensor([PROMPTS[1]]), 10, eos_token_id=None)
+
+
+def test_inf_in_the_head_weight_stops_generate() -> None:
+    m = _chaotic()
+    with torch.no_grad():
+        m.wte.weight[7, 0] = float("inf")  # token 7 is not in the prompt: only its logit is touched
+    with pytest.raises(UsageError, match=r"step 1 .*non-finite weights: wte.weight"):
+        generate_full(m, torch.tensor([PROMPTS[0]]), 5, eos_token_id=None)
+
+
+def test_fast_greedy_head_declines_overflowing_logits() -> None:
+    """Finite weights and hidden state, one logit overflowing to +Inf: no fast answer, whatever its margin (the
+    exact logits are then computed, and generate checks them). NaN and Inf in h or the weight: no answer either."""
+    from gpt2_port.generate import FastGreedyHead
+
+    w = torch.randn(10, 4) * 0.1
+    w[0, :2] = 2e38  # finite
+    h = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    assert bool(torch.isinf(h @ w.t()).any()) and bool(torch.isfinite(w).all())
+    assert FastGreedyHead(w).argmax(h) is None
+    w2 = torch.randn(10, 4)
+    assert FastGreedyHead(w2).argmax(torch.tensor([[float("nan"), 1.0, 0.0, 0.0]])) is None
+    w2[3, 1] = float("inf")
+    assert FastGreedyHead(w2).argmax(torch.tensor([[0.0, 1.0, 0.0, 0.0]])) is None
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_overflow_with_finite_weights_is_named_as_such(sample: bool) -> None:
+    m = _chaotic()
+    with torch.no_grad():
+        m.ln_f.weight.fill_(3e38)  # finite, but ln_f (and so the logits) overflow float32
+    kw = dict(do_sample=True, seed=1) if sample else {}
+    with pytest.raises(
+        UsageError, match=r"step 1 .*the weights are all finite, so an activation overflowed in float32"
+    ):
+        generate_full(m, torch.tensor([PROMPTS[0]]), 5, eos_token_id=None, **kw)
+
+
+def test_cli_nan_weight_prints_no_text_and_exits_2(
+    tiny_official: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from gpt2_port.safetensors_io import SafetensorsFile, write_safetensors
+
+    d = tmp_path / "nan"
+    shutil.copytree(tiny_official, d)
+    st = SafetensorsFile(d / "model.safetensors")
+    tensors = {k: st.get(k).clone() for k in st.keys()}
+    del st
+    tensors["h.1.attn.c_proj.weight"][0, 0] = float("nan")
+    write_safetensors(
+        d / "model.safetensors",
+        [(k, tuple(t.shape), t.dtype, lambda t=t: t) for k, t in sorted(tensors.items())],
+        metadata={"format": "pt"},
+    )
+    assert main(["generate", str(d), "Hello there", "--max-new-tokens", "5"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "logits of step 1 (new token 1) hold NaN or Inf; non-finite weights: h.1.attn.c_proj.weight" in err

@@ -9,7 +9,7 @@ import torch
 from gpt2_port.errors import UsageError
 from gpt2_port.kv_cache import KVCache
 from gpt2_port.load import from_pretrained
-from gpt2_port.quantize import Int8Linear, is_quantized, quantize_int8, quantize_rows
+from gpt2_port.quantize import Int8Linear, check_trainable, is_quantized, quantize_int8, quantize_rows
 
 
 def test_quantize_rows_roundtrip() -> None:
@@ -97,3 +97,24 @@ def test_generate_cli_int8(tiny_official, tmp_path, capsys) -> None:  # noqa: AN
     assert len(outs[0]["generated_ids"][0]) == 8
     assert main(["generate", str(tiny_official), "Hi", "--quantize", "int8", "--dtype", "bfloat16"]) == 2
     assert "--quantize int8 runs on CPU from float32 weights" in capsys.readouterr().err
+
+
+def test_an_int8_model_cannot_train(tiny_official) -> None:  # noqa: ANN001
+    """int8 layers have no float weights and no backward: check_trainable, train mode and a wanted gradient each
+    raise UsageError naming the layer; inference still runs, and a float model is trainable."""
+    model, _ = from_pretrained(tiny_official)
+    check_trainable(model)
+    quantize_int8(model)
+    n = 6 * model.config.n_layer + 1
+    with pytest.raises(UsageError, match=rf"quantized to int8 \({n} layers, e.g. h\.0\.attn\.q_proj\) and cannot be"):
+        check_trainable(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model.train()
+    with pytest.raises(UsageError, match=r"h\.0\.attn\.q_proj is int8: int8 layers run inference only"):
+        model(ids, labels=ids)
+    model.eval()
+    model.wte.weight.requires_grad_(True)  # a gradient wanted through the int8 layers
+    with pytest.raises(UsageError, match=r"h\.0\.attn\.q_proj is int8"):
+        model(ids, labels=ids)
+    with torch.no_grad():
+        assert model(ids).shape == (1, 4, model.config.vocab_size)

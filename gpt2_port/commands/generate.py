@@ -83,7 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--quantize",
         choices=["int8"],
         default=None,
-        help="int8: weight-only int8 decode on CPU (per-row int8 weights of every block Linear and the head; "
+        help="int8: int8 decode on CPU (per-row int8 weights of every block Linear and the head, activations "
+        "quantized per call with a second pass over their residual, so as accurate as weight-only int8; "
         "LayerNorm, attention and the KV cache stay float32); loads float32, then quantizes",
     )
     add_revision_arg(p)
@@ -201,13 +202,17 @@ def run(args: argparse.Namespace) -> int:
 
     n = args.num_samples
     out = sys.stdout
-    if n > 1:
-        out.write(f"=== sample 1/{n} ===\n")
-    out.write(args.prompt)
-    out.flush()
+    shown = False
+
+    def show_prompt() -> None:  # with the first new text: a run that fails before it (NaN weights) prints nothing
+        nonlocal shown
+        if not shown:
+            shown = True
+            out.write((f"=== sample 1/{n} ===\n" if n > 1 else "") + args.prompt)
 
     def on_text(row: int, text: str) -> None:
         if row == 0:
+            show_prompt()
             out.write(text)
             out.flush()
 
@@ -224,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         **sampling,
     )
     texts = g.texts or []
+    show_prompt()
     out.write("\n")
     for i in range(1, n):
         out.write(f"=== sample {i + 1}/{n} ===\n{args.prompt}{texts[i]}\n")
