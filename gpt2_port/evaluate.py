@@ -63,10 +63,11 @@ class NonFiniteLogits(CheckpointError):
 
 # -- batched scoring ---------------------------------------------------------------------------------------------
 def score_batch(
-    scorer: Scorer, reqs: Sequence[Request], max_length: int, pad_id: int, what: str = "window"
+    scorer: Scorer, reqs: Sequence[Request], max_length: int, pad_id: int, what: str = "window", first: int = 0
 ) -> tuple[list[float], list[bool], list[bool]]:
     """Per request: the summed NLL of its continuation (float64 sum of float32 token NLLs), whether every
-    continuation token is the argmax, and whether the last one is."""
+    continuation token is the argmax, and whether the last one is. `first`: the index of reqs[0] in the whole run
+    (for error messages)."""
     inputs = [r.model_input(max_length) for r in reqs]
     B, T = len(inputs), max(len(x) for x in inputs)
     ids = torch.full((B, T), pad_id, dtype=torch.long)  # right padding: causal attention never looks right
@@ -77,7 +78,7 @@ def score_batch(
         ids[i, : len(x)] = torch.tensor(x)
         n = len(r.continuation)
         if n > len(x):
-            raise UsageError(f"{what} {i}: {n} tokens to score do not fit a window of {max_length} tokens")
+            raise UsageError(f"{what} {first + i}: {n} tokens to score do not fit a window of {max_length} tokens")
         rows_b += [i] * n
         rows_t += range(len(x) - n, len(x))  # position p predicts the token at p + 1
         targets += r.continuation
@@ -92,8 +93,8 @@ def score_batch(
             if not bool(torch.isfinite(logits).all()):
                 row = s + int((~torch.isfinite(logits)).any(-1).nonzero()[0, 0])
                 raise NonFiniteLogits(
-                    f"{scorer.name}: non-finite logits (NaN/Inf) at {what} {rows_b[row]} of this batch, "
-                    f"position {rows_t[row]}; {scorer.nonfinite_hint()}"
+                    f"{scorer.name}: non-finite logits (NaN/Inf) at {what} {first + rows_b[row]}, position "
+                    f"{rows_t[row]}: the scores would be garbage; {scorer.nonfinite_hint()}"
                 )
             nll[s : s + HEAD_ROWS] = token_nll(logits, tgt[s : s + HEAD_ROWS])
             hit[s : s + HEAD_ROWS] = logits.argmax(-1) == tgt[s : s + HEAD_ROWS]
@@ -204,14 +205,16 @@ def evaluate_text(
     else:
         reqs = strided_requests(chunks, eot_id, max_length, stride)
     out = {s.name: TextResult() for s in scorers}
+    done = 0
     for batch in batched(reqs, batch_size):
         n = sum(len(r.continuation) for r in batch)
         for s in scorers:
-            sums, _, _ = score_batch(s, batch, max_length, eot_id)
+            sums, _, _ = score_batch(s, batch, max_length, eot_id, "window", done)
             res = out[s.name]
             res.window_nll += sums
             res.nll += sum(sums)
             res.tokens += n
+        done += len(batch)
         if progress is not None:
             progress(stats.bytes_read, next(iter(out.values())).tokens)
     for res in out.values():
@@ -313,7 +316,7 @@ def evaluate_lambada(
     done = 0
     for batch in batched(reqs, batch_size):
         for s in scorers:
-            sums, greedy, last = score_batch(s, batch, max_length, eot_id, what="document")
+            sums, greedy, last = score_batch(s, batch, max_length, eot_id, "document", done)
             res = out[s.name]
             res.word_nll += sums
             res.correct += greedy
@@ -385,8 +388,9 @@ def evaluate_choices(
     flat = [r for reqs, _, _ in questions for r in reqs]
     nll: dict[str, list[float]] = {s.name: [] for s in scorers}
     for batch in batched(flat, batch_size):
+        done = len(next(iter(nll.values())))
         for s in scorers:
-            nll[s.name] += score_batch(s, batch, max_length, eot_id, what="ending")[0]
+            nll[s.name] += score_batch(s, batch, max_length, eot_id, "ending", done)[0]
         if progress is not None:
             progress(len(next(iter(nll.values()))), len(flat))
     out = {}

@@ -164,6 +164,11 @@ def run(args: argparse.Namespace) -> int:
     max_length = args.max_length if args.max_length is not None else n_pos
     check_window_args(max_length, args.stride, n_pos)
     tok = load_tokenizer(args.tokenizer if args.tokenizer else report.checkpoint.root)
+    if tok.eot_id >= model.config.vocab_size:
+        raise UsageError(
+            f"{args.model}: the model's vocabulary of {model.config.vocab_size} tokens has no <|endoftext|> "
+            f"({tok.eot_id}), which the evaluation needs as the first token's context"
+        )
     scorers = [model_scorer(model)]
     dtype_name = str(dtype).removeprefix("torch.")
     if args.check:
