@@ -92,9 +92,10 @@ def score_batch(
             logits = scorer.head(hs[s : s + HEAD_ROWS])  # (R, V)
             if not bool(torch.isfinite(logits).all()):
                 row = s + int((~torch.isfinite(logits)).any(-1).nonzero()[0, 0])
+                hint = scorer.nonfinite_hint()
                 raise NonFiniteLogits(
                     f"{scorer.name}: non-finite logits (NaN/Inf) at {what} {first + rows_b[row]}, position "
-                    f"{rows_t[row]}: the scores would be garbage; {scorer.nonfinite_hint()}"
+                    f"{rows_t[row]}: the scores would be garbage{'; ' + hint if hint else ''}"
                 )
             nll[s : s + HEAD_ROWS] = token_nll(logits, tgt[s : s + HEAD_ROWS])
             hit[s : s + HEAD_ROWS] = logits.argmax(-1) == tgt[s : s + HEAD_ROWS]

@@ -112,6 +112,16 @@ def test_check_reports_parity_and_fails_with_exit_1(tiny_official: Path, text: P
     assert any(r["quantity"] == "total nll" and not r["passed"] for r in d["check"]["rows"])
 
 
+def test_check_on_lambada_and_choices(tiny_official: Path, lambada: Path, choices: Path, capsys) -> None:
+    for flag, f, acc in (("--lambada", lambada, "accuracy"), ("--choices", choices, "acc_norm")):
+        rc, out, _ = run(capsys, str(tiny_official), flag, str(f), "--check", "--json", "-")
+        d = json.loads(out)
+        assert rc == 0 and d["check"]["passed"] is True, d["check"]
+        rows = {r["quantity"].split(" (")[0]: r for r in d["check"]["rows"]}
+        assert rows[acc]["diff"] == 0 and rows["total nll"]["diff"] <= 1e-6
+        assert any(q.startswith("worst ") for q in rows)
+
+
 def test_official_id_prints_the_published_figures(tiny_official: Path, lambada: Path, capsys, monkeypatch) -> None:
     import gpt2_port.load as load
 
