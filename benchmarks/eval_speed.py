@@ -2,7 +2,7 @@
 windows, and the peak RSS of `evaluate_text` as the text grows (windows are streamed).
 
     python -m benchmarks.eval_speed speed  [--windows 8] [--rounds 5] [--batch-size 4] [--ckpt DIR]
-    python -m benchmarks.eval_speed memory [--mb 1 10]
+    python -m benchmarks.eval_speed memory [--mb 1 10] [--full-mb 0.1 1]
 
 speed: a random-weight 124M checkpoint in the official layout (written once with write_demo_checkpoint unless --ckpt
 is given), the first --windows rolling windows (1024 tokens) of tiny shakespeare, scored in one process, in rounds
@@ -13,9 +13,12 @@ that alternate ours and transformers on the same batches (interleaved, so the sh
   how a user of transformers scores windows.
 Both sdpa attention, float32, CPU. The ratio is the median of per-round ratios.
 
-memory: one fresh process per text size (tiny shakespeare repeated to N MB), the rolling evaluation with a small
-random model of GPT-2's vocabulary (1 layer, 16 wide: the streaming is what is measured, not the model), peak RSS
-(ru_maxrss) after the run, and the same process's RSS before it started scoring.
+memory: one fresh process per (mode, text size), tiny shakespeare repeated to N MB, peak RSS (ru_maxrss):
+- `full`: the whole rolling evaluation (`evaluate_text`, batch 8, max-length 1024) with a small random model of
+  GPT-2's vocabulary (1 layer, 16 wide: the streaming is what is measured, not the model);
+- `stream`: the same pipeline without the model (read, encode, cut into windows, batch), which is the only part
+  whose work grows with the file: the model sees batches of the same shape whatever the file's size;
+- `whole`: for contrast, the text read and encoded at once and every window built up front (what streaming avoids).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def speed(args: argparse.Namespace) -> dict:
         "transformers_same_scorer": lambda b: score_batch(same, b, M, tok.eot_id)[0],
         "transformers_logits": hf_logits,
     }
-    for name, f in runners.items():  # warm-up: one batch each
+    for f in runners.values():  # warm-up: one batch each
         f(batches[0])
     times: dict[str, list[float]] = {k: [] for k in runners}
     nll: dict[str, float] = {}
@@ -124,11 +127,12 @@ def speed(args: argparse.Namespace) -> dict:
     return res
 
 
-def memory_one(mb: float, ckpt: str) -> dict:
-    """In this process: score `mb` MB of repeated tiny shakespeare; peak RSS before and after scoring."""
-    from gpt2_port.evaluate import evaluate_text, model_scorer
+def memory_one(mode: str, mb: float, ckpt: str) -> dict:
+    """In this process: one (mode, size) run; peak RSS before and after the work."""
+    from gpt2_port.evaluate import batched, evaluate_text, model_scorer
     from gpt2_port.load import from_pretrained
     from gpt2_port.tokenizer import load_tokenizer
+    from gpt2_port.windows import read_text_pieces, rolling_requests, token_chunks
 
     base = SHAKESPEARE.read_bytes()
     with tempfile.NamedTemporaryFile(suffix=".txt", delete=False) as f:
@@ -137,18 +141,26 @@ def memory_one(mb: float, ckpt: str) -> dict:
             f.write(base[:size])
             size -= len(base)
         path = f.name
-    model, _ = from_pretrained(ckpt)
     tok = load_tokenizer(TOKENIZER)
+    model = from_pretrained(ckpt)[0] if mode == "full" else None
     before = _rss_mb()
     t0 = time.perf_counter()
-    res = evaluate_text([model_scorer(model)], tok.encode, path, 1024, tok.eot_id, batch_size=8)["gpt2_port"]
+    if mode == "full":
+        tokens = evaluate_text([model_scorer(model)], tok.encode, path, 1024, tok.eot_id, batch_size=8)["gpt2_port"]
+        tokens = tokens.tokens
+    elif mode == "stream":
+        reqs = rolling_requests(token_chunks(read_text_pieces(path), tok.encode), tok.eot_id, 1024)
+        tokens = sum(len(r.continuation) for b in batched(reqs, 8) for r in b)
+    else:
+        reqs = list(rolling_requests([tok.encode(Path(path).read_text())], tok.eot_id, 1024))
+        tokens = sum(len(r.continuation) for r in reqs)
     Path(path).unlink()
     return {
+        "mode": mode,
         "mb": mb,
-        "bytes": res.bytes,
-        "tokens": res.tokens,
+        "tokens": tokens,
         "seconds": time.perf_counter() - t0,
-        "peak_rss_MB_before_scoring": before,
+        "peak_rss_MB_before": before,
         "peak_rss_MB": _rss_mb(),
     }
 
@@ -161,17 +173,18 @@ def memory(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="evalmem-") as tmp:
         cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=1024)
         ckpt = write_demo_checkpoint(Path(tmp) / "m", config=cfg, seed=0, tokenizer_dir=TOKENIZER)
-        for mb in args.mb:
-            r = subprocess.run(
-                [sys.executable, "-m", "benchmarks.eval_speed", "_memory_one", str(mb), str(ckpt)],
-                capture_output=True,
-                text=True,
-                check=True,
-                cwd=REPO,
-            )
-            out.append(json.loads(r.stdout.splitlines()[-1]))
-            print(json.dumps(out[-1]), file=sys.stderr)
-    return {"runs": out, "peak_ratio_largest_over_smallest": out[-1]["peak_rss_MB"] / out[0]["peak_rss_MB"]}
+        for mode, sizes in (("stream", args.mb), ("whole", args.mb), ("full", args.full_mb)):
+            for mb in sizes:
+                r = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.eval_speed", "_memory_one", mode, str(mb), str(ckpt)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=REPO,
+                )
+                out.append(json.loads(r.stdout.splitlines()[-1]))
+                print(json.dumps(out[-1]), file=sys.stderr)
+    return {"runs": out}
 
 
 def main() -> None:
@@ -184,13 +197,15 @@ def main() -> None:
     s.add_argument("--threads", type=int, default=0)
     s.add_argument("--ckpt", default=None)
     m = sub.add_parser("memory")
-    m.add_argument("--mb", type=float, nargs="+", default=[1.0, 10.0])
+    m.add_argument("--mb", type=float, nargs="+", default=[1.0, 10.0], help="sizes for stream and whole")
+    m.add_argument("--full-mb", type=float, nargs="+", default=[0.1, 1.0], help="sizes for the full evaluation")
     one = sub.add_parser("_memory_one")
+    one.add_argument("mode", choices=["full", "stream", "whole"])
     one.add_argument("mb", type=float)
     one.add_argument("ckpt")
     args = p.parse_args()
     if args.what == "_memory_one":
-        print(json.dumps(memory_one(args.mb, args.ckpt)))
+        print(json.dumps(memory_one(args.mode, args.mb, args.ckpt)))
         return
     res = speed(args) if args.what == "speed" else memory(args)
     print(json.dumps(res, indent=2))

@@ -379,7 +379,9 @@ def test_nan_weight_stops_the_evaluation_naming_the_weight(tiny_official: Path) 
     m = GPT2.from_pretrained(tiny_official)
     with torch.no_grad():
         m.h[1].mlp.c_fc.weight[3, 5] = float("nan")
-    with pytest.raises(NonFiniteLogits, match=r"non-finite logits .* at window 7, position .* NaN/Inf in h.1.mlp.c_fc.weight"):
+    with pytest.raises(
+        NonFiniteLogits, match=r"non-finite logits .* at window 7, position .* NaN/Inf in h.1.mlp.c_fc.weight"
+    ):
         score_batch(model_scorer(m), [Request([1], [2, 3])], 16, 0, "window", 7)
 
 
