@@ -92,8 +92,8 @@ def speed(args: argparse.Namespace) -> dict:
         return out
 
     runners = {
-        "gpt2_port": lambda b: score_batch(ours, b, M, tok.eot_id)[0],
-        "transformers_same_scorer": lambda b: score_batch(same, b, M, tok.eot_id)[0],
+        "gpt2_port": lambda b: score_batch(ours, b, M, tok.eot_id, want_greedy=False)[0],
+        "transformers_same_scorer": lambda b: score_batch(same, b, M, tok.eot_id, want_greedy=False)[0],
         "transformers_logits": hf_logits,
     }
     for f in runners.values():  # warm-up: one batch each

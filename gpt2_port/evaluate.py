@@ -30,7 +30,7 @@ from .errors import CheckpointError, UsageError
 from .loss import token_nll
 from .windows import READ_BLOCK, Request, TextStats, read_text_pieces, rolling_requests, strided_requests, token_chunks
 
-HEAD_ROWS = 2048  # scored rows sent through the head at a time: (2048, 50257) float32 logits = 412 MB at most
+HEAD_ROWS = 1024  # scored rows sent through the head at a time: (1024, 50257) float32 logits = 206 MB at most
 DEFAULT_BATCH_SIZE = 8
 
 
@@ -63,11 +63,17 @@ class NonFiniteLogits(CheckpointError):
 
 # -- batched scoring ---------------------------------------------------------------------------------------------
 def score_batch(
-    scorer: Scorer, reqs: Sequence[Request], max_length: int, pad_id: int, what: str = "window", first: int = 0
+    scorer: Scorer,
+    reqs: Sequence[Request],
+    max_length: int,
+    pad_id: int,
+    what: str = "window",
+    first: int = 0,
+    want_greedy: bool = True,
 ) -> tuple[list[float], list[bool], list[bool]]:
     """Per request: the summed NLL of its continuation (float64 sum of float32 token NLLs), whether every
-    continuation token is the argmax, and whether the last one is. `first`: the index of reqs[0] in the whole run
-    (for error messages)."""
+    continuation token is the argmax, and whether the last one is (both False without `want_greedy`, which saves a
+    pass over the logits). `first`: the index of reqs[0] in the whole run (for error messages)."""
     inputs = [r.model_input(max_length) for r in reqs]
     B, T = len(inputs), max(len(x) for x in inputs)
     ids = torch.full((B, T), pad_id, dtype=torch.long)  # right padding: causal attention never looks right
@@ -87,18 +93,22 @@ def score_batch(
         hs = h[torch.tensor(rows_b), torch.tensor(rows_t)]  # (N, C): the scored positions only
         tgt = torch.tensor(targets, device=hs.device)  # (N,)
         nll = torch.empty(len(targets), dtype=torch.float32, device=hs.device)
-        hit = torch.empty(len(targets), dtype=torch.bool, device=hs.device)
+        hit = torch.zeros(len(targets), dtype=torch.bool, device=hs.device)
         for s in range(0, len(targets), HEAD_ROWS):
             logits = scorer.head(hs[s : s + HEAD_ROWS])  # (R, V)
-            if not bool(torch.isfinite(logits).all()):
-                row = s + int((~torch.isfinite(logits)).any(-1).nonzero()[0, 0])
+            part = token_nll(logits, tgt[s : s + HEAD_ROWS])  # (R,)
+            # A NaN or +Inf logit anywhere in a row makes that row's NLL NaN/Inf (log-sum-exp), so checking the R
+            # NLLs catches every non-finite logit that could change a score, without another pass over R x V.
+            if not bool(torch.isfinite(part).all()):
+                row = s + int((~torch.isfinite(part)).nonzero()[0, 0])
                 hint = scorer.nonfinite_hint()
                 raise NonFiniteLogits(
                     f"{scorer.name}: non-finite logits (NaN/Inf) at {what} {first + rows_b[row]}, position "
                     f"{rows_t[row]}: the scores would be garbage{'; ' + hint if hint else ''}"
                 )
-            nll[s : s + HEAD_ROWS] = token_nll(logits, tgt[s : s + HEAD_ROWS])
-            hit[s : s + HEAD_ROWS] = logits.argmax(-1) == tgt[s : s + HEAD_ROWS]
+            nll[s : s + HEAD_ROWS] = part
+            if want_greedy:
+                hit[s : s + HEAD_ROWS] = logits.argmax(-1) == tgt[s : s + HEAD_ROWS]
         owner = torch.tensor(rows_b, device=hs.device)
         sums = torch.zeros(B, dtype=torch.float64, device=hs.device).index_add_(0, owner, nll.double())
         misses = torch.zeros(B, dtype=torch.long, device=hs.device).index_add_(0, owner, (~hit).long())
@@ -210,7 +220,7 @@ def evaluate_text(
     for batch in batched(reqs, batch_size):
         n = sum(len(r.continuation) for r in batch)
         for s in scorers:
-            sums, _, _ = score_batch(s, batch, max_length, eot_id, "window", done)
+            sums, _, _ = score_batch(s, batch, max_length, eot_id, "window", done, want_greedy=False)
             res = out[s.name]
             res.window_nll += sums
             res.nll += sum(sums)
@@ -391,7 +401,7 @@ def evaluate_choices(
     for batch in batched(flat, batch_size):
         done = len(next(iter(nll.values())))
         for s in scorers:
-            nll[s.name] += score_batch(s, batch, max_length, eot_id, "ending", done)[0]
+            nll[s.name] += score_batch(s, batch, max_length, eot_id, "ending", done, want_greedy=False)[0]
         if progress is not None:
             progress(len(next(iter(nll.values()))), len(flat))
     out = {}

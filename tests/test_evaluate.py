@@ -408,3 +408,15 @@ def test_real_gpt2_rolling_nll_equals_transformers(tok, tmp_path: Path) -> None:
     want = hf_nll(ref, reqs, 512)
     assert rel(got.nll, sum(want)) <= NLL_RTOL
     assert 2.0 < got.nll / got.tokens < 5.0  # the real model: a sane per-token loss on Shakespeare
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_one_non_finite_logit_in_a_scored_row_is_caught(bad: float) -> None:
+    def head(h: torch.Tensor) -> torch.Tensor:  # (N, V): finite except one logit of the second row
+        out = torch.zeros(len(h), 8)
+        out[1, 5] = bad
+        return out
+
+    s = Scorer("fake", lambda ids: ids[..., None].float(), head, torch.device("cpu"))
+    with pytest.raises(NonFiniteLogits, match="non-finite logits .* at window 3, position 1"):
+        score_batch(s, [Request([1], [2, 3, 4])], 8, 0, "window", 3)
