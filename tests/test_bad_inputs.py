@@ -677,6 +677,13 @@ def c_eval_nan_weight(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_eval_stride_without_text(tmp: Path, base: Path) -> dict:
+    f = tmp / "l.jsonl"
+    f.write_text('{"text": "a b"}\n')
+    return {"argv": ev(base, tmp, "--lambada", str(f), "--stride", "8"), "expect": ["--stride", "--text only"]}
+
+
+@case
 def c_eval_json_dir_missing(tmp: Path, base: Path) -> dict:
     f = _text(tmp)
     return {
