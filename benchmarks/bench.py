@@ -7,8 +7,8 @@ runs interleaved (so machine noise hits both alike), and the low-precision
 options (int8, bfloat16, float16: decode speed, and parity against the float32 transformers reference).
 Results go to JSON and to a Markdown section of BENCHMARKS.md (between `<!-- bench:begin -->` and `<!-- bench:end -->`).
 
-    gpt2-port bench --sizes gpt2,gpt2-medium,gpt2-large,gpt2-xl --out benchmarks/results.json --markdown BENCHMARKS.md
-    python -m benchmarks.bench ...   (the same, without the console script)
+    ./dev bench --sizes gpt2,gpt2-medium,gpt2-large,gpt2-xl --out benchmarks/results.json --markdown BENCHMARKS.md
+    python -m benchmarks ...   (the same, from the checkout's root; benchmarks/ is not part of the installed package)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gpt2_port.config import PRESETS
 from gpt2_port.errors import UsageError
-from gpt2_port.util import atomic_write_text, check_writable
+from gpt2_port.util import check_writable, write_output
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
@@ -285,7 +285,7 @@ def main(a: argparse.Namespace) -> int:
     log: list[str] = []
     t0 = time.perf_counter()
     argv = " ".join(shlex.quote(x) for x in sys.argv[1:])
-    cmd = f"gpt2-port {argv}" if Path(sys.argv[0]).name == "gpt2-port" else f"python -m benchmarks.bench {argv}"
+    cmd = f"python -m benchmarks {argv}"
     results: dict = {
         "command": cmd,
         "machine": machine_info(),
@@ -304,23 +304,20 @@ def main(a: argparse.Namespace) -> int:
         log.clear()
     results["total_s"] = time.perf_counter() - t0
     results["machine"]["loadavg_end"] = os.getloadavg()
-    atomic_write_text(a.out, json.dumps(results, indent=1) + "\n")
+    written = [write_output(a.out, json.dumps(results, indent=1) + "\n", "--out")]
     from benchmarks.report import render, update_markdown
 
     md = render(results)
-    print(md)
+    print(md, file=sys.stderr if "-" in (a.out, a.markdown) else sys.stdout)  # keep a JSON/Markdown stdout clean
     if a.markdown:
-        update_markdown(a.markdown, md)
+        written.append(update_markdown(a.markdown, md))
+    for w in written:
+        if w != "stdout":
+            print(f"wrote {w}", file=sys.stderr)
     return 0
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    from gpt2_port.errors import GPT2PortError
+if __name__ == "__main__":  # python -m benchmarks.bench: the same as python -m benchmarks
+    from benchmarks.__main__ import main as cli_main
 
-    try:
-        sys.exit(main(parser.parse_args()))
-    except GPT2PortError as e:
-        print(f"bench: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(cli_main())

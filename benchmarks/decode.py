@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from gpt2_port.errors import UsageError
-from gpt2_port.model import GPT2, KVCache
+from gpt2_port.kv_cache import KVCache
+from gpt2_port.model import GPT2
 
 
 @torch.inference_mode()
@@ -89,7 +90,7 @@ class StaticDecoder:
             self.v[i].index_copy_(2, self.pos, v)
             y = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, scale=a.head_dim**-0.5)
             x = x + a.c_proj(y.transpose(1, 2).reshape(B, 1, -1))
-            x = x + block.mlp(block.ln_2(x), None, "")
+            x = x + block.mlp(block.ln_2(x))
         x = m.ln_f(x)
         return F.linear(x, m.wte.weight) if m.lm_head is None else m.lm_head(x)  # (B, 1, V)
 

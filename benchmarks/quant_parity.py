@@ -15,17 +15,14 @@ import sys
 
 import torch
 
-from checks.parity import (
-    DEFAULT_PROMPTS,
-    block_points,
-    capture_reference,
-    capture_scratch,
-    load_reference,
-    metrics,
-)
-from gpt2_port.load import from_pretrained, locate
+from gpt2_port.checkpoint import locate
+from gpt2_port.load import from_pretrained
 from gpt2_port.quantize import quantize_int8
 from gpt2_port.tokenizer import load_tokenizer
+from gpt2_port_checks.metrics import metrics, next_token
+from gpt2_port_checks.points import block_points, capture_scratch
+from gpt2_port_checks.prompts import DEFAULT_PROMPT_IDS, DEFAULT_PROMPTS
+from gpt2_port_checks.reference import capture_reference, load_reference, reference_hooks
 
 OPTION_DTYPES = {
     "int8": torch.float32,
@@ -45,16 +42,17 @@ def load_option(ckpt: str, option: str) -> torch.nn.Module:
 
 def quant_parity(ckpt: str, options: list[str], prompts: list[str] | None = None) -> dict:
     """{option: {points: {name: norm_rel}, worst_block_norm_rel, top1_agreement, logprob_max_abs, n_positions}}."""
-    prompts = list(prompts or DEFAULT_PROMPTS)
     base, rep = from_pretrained(ckpt)  # config and tokenizer; freed before the options load
     cfg = rep.config
-    tok = load_tokenizer(rep.checkpoint.root if rep.checkpoint.tokenizer_files() else None)
+    if prompts:
+        tok = load_tokenizer(rep.checkpoint.root if rep.checkpoint.tokenizer_files() else None)
+        ids_list = [torch.tensor([tok.encode(p)]) for p in prompts]
+    else:  # the parity defaults, stored as token ids: no tokenizer needed
+        prompts = list(DEFAULT_PROMPTS)
+        ids_list = [torch.tensor([ids]) for ids in DEFAULT_PROMPT_IDS]
     del base
-    ids_list = [torch.tensor([tok.encode(p)]) for p in prompts]
     names = block_points(cfg.n_layer)
     ref = load_reference(locate(ckpt), cfg, torch.float32, torch.device("cpu"), "eager")
-    from checks.parity import reference_hooks
-
     hooks = reference_hooks(cfg.n_layer)
     want = [capture_reference(ref, ids, hooks) for ids in ids_list]
     del ref
@@ -67,22 +65,19 @@ def quant_parity(ckpt: str, options: list[str], prompts: list[str] | None = None
             x = torch.cat([g[n].float().flatten() for g in got])
             y = torch.cat([w[n].float().flatten() for w in want])
             pts[n] = metrics(x, y)[1]
-        agree, lp, margins = [], [], []
-        for g, w in zip(got, want):
-            gx, wy = g["logits"][0].double(), w["logits"][0].double()
-            same = gx.argmax(-1) == wy.argmax(-1)
-            agree.append(same.float())
-            top2 = wy.topk(2, dim=-1).values  # (T, 2): how close the reference's own top two were, where we differ
-            margins += (top2[:, 0] - top2[:, 1])[~same].tolist()
-            lp.append((torch.log_softmax(gx, -1) - torch.log_softmax(wy, -1)).abs().max().reshape(1))
-        agree_t = torch.cat(agree)
+        gx = torch.cat([g["logits"][0] for g in got]).double()  # (N positions of all prompts, V)
+        wy = torch.cat([w["logits"][0] for w in want]).double()
+        nt = next_token(gx, wy, cfg.vocab_size)
+        same = gx.argmax(-1) == wy.argmax(-1)
+        top2 = wy.topk(2, dim=-1).values  # (N, 2): how close the reference's own top two were, where we differ
+        margins = (top2[:, 0] - top2[:, 1])[~same].tolist()
         out["options"][opt] = {
             "points": pts,
             "worst_block_norm_rel": max(v for k, v in pts.items() if k.startswith("block.")),
             "logits_norm_rel": pts["logits"],
-            "top1_agreement": float(agree_t.mean()),
-            "n_positions": int(agree_t.numel()),
-            "logprob_max_abs": float(torch.cat(lp).max()),
+            "top1_agreement": nt.top1_agreement,
+            "n_positions": nt.n_positions,
+            "logprob_max_abs": nt.logprob_max_abs,
             "disagreement_ref_margins": margins,  # reference top-1 minus top-2 logit at each disagreement
             "ref_median_margin": float(
                 torch.cat([(w["logits"][0].topk(2, -1).values.double().diff(dim=-1).abs()) for w in want]).median()

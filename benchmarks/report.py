@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from gpt2_port.util import atomic_write_text
+from gpt2_port.util import STDOUT, target_of, write_output
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -156,14 +155,17 @@ def render(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def update_markdown(path: str | os.PathLike[str], section: str) -> None:
-    """Replace the text between the bench markers in `path` (append the section when the markers are absent)."""
-    p = Path(path)
+def update_markdown(path: str | os.PathLike[str], section: str) -> str:
+    """Replace the text between the bench markers in `path` (append the section when the markers are absent); `-`
+    writes the marked section alone to stdout. Returns what write_output reports (the path, or "stdout")."""
     block = f"{BEGIN}\n{section.rstrip()}\n{END}\n"
-    text = p.read_text(encoding="utf-8") if p.exists() else "# Benchmarks\n\n"
+    if os.fspath(path) == STDOUT:
+        return write_output(path, block, "--markdown")
+    p = target_of(path)  # through a symlink: the target's text is the one updated
+    text = p.read_text(encoding="utf-8") if p.is_file() else "# Benchmarks\n\n"
     if BEGIN in text and END in text and text.index(BEGIN) < text.index(END):
         i, j = text.index(BEGIN), text.index(END) + len(END)
         text = text[:i] + block.rstrip("\n") + text[j:]
     else:
         text = text.rstrip("\n") + "\n\n" + block
-    atomic_write_text(p, text)
+    return write_output(path, text, "--markdown")

@@ -113,7 +113,7 @@ def prefill_fn(impl: str, model, ids, dev):  # noqa: ANN001, ANN201
 
     B, T = ids.shape
     if impl == "ours":
-        from gpt2_port.model import KVCache
+        from gpt2_port.kv_cache import KVCache
 
         def fn():  # noqa: ANN202
             with torch.inference_mode():
@@ -172,7 +172,7 @@ def main(spec: dict) -> dict:
     import torch
 
     t_imp = time.perf_counter()
-    from gpt2_port.load import parse_device
+    from gpt2_port.devices import parse_device
 
     impls = ["ours", "hf"] if spec["impl"] == "duel" else [spec["impl"]]
     if "hf" in impls:  # imported here, before any timing: the load time excludes every import (for both)

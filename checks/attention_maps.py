@@ -11,7 +11,10 @@ from collections.abc import Sequence
 
 import torch
 
+from gpt2_port.checkpoint import locate
+
 from .plots import pyplot, save_png
+from .reference import load_reference
 
 
 def token_labels(pieces: Sequence[str]) -> list[str]:
@@ -29,10 +32,6 @@ def reference_probs(
 ) -> torch.Tensor:
     """transformers' (eager) attention probabilities at `layer`: (nh, T, T). A forward hook on GPT2Attention sees
     its (attn_output, attn_weights) return value."""
-    from gpt2_port.load import locate
-
-    from .parity import load_reference
-
     ref = load_reference(locate(model, revision), cfg, dtype, device, "eager")
     got: dict[str, torch.Tensor] = {}
 

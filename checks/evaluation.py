@@ -15,7 +15,7 @@ from gpt2_port.config import GPT2Config
 from gpt2_port.evaluate import ChoiceResult, LambadaResult, Scorer, TextResult
 from gpt2_port.load import Checkpoint
 
-from .parity import load_reference
+from .reference import load_reference
 
 # Relative difference of NLL sums (per window, per document, per ending, and the total) against transformers in the
 # same dtype, both with sdpa attention. Worst cases seen (CPU, torch 2.13, transformers 5.23), float32: 0.0 -- the same

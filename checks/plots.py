@@ -13,8 +13,8 @@ from gpt2_port.errors import UsageError
 from gpt2_port.util import atomic_write_bytes
 
 from .noise import NOISE_MARGIN
-from .sublayer import is_head_point
-from .sweep import Sweep, label
+from .points import is_head_point
+from .results import Sweep, label
 
 PLOT_HINT = "pip install 'gpt2-port[plot]'"
 
@@ -41,6 +41,16 @@ def save_png(fig, path: str | os.PathLike[str]) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     atomic_write_bytes(path, buf.getvalue())
+
+
+def tolerance_marks(s: Sweep, names: list[str]) -> list[tuple[list[str], list[float]]]:
+    """The gates the pass/fail check used, point by point: (configurations, tolerance at each of `names`) for each
+    distinct profile (configurations judged by the same tolerances share one line; `embed` is often tighter)."""
+    marks: dict[tuple[float, ...], list[str]] = {}
+    for r in s.reports:
+        pts = {p.name: p.tolerance for p in r.points}
+        marks.setdefault(tuple(pts[n] for n in names), []).append(label(r))
+    return [(labels, list(tols)) for tols, labels in marks.items()]
 
 
 def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
@@ -91,10 +101,10 @@ def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
                 label=f"{label(r)} noise floor: transformers vs itself, to x{NOISE_MARGIN:g}",
             )
             ax.plot(x, fl, ":", color=c, lw=1.0)
-    for tol in sorted({p.tolerance for r in s.reports for p in r.points if p.name != "embed"}):
-        dts = sorted({r.dtype for r in s.reports if any(p.tolerance == tol for p in r.points)})
-        ax.axhline(tol, color="0.35", ls="--", lw=0.9)
-        ax.text(x[-1], tol, f" tolerance {'/'.join(dts)} {tol:.0e}", va="bottom", ha="right", fontsize=8, color="0.3")
+    # Each tolerance profile as a dashed step line at the value each point was judged by.
+    for labels, tols in tolerance_marks(s, names):
+        ax.step(x, tols, where="mid", color="0.35", ls="--", lw=0.9)
+        ax.text(x[-1], tols[-1], f" tolerance {', '.join(labels)}", va="bottom", ha="right", fontsize=8, color="0.3")
     ax.set_yscale("log")
     ax.set_ylim(bottom / 2, top)
     if r0.detail == "sublayer" or len(names) > 30:

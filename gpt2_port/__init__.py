@@ -2,7 +2,8 @@
 
 from .config import PRESETS, GPT2Config
 from .errors import CheckpointError, ConfigError, GPT2PortError, HubError, UsageError
-from .model import GPT2, KVCache
+from .kv_cache import KVCache
+from .model import GPT2
 
 __version__ = "0.1.0"
 __all__ = [

@@ -9,7 +9,7 @@ no buffers, `lm_head.weight` only when untied). Transposes and splits are views:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -181,22 +181,36 @@ def hf_to_scratch(sd: Mapping[str, torch.Tensor], cfg: GPT2Config) -> Conversion
     return conv
 
 
+def hf_tensors(
+    state: Mapping[str, torch.Tensor], cfg: GPT2Config, prefix: str = "transformer."
+) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    """Scratch state dict -> HF keys with a function making each tensor (one at a time: a writer streams them).
+
+    Keys as `save_pretrained` writes them with `prefix`; no mask buffers; lm_head only if untied (never prefixed).
+    """
+
+    def make(op: str, ts: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def tensor() -> torch.Tensor:
+            if op == "copy":
+                t = ts[0]
+            elif op == "transpose":
+                t = ts[0].t()
+            elif op == "split_qkv_weight":
+                t = torch.cat([x.t() for x in ts], dim=1)  # 3 x (C, C) [out, in] -> (C, 3C) [in, out]
+            else:
+                t = torch.cat(ts, dim=0)
+            return t.detach().contiguous()
+
+        return tensor
+
+    out = [(prefix + hk, make(op, [state[s] for s in sks])) for hk, op, sks in key_table(cfg, with_head=False)]
+    if not cfg.tie_word_embeddings:
+        out.append(("lm_head.weight", make("copy", [state["lm_head.weight"]])))
+    return out
+
+
 def scratch_to_hf(
     state: Mapping[str, torch.Tensor], cfg: GPT2Config, prefix: str = "transformer."
 ) -> dict[str, torch.Tensor]:
     """Scratch state dict -> HF layout as `save_pretrained` writes it (prefix, no buffers, lm_head only if untied)."""
-    out: dict[str, torch.Tensor] = {}
-    for hk, op, sks in key_table(cfg, with_head=False):
-        ts = [state[s] for s in sks]
-        if op == "copy":
-            t = ts[0]
-        elif op == "transpose":
-            t = ts[0].t()
-        elif op == "split_qkv_weight":
-            t = torch.cat([x.t() for x in ts], dim=1)
-        else:
-            t = torch.cat(ts, dim=0)
-        out[prefix + hk] = t.detach().contiguous()
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"].detach().contiguous()
-    return out
+    return {k: make() for k, make in hf_tensors(state, cfg, prefix)}

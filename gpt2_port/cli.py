@@ -21,7 +21,7 @@ COMMAND_MODULES = [
     "gpt2_port.commands.attention",
     "gpt2_port.commands.inspect",
     "gpt2_port.commands.demo",
-    "gpt2_port.commands.bench",
+    "gpt2_port.commands.prepare",
     "gpt2_port.commands.eval",
 ]
 

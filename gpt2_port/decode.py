@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import GPT2, KVCache, build_mask, fused_qkv, gelu_new, positions_from_mask
+from .kv_cache import KVCache
+from .masks import build_mask, positions_from_mask
+from .model import GPT2, fused_qkv, gelu_new
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # (M, in) -> (M, out)
 
@@ -81,7 +83,7 @@ class DecodePlan:
     @staticmethod
     def for_model(model: GPT2) -> DecodePlan | None:
         """A plan, or None when the forward pass must run instead (manual attention, or activations being recorded)."""
-        if model._rec is not None or any(b.attn.impl != "sdpa" for b in model.h):
+        if model.taps.rec is not None or any(b.attn.impl != "sdpa" for b in model.h):
             return None
         return DecodePlan(model)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from .adapter import hf_shapes
 from .config import GPT2Config, preset
 from .errors import UsageError
 from .safetensors_io import write_safetensors
+from .util import atomic_write_bytes, atomic_write_text
 
 # The two tokenizer files OpenAI published with GPT-2, and their sha256 (the hashes tiktoken checks).
 TOKENIZER_FILES = {
@@ -69,9 +69,7 @@ def write_demo_checkpoint(
         shapes[f"h.{i}.attn.bias"] = (1, 1, cfg.n_positions, cfg.n_positions)
     entries = [(k, s, torch.float32, _tensor_maker(k, s, cfg, seed)) for k, s in sorted(shapes.items())]
     write_safetensors(out / "model.safetensors", entries, metadata={"format": "pt"})
-    tmp = out / "config.json.partial"
-    tmp.write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
-    os.replace(tmp, out / "config.json")
+    atomic_write_text(out / "config.json", json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, out)
     return out
@@ -84,8 +82,8 @@ def copy_tokenizer(src: str | os.PathLike[str], dst: Path) -> None:
         f = src / snap_name if (src / snap_name).is_file() else src / openai_name
         if not f.is_file():
             raise UsageError(f"--tokenizer-from {src}: neither {snap_name} nor {openai_name} found")
-        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        data = f.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
         if digest != sha:
             raise UsageError(f"{f}: sha256 {digest[:12]}... is not that of GPT-2's {snap_name} ({sha[:12]}...)")
-        shutil.copyfile(f, dst / (snap_name + ".partial"))
-        os.replace(dst / (snap_name + ".partial"), dst / snap_name)
+        atomic_write_bytes(dst / snap_name, data)

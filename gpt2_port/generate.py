@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from .decode import DecodePlan
 from .errors import UsageError
-from .model import GPT2, KVCache
+from .kv_cache import KVCache
+from .model import GPT2
 from .tokenizer import EOT_ID, StreamDecoder, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class FastGreedyHead:
     def usable(model: GPT2) -> bool:
         """float32 on CPU (no reduced-precision matmul), a plain head, and no recording of the logits."""
         plain = model.lm_head is None or type(model.lm_head) is torch.nn.Linear
-        return plain and model.device.type == "cpu" and model.dtype == torch.float32 and model._rec is None
+        return plain and model.device.type == "cpu" and model.dtype == torch.float32 and model.taps.rec is None
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """(B, C) float32 final hidden states -> (B,) the exact argmax, or None when the margin is too thin."""

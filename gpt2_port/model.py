@@ -1,9 +1,11 @@
 """GPT-2 written from scratch: embeddings, LayerNorm, causal self-attention with separate q/k/v, tanh-GELU MLP,
 pre-LN residual blocks, final LayerNorm, and a head tied to `wte`.
 
-Module names follow Hugging Face (`wte`, `wpe`, `h.{i}.ln_1`, `attn`, `mlp.c_fc`, `ln_f`) so that per-layer
-activations line up with the reference. Named taps (`model.record()`) expose every intermediate for the checker.
-Shapes: B batch, T new tokens, S keys (past + new), C n_embd, nh heads, hs head size, V vocab.
+Module names follow Hugging Face (`wte`, `wpe`, `drop`, `h.{i}.ln_1`, `attn`, `mlp.c_fc`, `ln_f`) so that per-layer
+activations line up with the reference. Dropout sits at transformers' four sites (embeddings, attention
+probabilities, attention output, MLP output) and is active in train mode only. Named taps (`model.record()`) expose
+every intermediate for the checker. Shapes: B batch, T new tokens, S keys (past + new), C n_embd, nh heads, hs head
+size, V vocab.
 """
 
 from __future__ import annotations
@@ -11,58 +13,27 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import GPT2Config
+from .errors import UsageError
+from .init import init_tensor_
+from .kv_cache import KVCache
+from .loss import IGNORE_INDEX, causal_lm_loss
+from .masks import build_mask, causal, positions_from_mask
+from .taps import Recorder, Taps
 
 AttnImpl = Literal["sdpa", "manual"]
 
 
-class Recorder:
-    """Collects named activations. `names`: exact names, or prefixes ending in '.', or None for everything."""
-
-    def __init__(self, names: Iterable[str] | Callable[[str], bool] | None = None) -> None:
-        self.acts: dict[str, torch.Tensor] = {}
-        if names is None or callable(names):
-            self._pred = names
-        else:
-            wanted = set(names)
-            self._pred = lambda n: n in wanted or any(w.endswith(".") and n.startswith(w) for w in wanted)
-
-    def wants(self, name: str) -> bool:
-        return self._pred is None or self._pred(name)
-
-    def __call__(self, name: str, t: torch.Tensor) -> None:
-        if self.wants(name):
-            self.acts[name] = t.detach()
-
-
-class KVCache:
-    """A static key/value cache: preallocated `[n_layer, B, nh, max_len, hs]` tensors and a fill length."""
-
-    def __init__(
-        self, cfg: GPT2Config, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
-    ) -> None:
-        shape = (cfg.n_layer, batch, cfg.n_head, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = 0  # tokens already stored
-        self.max_len = max_len
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, nh, T, hs) after the current length; return all keys/values (B, nh, S, hs)."""
-        start, end = self.length, self.length + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-    def reorder(self, index: torch.Tensor) -> None:
-        self.k = self.k.index_select(1, index)
-        self.v = self.v.index_select(1, index)
+class CausalLMOutput(NamedTuple):
+    loss: torch.Tensor  # scalar, float32: transformers' causal-LM loss
+    logits: torch.Tensor  # (B, T, V)
 
 
 class LayerNorm(nn.Module):
@@ -82,10 +53,12 @@ def gelu_new(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (3C, C) weight and (3C,) bias that q/k/v are adjacent views of, or None.
+    """The (3C, C) weight and (3C,) bias that q/k/v are adjacent views of, or None. Inference only.
 
     An official checkpoint stores one c_attn and loads as three views into it (no copy); one matmul over the whole is
     then the reference's own c_attn arithmetic, and decodes faster than three strided ones (measured ~30% less time).
+    The view is built with as_strided on q's weight, so autograd would send all of c_attn's gradient to q_proj: it
+    is None whenever a gradient is wanted (see `CausalSelfAttention.project`).
     """
     if not all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)):
         return None
@@ -107,135 +80,123 @@ def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, t
     return wq.as_strided((3 * C, C), (1, 3 * C)), bq.as_strided((3 * C,), (1,))
 
 
+def wants_grad(m: nn.Module) -> bool:
+    """True in train mode, or when autograd is recording and a parameter needs a gradient: no inference shortcuts."""
+    return m.training or (torch.is_grad_enabled() and any(p.requires_grad for p in m.parameters()))
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPT2Config, layer: int) -> None:
+    def __init__(self, cfg: GPT2Config, layer: int, taps: Taps) -> None:
         super().__init__()
         e = cfg.n_embd
         self.q_proj = nn.Linear(e, e)
         self.k_proj = nn.Linear(e, e)
         self.v_proj = nn.Linear(e, e)
         self.c_proj = nn.Linear(e, e)
+        self.attn_dropout = nn.Dropout(cfg.attn_pdrop)
+        self.resid_dropout = nn.Dropout(cfg.resid_pdrop)
         self.n_head, self.head_dim, self.layer = cfg.n_head, cfg.head_dim, layer
         self.impl: AttnImpl = "sdpa"
+        self.taps, self.tag = taps, f"block.{layer}.attn"
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, nh, T, hs)
         B, T, _ = t.shape
         return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
 
-    def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None, rec: Recorder | None, tag: str
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, C) -> q, k, v (B, T, C) each, through c_attn's arithmetic: one (B*T, C) @ (C, 3C) addmm."""
         B, T, C = x.shape
-        qkv = fused_qkv(self.q_proj, self.k_proj, self.v_proj)
-        if qkv is not None:  # one (B, T, 3C) matmul, split
-            q, k, v = (self._heads(t) for t in F.linear(x, *qkv).split(C, dim=-1))
-        else:
-            q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
-        if rec is not None:
-            rec(f"{tag}.q", q), rec(f"{tag}.k", k), rec(f"{tag}.v", v)
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        grad = wants_grad(self)
+        if grad and all(
+            type(m) is nn.Linear and m.bias is not None for m in (q, k, v)
+        ):  # c_attn as transformers holds it, [in, 3 out], assembled so autograd splits
+            w = torch.cat((q.weight.t(), k.weight.t(), v.weight.t()), dim=1)  # (C, 3C)
+            b = torch.cat((q.bias, k.bias, v.bias))  # (3C,)
+            return torch.addmm(b, x.reshape(-1, C), w).view(B, T, 3 * C).split(C, dim=-1)
+        fused = None if grad else fused_qkv(q, k, v)
+        if fused is not None:  # the checkpoint's own c_attn storage, viewed: no copy
+            return F.linear(x, *fused).split(C, dim=-1)
+        return q(x), k(x), v(x)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (self._heads(t) for t in self.project(x))  # (B, nh, T, hs) each
+        tap, tag = self.taps, self.tag
+        tap(f"{tag}.q", q), tap(f"{tag}.k", k), tap(f"{tag}.v", v)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, nh, S, hs)
         scale = self.head_dim**-0.5
-        want_probs = rec is not None and rec.wants(f"{tag}.probs")
-        if self.impl == "sdpa" and not want_probs:
-            if mask is None:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=scale)
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        else:  # the reference's eager arithmetic: (q @ k^T) * scale, masked, softmax, @ v
+        p_drop = self.attn_dropout.p if self.training else 0.0
+        if self.impl == "sdpa" and not tap.wants(f"{tag}.probs"):
+            causal_only = mask is None and T > 1
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p_drop, is_causal=causal_only, scale=scale
+            )
+        else:  # the reference's eager arithmetic: (q @ k^T) * scale, masked, softmax, dropout, @ v
             att = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, nh, T, S)
-            if mask is None:
-                mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T)
-            att = att.masked_fill(~mask, torch.finfo(att.dtype).min)
-            att = F.softmax(att, dim=-1).to(v.dtype)
-            if rec is not None:
-                rec(f"{tag}.probs", att)
-            y = torch.matmul(att, v)  # (B, nh, T, hs)
+            keep = mask if mask is not None else causal(T, k.shape[2], x.device)
+            att = F.softmax(att.masked_fill(~keep, torch.finfo(att.dtype).min), dim=-1).to(v.dtype)
+            tap(f"{tag}.probs", att)
+            y = torch.matmul(self.attn_dropout(att), v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads side by side
-        if rec is not None:
-            rec(f"{tag}.merged", y)
+        tap(f"{tag}.merged", y)
         y = self.c_proj(y)
-        if rec is not None:
-            rec(f"{tag}.c_proj", y)
-        return y
+        tap(f"{tag}.c_proj", y)
+        return self.resid_dropout(y)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPT2Config) -> None:
+    def __init__(self, cfg: GPT2Config, layer: int, taps: Taps) -> None:
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, cfg.d_mlp)
         self.c_proj = nn.Linear(cfg.d_mlp, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.resid_pdrop)
+        self.taps, self.tag = taps, f"block.{layer}.mlp"
 
-    def forward(self, x: torch.Tensor, rec: Recorder | None, tag: str) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         h = gelu_new(self.c_fc(x))  # (B, T, 4C)
-        if rec is not None:
-            rec(f"{tag}.act", h)
+        self.taps(f"{self.tag}.act", h)
         y = self.c_proj(h)
-        if rec is not None:
-            rec(f"{tag}.c_proj", y)
-        return y
+        self.taps(f"{self.tag}.c_proj", y)
+        return self.dropout(y)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPT2Config, layer: int) -> None:
+    def __init__(self, cfg: GPT2Config, layer: int, taps: Taps) -> None:
         super().__init__()
         self.ln_1 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(cfg, layer)
+        self.attn = CausalSelfAttention(cfg, layer, taps)
         self.ln_2 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon)
-        self.mlp = MLP(cfg)
-        self.tag = f"block.{layer}"
+        self.mlp = MLP(cfg, layer, taps)
+        self.taps, self.tag = taps, f"block.{layer}"
 
-    def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None, rec: Recorder | None
-    ) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        t = self.tag
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+        tap, t = self.taps, self.tag  # (B, T, C) -> (B, T, C)
         h = self.ln_1(x)
-        if rec is not None:
-            rec(f"{t}.ln_1", h)
-        x = x + self.attn(h, mask, cache, rec, f"{t}.attn")
-        if rec is not None:
-            rec(f"{t}.resid_attn", x)
+        tap(f"{t}.ln_1", h)
+        x = x + self.attn(h, mask, cache)
+        tap(f"{t}.resid_attn", x)
         h = self.ln_2(x)
-        if rec is not None:
-            rec(f"{t}.ln_2", h)
-        x = x + self.mlp(h, rec, f"{t}.mlp")
-        if rec is not None:
-            rec(t, x)
+        tap(f"{t}.ln_2", h)
+        x = x + self.mlp(h)
+        tap(t, x)
         return x
-
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, S) 0/1 mask, left-padded -> (B, S) position ids: 0 at each row's first real token, pads at 0."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def build_mask(attention_mask: torch.Tensor | None, T: int, S: int, device: torch.device) -> torch.Tensor | None:
-    """Boolean (B|1, 1, T, S) mask: causal, and keys that are padding hidden. None when plain causal suffices."""
-    if attention_mask is None:
-        if T == S or T == 1:  # plain causal, or one query that sees every key (a decode step)
-            return None
-        return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)[None, None]
-    if attention_mask.shape[-1] != S:
-        raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns, expected {S} (past + new tokens)")
-    causal = torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)  # (T, S)
-    mask = causal[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
-    # A padding query would see no key at all; let every query see itself so softmax stays finite.
-    diag = torch.zeros(T, S, dtype=torch.bool, device=device)
-    diag[torch.arange(T), torch.arange(S - T, S)] = True
-    return mask | diag[None, None]
 
 
 class GPT2(nn.Module):
     def __init__(self, cfg: GPT2Config) -> None:
         super().__init__()
         self.config = cfg
+        self.taps = Taps()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
-        self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.drop = nn.Dropout(cfg.embd_pdrop)
+        self.h = nn.ModuleList(Block(cfg, i, self.taps) for i in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon)
         # Tied: no lm_head module at all, the head *is* wte.weight (one tensor). Untied: its own Linear.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self._rec: Recorder | None = None
+        self.gradient_checkpointing = False  # recompute each block in backward (train mode only)
 
     @classmethod
     def from_pretrained(
@@ -252,6 +213,12 @@ class GPT2(nn.Module):
         m.load_report = report
         return m
 
+    def save_pretrained(self, directory: str, tokenizer_dir: str | None = None) -> None:
+        """Write the official layout (config.json, model.safetensors, tokenizer files when known): see load.py."""
+        from .load import save_pretrained
+
+        save_pretrained(self, directory, tokenizer_dir)
+
     @property
     def head_weight(self) -> torch.Tensor:
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
@@ -267,24 +234,46 @@ class GPT2(nn.Module):
     def set_attn_impl(self, impl: AttnImpl) -> None:
         """'sdpa' (default, torch's fused kernels) or 'manual' (the reference's eager arithmetic, hand-written)."""
         if impl not in ("sdpa", "manual"):
-            raise ValueError(f"attention implementation must be 'sdpa' or 'manual', got {impl!r}")
+            raise UsageError(f"attention implementation must be 'sdpa' or 'manual', got {impl!r}")
         for b in self.h:
             b.attn.impl = impl
 
+    def set_dropout(self, p: float) -> GPT2:
+        """Set every dropout rate (embeddings, attention probabilities, residual branches) to p; config follows."""
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not (0 <= p < 1):
+            raise UsageError(f"dropout must be a number in [0, 1), got {p!r}")
+        self.config = self.config.with_dropout(float(p))
+        for m in self.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = float(p)
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> GPT2:
+        """Initialise every parameter for training from scratch (gpt2_port.init: transformers' and nanoGPT's rule)."""
+        g = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            init_tensor_(name, p, self.config, g)
+        return self
+
     @contextlib.contextmanager
-    def record(self, names: Iterable[str] | Callable[[str], bool] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    def record(
+        self, names: Iterable[str] | Callable[[str], bool] | None = None, keep_graph: bool = False
+    ) -> Iterator[dict[str, torch.Tensor]]:
         """Capture named activations during forward passes inside the block:
 
         `embed`, `block.{i}.ln_1`, `block.{i}.attn.{q,k,v}` (B, nh, T, hs), `block.{i}.attn.probs` (asked for by name;
         uses the manual path), `block.{i}.attn.merged` (before c_proj), `block.{i}.attn.c_proj`, `block.{i}.resid_attn`,
         `block.{i}.ln_2`, `block.{i}.mlp.act`, `block.{i}.mlp.c_proj`, `block.{i}` (block output), `ln_f`, `logits`.
+        An unknown name raises UsageError listing the valid ones. `keep_graph=True` keeps the tensors in the autograd
+        graph with their gradients retained (read `acts[name].grad` after backward).
         """
-        rec = Recorder(names)
-        prev, self._rec = self._rec, rec
+        rec = Recorder(names, self.config.n_layer, keep_graph)
+        prev, self.taps.rec = self.taps.rec, rec
         try:
             yield rec.acts
         finally:
-            self._rec = prev
+            self.taps.rec = prev
 
     def forward(
         self,
@@ -294,47 +283,66 @@ class GPT2(nn.Module):
         cache: KVCache | None = None,
         last_only: bool = False,
         hidden_only: bool = False,
-    ) -> torch.Tensor:
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor | CausalLMOutput:
         """(B, T) token ids -> (B, T, V) logits ((B, 1, V) with last_only; ln_f's (B, T|1, C) with hidden_only).
 
         attention_mask: (B, S) 1 for real tokens, 0 for (left) padding, S = cached + new tokens.
         position_ids: (B, T); derived from attention_mask when it is given, else counted from the cache length.
+        labels: (B, T) as transformers takes them (shifted inside, -100 ignored): returns CausalLMOutput(loss, logits).
         """
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
         S = past + T
+        V = self.config.vocab_size
         if S > self.config.n_positions:
-            raise ValueError(f"sequence of {S} tokens exceeds the context of {self.config.n_positions}")
-        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < self.config.vocab_size):
-            from .errors import UsageError
-
+            raise UsageError(f"sequence of {S} tokens exceeds the context of {self.config.n_positions}")
+        if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < V):
             bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
-            raise UsageError(f"input_ids: token id {bad} is out of range (expected 0 <= id < {self.config.vocab_size})")
+            raise UsageError(f"input_ids: token id {bad} is out of range (expected 0 <= id < {V})")
+        if labels is not None:
+            self._check_labels(labels, input_ids, last_only or hidden_only)
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = positions_from_mask(attention_mask)[:, past:]
             else:
                 position_ids = torch.arange(past, S, device=input_ids.device)[None]
-        rec = self._rec
-        x = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, C)
-        if rec is not None:
-            rec("embed", x)
+        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, C)
+        self.taps("embed", x)
         mask = build_mask(attention_mask, T, S, input_ids.device)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.h:
-            x = block(x, mask, cache, rec)
+            x = checkpoint(block, x, mask, cache, use_reentrant=False) if recompute else block(x, mask, cache)
         if cache is not None:
             cache.length = S
         x = self.ln_f(x)
-        if rec is not None:
-            rec("ln_f", x)
+        self.taps("ln_f", x)
         if last_only:
             x = x[:, -1:]
         if hidden_only:
             return x
         logits = self.head(x)  # (B, T, V)
-        if rec is not None:
-            rec("logits", logits)
+        self.taps("logits", logits)
+        if labels is not None:
+            return CausalLMOutput(causal_lm_loss(logits, labels), logits)
         return logits
+
+    def _check_labels(self, labels: torch.Tensor, input_ids: torch.Tensor, partial: bool) -> None:
+        if partial:
+            raise UsageError("labels need the logits of every position: not with last_only or hidden_only")
+        if tuple(labels.shape) != tuple(input_ids.shape):
+            raise UsageError(
+                f"labels of shape {tuple(labels.shape)} do not match input_ids {tuple(input_ids.shape)} "
+                "(expected the same (B, T): transformers shifts them inside)"
+            )
+        if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+            raise UsageError(f"labels must hold integer token ids, got dtype {labels.dtype}")
+        kept = labels[labels != IGNORE_INDEX]
+        if kept.numel() and not (0 <= int(kept.min()) and int(kept.max()) < self.config.vocab_size):
+            bad = int(kept.min()) if int(kept.min()) < 0 else int(kept.max())
+            raise UsageError(
+                f"labels: token id {bad} is out of range (expected {IGNORE_INDEX} or 0 <= id < {self.config.vocab_size})"
+            )
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits. A replaced head (e.g. quantize's int8 head) is a module.

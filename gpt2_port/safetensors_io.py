@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, UsageError
+from .util import atomic_open
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python 3.11 lacks the constant
 
@@ -293,7 +294,7 @@ def write_safetensors(
     tensors: Iterable[tuple[str, tuple[int, ...], torch.dtype, object]],
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Stream tensors to a safetensors file, atomically (a temp file renamed into place).
+    """Stream tensors to a safetensors file, atomically (util.atomic_open: a temp file renamed into place).
 
     `tensors` yields (name, shape, dtype, make) where make() returns the tensor; tensors are produced one at a time,
     so writing a 6 GB checkpoint never holds more than one tensor in memory.
@@ -313,21 +314,15 @@ def write_safetensors(
         off += n
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(hb)))
-            f.write(hb)
-            for name, shape, dtype, make in entries:
-                t = make()  # type: ignore[operator]
-                if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                    raise ValueError(f"{name}: produced {tuple(t.shape)} {t.dtype}, declared {shape} {dtype}")
-                f.write(
-                    t.contiguous().view(torch.uint8).numpy().tobytes()
-                    if t.dtype == torch.bfloat16
-                    else t.contiguous().numpy().tobytes()
-                )
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_open(path) as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for name, shape, dtype, make in entries:
+            t = make()  # type: ignore[operator]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise UsageError(f"{name}: produced {tuple(t.shape)} {t.dtype}, declared {shape} {dtype}")
+            f.write(
+                t.contiguous().view(torch.uint8).numpy().tobytes()
+                if t.dtype == torch.bfloat16
+                else t.contiguous().numpy().tobytes()
+            )

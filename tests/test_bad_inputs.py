@@ -567,6 +567,274 @@ def c_parity_json_dir_missing(tmp: Path, base: Path) -> dict:
     }
 
 
+# -- parity inputs given as token ids, and outputs to stdout -----------------------------------------------------------
+@case
+def c_parity_ids_not_an_integer(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--ids", "464 x"], "expect": ["--ids '464 x'", "'x' is not a token id"]}
+
+
+@case
+def c_parity_ids_negative(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--ids", "3,-5"], "expect": ["--ids '3,-5'", "token id -5 is negative"]}
+
+
+@case
+def c_parity_ids_empty(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--ids", " , "], "expect": ["--ids", "no token ids"]}
+
+
+@case
+def c_parity_ids_outside_vocabulary(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--ids", "5 1000"],
+        "expect": ["token ids #1", "token id 1000", "vocabulary of 1000"],
+    }
+
+
+@case
+def c_parity_ids_longer_than_context(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--ids", " ".join(["5"] * 40)], "expect": ["40 tokens", "context of 32"]}
+
+
+@case
+def c_parity_default_prompts_outside_vocabulary(tmp: Path, base: Path) -> dict:
+    # The default prompts are stored GPT-2 ids; this checkpoint's vocabulary has 1000 tokens.
+    return {"argv": ["parity", str(base)], "expect": ["The students opened their books", "token id 4721", "1000"]}
+
+
+@case
+def c_parity_ids_file_missing(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--ids-file", str(tmp / "no_ids.txt")],
+        "expect": ["--ids-file", "no_ids.txt", "cannot read"],
+    }
+
+
+@case
+def c_parity_ids_file_bad_line(tmp: Path, base: Path) -> dict:
+    f = tmp / "ids.txt"
+    f.write_text("5 6\n\n7 eight\n")
+    return {"argv": ["parity", str(base), "--ids-file", str(f)], "expect": ["ids.txt line 3", "'eight'"]}
+
+
+@case
+def c_parity_json_and_markdown_both_stdout(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--json", "-", "--markdown", "-"],
+        "expect": ["--json and --markdown", "stdout"],
+    }
+
+
+@case
+def c_parity_plot_to_stdout(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--plot", "-"], "expect": ["--plot -", "file path"]}
+
+
+# -- gpt2-port prepare -----------------------------------------------------------------------------------------------
+def prep(tmp: Path, base: Path, *files: Path | str, out: Path | str | None = None, extra: tuple = ()) -> list[str]:
+    """prepare's argv with the tokenizer files the base checkpoint carries; --out defaults to tmp/prepared."""
+    out = tmp / "prepared" if out is None else out
+    return ["prepare", *map(str, files), "--out", str(out), "--tokenizer", str(base), *extra]
+
+
+def text_file(tmp: Path, name: str = "corpus.txt", data: bytes = b"First Citizen:\nBefore we proceed.\n") -> Path:
+    (tmp / name).write_bytes(data)
+    return tmp / name
+
+
+@case
+def c_prepare_not_utf8(tmp: Path, base: Path) -> dict:
+    f = text_file(tmp, "latin1.txt", "caf\u00e9 au lait\n".encode() * 3 + "d\u00e9j\u00e0 vu\n".encode("latin-1"))
+    return {
+        "argv": prep(tmp, base, f),
+        "expect": ["latin1.txt", "not UTF-8", "invalid byte 0xe9 at byte offset 43", "expected UTF-8"],
+        "absent": [tmp / "prepared"],
+    }
+
+
+@case
+def c_prepare_missing_file(tmp: Path, base: Path) -> dict:
+    return {"argv": prep(tmp, base, text_file(tmp), tmp / "nope.txt"), "expect": ["nope.txt", "no such file"]}
+
+
+@case
+def c_prepare_directory_as_file(tmp: Path, base: Path) -> dict:
+    (tmp / "texts").mkdir()
+    return {"argv": prep(tmp, base, tmp / "texts"), "expect": ["texts", "is a directory", "UTF-8 text file"]}
+
+
+@case
+def c_prepare_fifo(tmp: Path, base: Path) -> dict:
+    os.mkfifo(tmp / "pipe")  # opening it would block until a writer comes: it must be refused before that
+    return {"argv": prep(tmp, base, tmp / "pipe"), "expect": ["pipe", "not a regular file", "read twice"]}
+
+
+@case
+def c_prepare_empty_corpus(tmp: Path, base: Path) -> dict:
+    a, b = text_file(tmp, "a.txt", b""), text_file(tmp, "b.txt", b"")
+    return {"argv": prep(tmp, base, a, b), "expect": ["a.txt", "b.txt", "empty corpus", "0 bytes"]}
+
+
+@case
+def c_prepare_val_fraction_zero(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": prep(tmp, base, text_file(tmp), extra=("--val-fraction", "0")),
+        "expect": ["--val-fraction", "(0, 1)", "got 0.0"],
+    }
+
+
+@case
+def c_prepare_val_fraction_above_one(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": prep(tmp, base, text_file(tmp), extra=("--val-fraction", "1.5")),
+        "expect": ["--val-fraction", "(0, 1)", "got 1.5"],
+    }
+
+
+@case
+def c_prepare_val_split_empty(tmp: Path, base: Path) -> dict:
+    a, b = text_file(tmp, "a.txt"), text_file(tmp, "b.txt")
+    return {
+        "argv": prep(tmp, base, a, b),
+        "expect": ["--val-fraction 0.1 of 2 documents", "none in val.bin", ">= 0.25"],
+        "absent": [tmp / "prepared"],
+    }
+
+
+@case
+def c_prepare_too_short_to_split(tmp: Path, base: Path) -> dict:
+    f = text_file(tmp, "tiny.txt", b"H")  # int(1 * 0.9) = 0 characters for train
+    return {
+        "argv": prep(tmp, base, f),
+        "expect": ["tiny.txt", "too few characters (1)", "--val-fraction 0.1", "train.bin would be empty"],
+        "absent": [tmp / "prepared"],
+    }
+
+
+@case
+def c_prepare_out_under_a_file(tmp: Path, base: Path) -> dict:
+    f = text_file(tmp)
+    return {"argv": prep(tmp, base, f, out=f / "out"), "expect": ["--out", "corpus.txt", "is a file, not a directory"]}
+
+
+@case
+def c_prepare_out_is_a_file(tmp: Path, base: Path) -> dict:
+    f = text_file(tmp)
+    return {"argv": prep(tmp, base, f, out=f), "expect": ["--out", "corpus.txt", "not a directory"]}
+
+
+@case
+def c_prepare_out_in_proc(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": prep(tmp, base, text_file(tmp), out="/proc/gpt2-port-x"),
+        "expect": ["--out /proc/gpt2-port-x", "cannot create directory"],
+        "absent": [Path("/proc/gpt2-port-x")],
+    }
+
+
+@case
+def c_prepare_tokenizer_dir_without_files(tmp: Path, base: Path) -> dict:
+    (tmp / "tok").mkdir()
+    argv = prep(tmp, base, text_file(tmp))
+    argv[argv.index("--tokenizer") + 1] = str(tmp / "tok")
+    return {"argv": argv, "expect": ["--tokenizer", "tok", "no vocab.json + merges.txt"]}
+
+
+# -- output paths, tokenizer directories and model names (each "after" check gets the error line) ----------------------
+def _stays_char_device(path: str) -> Callable[[str], None]:
+    def check(line: str) -> None:
+        import stat
+
+        assert stat.S_ISCHR(os.stat(path).st_mode), f"{path} is no longer a character device"
+        kept = line.split("the results are kept in ")[-1].strip()  # kept on purpose, outside tmp: tidy up here
+        assert "the results are kept in " in line and Path(kept).is_file(), line
+        Path(kept).unlink()
+
+    return check
+
+
+@case
+def c_inspect_json_dev_full(tmp: Path, base: Path) -> dict:
+    """The write fails after the work (a full device): one line, the results kept, the device untouched."""
+    return {
+        "argv": ["inspect", str(base), "--json", "/dev/full"],
+        "expect": ["--json /dev/full", "cannot write", "No space left on device", "kept in"],
+        "after": [_stays_char_device("/dev/full")],
+    }
+
+
+@case
+def c_gen_json_proc(tmp: Path, base: Path) -> dict:
+    """os.access says yes to root here; the early check creates a real file, which fails before the load."""
+    return {"argv": gen(base, "--json", "/proc/out.json"), "expect": ["--json /proc/out.json", "cannot create a file"]}
+
+
+@case
+def c_inspect_json_under_a_file(tmp: Path, base: Path) -> dict:
+    (tmp / "afile").write_text("x")
+    return {
+        "argv": ["inspect", str(base), "--json", str(tmp / "afile" / "r.json")],
+        "expect": ["--json", "afile", "is not a directory"],
+    }
+
+
+@case
+def c_inspect_json_socket(tmp: Path, base: Path) -> dict:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(tmp / "s.sock"))
+    s.close()  # the socket file stays: a path that must be refused, not replaced
+    return {
+        "argv": ["inspect", str(base), "--json", str(tmp / "s.sock")],
+        "expect": ["--json", "s.sock", "is a socket", "expected a regular file"],
+    }
+
+
+@case
+def c_demo_out_proc(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["demo-checkpoint", "--out", "/proc/gpt2-demo"],
+        "expect": ["--out /proc/gpt2-demo", "cannot create"],
+    }
+
+
+@case
+def c_attention_png_proc(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["attention", str(base), "Hello", "--layer", "0", "--png", "/proc/a.png"],
+        "expect": ["--png /proc/a.png", "cannot create a file in /proc"],
+    }
+
+
+@case
+def c_gen_tokenizer_dir_without_files(tmp: Path, base: Path) -> dict:
+    (tmp / "tok").mkdir()
+    (tmp / "tok" / "vocab.json").write_text("{}")
+    return {
+        "argv": gen(base, "--tokenizer", str(tmp / "tok")),
+        "expect": ["--tokenizer", "tok", "missing merges.txt"],
+    }
+
+
+@case
+def c_path_typo_beside_a_directory(tmp: Path, base: Path) -> dict:
+    (tmp / "weights" / "gpt2-random").mkdir(parents=True)
+    return {
+        "argv": ["inspect", str(tmp / "weights" / "gpt2-randon")],
+        "expect": [
+            "gpt2-randon: no such file or directory",
+            "looks like a path",
+            f"did you mean {tmp}/weights/gpt2-random?",
+        ],
+    }
+
+
+@case
+def c_model_name_close_to_an_official_id(tmp: Path, base: Path) -> dict:
+    return {"argv": ["inspect", "gpt2-smal"], "expect": ["gpt2-smal", "not a Hub model id", "did you mean gpt2?"]}
+
+
 # -- eval inputs and arguments -----------------------------------------------------------------------------------------
 def ev(base: Path, tmp: Path, *extra: str) -> list[str]:
     return ["eval", str(base), *extra, "--json", str(tmp / "eval.json")]
@@ -729,11 +997,13 @@ def test_bad_input(
     capsys.readouterr()
     rc = main(argv)
     out, err = capsys.readouterr()
-    check_error(rc, err, spec["expect"])
+    line = check_error(rc, err, spec["expect"])
     assert _files(tmp_path) == before, "files left behind"
     assert not report.exists()
     for p in spec.get("absent", []):
         assert not p.exists(), f"{p} exists: code from the file ran"
+    for after in spec.get("after", []):
+        after(line)
 
 
 def test_catalogue_size() -> None:

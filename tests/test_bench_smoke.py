@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.__main__ import main as bench_main
 from benchmarks.decode import StaticDecoder, greedy_hf, greedy_ours, greedy_static
 from benchmarks.report import BEGIN, END, update_markdown
-from gpt2_port.cli import main as cli_main
 from gpt2_port.errors import UsageError
+from gpt2_port.kv_cache import KVCache
 from gpt2_port.load import from_pretrained
-from gpt2_port.model import KVCache
 
 
 def test_static_step_matches_forward(tiny_official: Path) -> None:
@@ -71,9 +71,8 @@ def test_update_markdown_keeps_other_sections(tmp_path: Path) -> None:
 
 def test_bench_end_to_end(tiny_official: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, md = tmp_path / "r.json", tmp_path / "B.md"
-    rc = cli_main(
+    rc = bench_main(
         [
-            "bench",
             "--sizes",
             str(tiny_official),
             "--new-tokens",

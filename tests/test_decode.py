@@ -10,8 +10,9 @@ from conftest import TINY, chaotic_model
 
 from gpt2_port.decode import DecodePlan
 from gpt2_port.generate import generate_full
+from gpt2_port.kv_cache import KVCache
 from gpt2_port.load import from_pretrained
-from gpt2_port.model import GPT2, KVCache, fused_qkv
+from gpt2_port.model import GPT2, fused_qkv
 from gpt2_port.quantize import quantize_int8
 
 

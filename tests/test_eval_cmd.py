@@ -95,7 +95,7 @@ def test_check_reports_parity_and_fails_with_exit_1(tiny_official: Path, text: P
     rc, out, _ = run(capsys, str(tiny_official), "--choices", str(text.parent / "missing.jsonl"))
     assert rc == 2
 
-    import checks.evaluation as ev
+    import gpt2_port_checks.evaluation as ev
 
     real = ev.reference_scorer
 
@@ -145,6 +145,6 @@ def test_official_id_prints_the_published_figures(tiny_official: Path, lambada: 
 
 def test_progress_bar_on_stderr_when_asked(tiny_official: Path, text: Path, capsys) -> None:
     rc, _, err = run(capsys, str(tiny_official), "--text", str(text), "--progress", "--max-length", "32")
-    assert rc == 0 and "B/s" in err and "100%" in err
+    assert rc == 0 and "B/s" in err and "100%" in err and err.startswith("\rtext")
     rc, _, err = run(capsys, str(tiny_official), "--text", str(text), "--max-length", "32")
     assert "100%" not in err  # stderr is not a terminal here: no bar unless asked

@@ -248,8 +248,8 @@ def test_batch_size_and_block_do_not_change_the_scores(tok, ours: GPT2, tmp_path
 
 
 def test_check_scores_with_transformers_in_the_same_batches(tiny_official: Path, tok, ours: GPT2, tmp_path) -> None:
-    from checks.evaluation import compare_text, reference_scorer
     from gpt2_port.load import convert_checkpoint
+    from gpt2_port_checks.evaluation import compare_text, reference_scorer
 
     f = tmp_path / "t.txt"
     f.write_text(SHAKESPEARE.read_text()[:2500])

@@ -404,3 +404,52 @@ def test_prefilled_cache_offline_and_shared_with_transformers(
     ours, _ = from_pretrained("gpt2")
     assert torch.equal(ref.transformer.wte.weight, ours.wte.weight)
     assert torch.equal(ref.transformer.h[1].mlp.c_fc.weight.t(), ours.h[1].mlp.c_fc.weight)
+
+
+# -- names that are not what the user meant: a path typo is a missing path, a close name gets a "did you mean" ------
+
+
+def test_path_typo_is_a_missing_path_not_a_hub_failure(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`weights/gpt2-randon` looks like a Hub id (owner/name), but `weights` exists here: it is a path, reported as
+    missing with the directory beside it suggested, and the Hub is never asked."""
+    hub.patch(monkeypatch, tmp_path / "cache")
+    (tmp_path / "weights" / "gpt2-random").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for name in ("weights/gpt2-randon", "./weights/gpt2-randon", "weights/gpt2-randon/model.safetensors"):
+        rc, _, err = _cli(capsys, "inspect", name)
+        line = _error_line(err)
+        assert rc == 2 and f"{name}: no such file or directory" in line and "looks like a path" in line, line
+        assert "cannot reach" not in line and "Hugging Face" not in line
+    rc, _, err = _cli(capsys, "inspect", "weights/gpt2-randon")
+    assert _error_line(err).endswith("did you mean weights/gpt2-random?")
+    assert hub.requests == []
+
+
+def test_did_you_mean_official_ids(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hub.patch(monkeypatch, tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _cli(capsys, "inspect", "gpt2-smal")
+    line = _error_line(err)
+    assert rc == 2 and "gpt2-smal: no such file or directory, and not a Hub model id" in line
+    assert line.endswith("; did you mean gpt2?"), line  # "gpt2-small" is what papers call the 124M `gpt2`
+    assert hub.requests == []  # not an id the Hub could hold: never asked
+    rc, _, err = _cli(capsys, "inspect", "openai-community/gpt2-mediun")
+    line = _error_line(err)
+    assert rc == 2 and "no such model on the Hugging Face Hub" in line
+    assert line.endswith("did you mean openai-community/gpt2-medium?"), line
+
+
+def test_offline_and_unreachable_errors_name_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = tmp_path / "cache"
+    FakeHub().patch(monkeypatch, cache, offline=True)
+    rc, _, err = _cli(capsys, "inspect", "gpt2")
+    assert rc == 2 and f"not in the local Hugging Face cache ({cache})" in _error_line(err)
+    FakeHub().patch(monkeypatch, cache, offline=False)  # not started: a closed port
+    rc, _, err = _cli(capsys, "inspect", "gpt2")
+    assert rc == 2 and f"not cached locally in {cache}" in _error_line(err)

@@ -10,8 +10,10 @@ import torch
 from conftest import TINY, save_hf
 
 from gpt2_port import GPT2
+from gpt2_port.checkpoint import locate
+from gpt2_port.devices import parse_device, parse_dtype
 from gpt2_port.errors import CheckpointError, UsageError
-from gpt2_port.load import convert_checkpoint, from_pretrained, locate, parse_device, parse_dtype
+from gpt2_port.load import convert_checkpoint, from_pretrained
 
 IDS = torch.tensor([[464, 2444, 4721, 511, 3835], [464, 3797, 26172, 262, 10211]])
 

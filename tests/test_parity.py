@@ -6,8 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from checks.parity import DEFAULT_PROMPTS, TOLERANCES, metrics, run_parity
 from gpt2_port.cli import main
+from gpt2_port_checks.forward import run_parity
+from gpt2_port_checks.metrics import metrics
+from gpt2_port_checks.prompts import DEFAULT_PROMPTS
+from gpt2_port_checks.tolerances import TOLERANCES
 
 
 def test_124m_official_layout_float32(ckpt124: Path, tmp_path: Path, capsys):

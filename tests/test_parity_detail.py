@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from checks.noise import NOISE_MARGIN, verdict
-from checks.parity import TOLERANCES, VS_FLOAT32_TOLERANCES
-from checks.sublayer import SUBLAYER_KINDS, point_names
-from checks.sweep import run_detailed
 from gpt2_port.cli import main
+from gpt2_port_checks.forward import run_detailed
+from gpt2_port_checks.noise import NOISE_MARGIN, verdict
+from gpt2_port_checks.points import SUBLAYER_KINDS, point_names
+from gpt2_port_checks.tolerances import TOLERANCES, VS_FLOAT32_TOLERANCES
 
 PROMPTS = ["The students opened their books", "Hello world"]
 N_LAYER, N_HEAD = 2, 4  # conftest.TINY
@@ -53,16 +53,14 @@ def _break_mlp_of_block_1(monkeypatch: pytest.MonkeyPatch) -> None:
 
     orig = model_mod.MLP.forward
 
-    def forward(self, x, rec, tag):
-        if tag != "block.1.mlp":
-            return orig(self, x, rec, tag)
+    def forward(self, x):
+        if self.tag != "block.1.mlp":
+            return orig(self, x)
         h = torch.nn.functional.gelu(self.c_fc(x))
-        if rec is not None:
-            rec(f"{tag}.act", h)
+        self.taps(f"{self.tag}.act", h)
         y = self.c_proj(h)
-        if rec is not None:
-            rec(f"{tag}.c_proj", y)
-        return y
+        self.taps(f"{self.tag}.c_proj", y)
+        return self.dropout(y)
 
     monkeypatch.setattr(model_mod.MLP, "forward", forward)
 
@@ -123,7 +121,9 @@ def test_dtype_sweep_against_float32_reference(tiny_official: Path, tmp_path: Pa
     assert 1e-4 < max(p["norm_rel"] for p in blocks) <= VS_FLOAT32_TOLERANCES["bfloat16"].block
     assert all(p["noise_norm_rel"] > 0 for p in bf["points"])  # bfloat16 rounding shows even at the embeddings
     assert r["passed"] is True and r["first_failure"] is None and r["first_failure_config"] is None
-    assert r["dtype"] == "float32" and [p["name"] for p in r["points"]][:2] == ["embed", "block.0"]
+    # the first configuration's report lives in `configurations` only, not repeated at the top level
+    assert "points" not in r and "dtype" not in r and "top1_agreement" not in r
+    assert confs[0]["dtype"] == "float32" and [p["name"] for p in confs[0]["points"]][:2] == ["embed", "block.0"]
     assert "sweep" in text and "bfloat16/cpu" in text
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gpt2_port.errors import UsageError
+from gpt2_port.kv_cache import KVCache
 from gpt2_port.load import from_pretrained
-from gpt2_port.model import KVCache
 from gpt2_port.quantize import Int8Linear, is_quantized, quantize_int8, quantize_rows
 
 

@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from gpt2_port.errors import CheckpointError
-from gpt2_port.tokenizer import EOT_ID, load_tokenizer
+from gpt2_port.errors import CheckpointError, UsageError
+from gpt2_port.tokenizer import (
+    EOT_ID,
+    SHIPPED_DIR,
+    SHIPPED_SHA256,
+    load_tokenizer,
+    mergeable_ranks,
+    shipped_tokenizer,
+)
 
 CORPUS = [
     "The students opened their books",
@@ -74,15 +81,22 @@ def test_built_offline_from_files(tokenizer_dir: Path, tmp_path: Path, monkeypat
         assert t.encode("The students opened their books") == [464, 2444, 4721, 511, 3835]
 
 
-def test_fallback_to_tiktoken_reports_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_tokenizer_files_falls_back_to_the_shipped_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory without the files (a checkpoint written without them) gets the BPE shipped in the package; the
+    network and tiktoken's downloads and file cache are never used."""
     import tiktoken
+    import tiktoken.load
 
-    def offline(name: str):
-        raise ConnectionError("no network")
+    def no_fetch(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("tiktoken fetched or cached a file: the tokenizer must read its files directly")
 
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    with pytest.raises(CheckpointError, match="no vocab.json"):
-        load_tokenizer(tmp_path)  # an empty directory: falls back to tiktoken, which fails
+    monkeypatch.setattr(tiktoken, "get_encoding", no_fetch)
+    monkeypatch.setattr(tiktoken.load, "read_file_cached", no_fetch)
+    monkeypatch.setattr(tiktoken.load, "read_file", no_fetch)
+    t = load_tokenizer(tmp_path)
+    assert "shipped with gpt2-port" in t.source and str(SHIPPED_DIR) in t.source
+    assert t.encode("The students opened their books") == [464, 2444, 4721, 511, 3835]
+    assert "shipped" in load_tokenizer(None).source
 
 
 def test_encode_decode_match_transformers(tok, hf_tok) -> None:
@@ -145,3 +159,73 @@ def test_stream_decoder_matches_decode_on_random_ids(tok) -> None:
     ids = tok.encode("🎉")[:-1]
     assert "".join(d.push(i) for i in ids) == ""
     assert d.flush() == tok.decode(ids) == "\ufffd"
+
+
+# -- files read directly, the shipped copy, and what a missing or changed file does ---------------------------------
+
+
+def test_shipped_files_are_openais_with_their_licence(tokenizer_dir: Path) -> None:
+    import hashlib
+
+    for name, sha in SHIPPED_SHA256.items():
+        data = (SHIPPED_DIR / name).read_bytes()
+        assert data == (tokenizer_dir / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == sha
+    lic = (SHIPPED_DIR / "LICENSE").read_text(encoding="utf-8")
+    assert "Modified MIT License" in lic and "Copyright (c) 2019 OpenAI" in lic
+
+
+def test_ranks_and_encodings_identical_to_tiktokens_loader(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks computed here equal tiktoken's data-gym loader's (same order too), and the whole tiny shakespeare
+    corpus encodes to the same ids as through tiktoken's loader."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    from gpt2_port.tokenizer import _gpt2_pattern
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))  # its cache stays in the test's directory
+    ref_ranks = data_gym_to_mergeable_bpe_ranks(str(tokenizer_dir / "vocab.bpe"), str(tokenizer_dir / "encoder.json"))
+    ours = mergeable_ranks(SHIPPED_DIR / "encoder.json", SHIPPED_DIR / "vocab.bpe")
+    assert list(ours.items()) == list(ref_ranks.items())
+    ref = tiktoken.Encoding(
+        name="gpt2", pat_str=_gpt2_pattern(), mergeable_ranks=ref_ranks, special_tokens={"<|endoftext|>": 50256}
+    )
+    text = (tokenizer_dir.parent / "data" / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
+    ids = shipped_tokenizer().encode(text)
+    assert ids == ref.encode(text, allowed_special="all") and len(ids) == 338025
+
+
+def test_a_changed_file_is_never_ignored(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """The files are read on every load: a file overwritten at the same path is what the next load sees."""
+    shutil.copyfile(tokenizer_dir / "encoder.json", tmp_path / "vocab.json")
+    shutil.copyfile(tokenizer_dir / "vocab.bpe", tmp_path / "merges.txt")
+    assert load_tokenizer(tmp_path).encode("Hello") == [15496]
+    (tmp_path / "vocab.json").write_text('{"garbage": 1}')
+    with pytest.raises(CheckpointError, match=r"vocab.json / .*merges.txt: not GPT-2 tokenizer files"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "vocab.json").write_text("not json")
+    with pytest.raises(CheckpointError, match="not GPT-2 tokenizer files"):
+        load_tokenizer(tmp_path)
+
+
+def test_explicit_directory_without_files_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "vocab.json").write_text("{}")
+    with pytest.raises(UsageError) as e:
+        load_tokenizer(tmp_path, strict=True)
+    assert str(e.value) == f"--tokenizer {tmp_path}: missing merges.txt (OpenAI's encoder.json + vocab.bpe also do)"
+    with pytest.raises(UsageError, match="not a directory"):
+        load_tokenizer(tmp_path / "nope", strict=True)
+
+
+def test_damaged_shipped_copy_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpt2_port.tokenizer as tokenizer
+
+    for name in SHIPPED_SHA256:
+        shutil.copyfile(SHIPPED_DIR / name, tmp_path / name)
+    with open(tmp_path / "vocab.bpe", "ab") as f:
+        f.write(b"\n")
+    monkeypatch.setattr(tokenizer, "SHIPPED_DIR", tmp_path)
+    with pytest.raises(CheckpointError, match=r"vocab.bpe: sha256 .* is not that of GPT-2's vocab.bpe .*reinstall"):
+        shipped_tokenizer()

@@ -4,7 +4,9 @@ weights as heatmaps, queries and keys labelled by their tokens. --compare also d
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import sys
 
 from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
 
@@ -23,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("text", metavar="TEXT", help="the text to run")
     p.add_argument("--layer", type=int, required=True, help="block index, 0-based (negative counts from the end)")
     p.add_argument("--head", type=int, default=None, help="one head, 0-based (default: every head of the layer)")
-    p.add_argument("--png", metavar="PATH", required=True, help="where to write the PNG")
+    p.add_argument("--png", metavar="PATH", required=True, help="where to write the PNG (- for stdout)")
     p.add_argument(
         "--compare",
         action="store_true",
@@ -39,23 +41,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..devices import parse_device, parse_dtype
     from ..errors import UsageError
-    from ..load import from_pretrained, parse_device, parse_dtype
-    from ..tokenizer import load_tokenizer
+    from ..load import from_pretrained
+    from ..tokenizer import load_tokenizer, tokenizer_for
     from ..util import check_writable
 
     check_writable(args.png, "--png")
     try:
-        from checks.plots import require_matplotlib
-    except ImportError as e:  # checks/ ships with the package; this is a broken install
+        from gpt2_port_checks.plots import require_matplotlib
+    except ImportError as e:  # gpt2_port_checks ships in the same wheel; this is a broken install
         raise UsageError(f"the plotting code is not importable ({e}): reinstall gpt2-port") from None
     require_matplotlib("--png")
     if args.compare:
         if importlib.util.find_spec("transformers") is None:  # checked here, imported in checks/ only
             raise UsageError("--compare needs transformers: pip install 'gpt2-port[check]'")
-    from checks import attention_maps
+    from gpt2_port_checks import attention_maps
 
     dt, dev = parse_dtype(args.dtype), parse_device(args.device)
+    tok = load_tokenizer(args.tokenizer, strict=True) if args.tokenizer is not None else None
     model, rep = from_pretrained(args.model, dtype=dt, device=dev, revision=args.revision)
     cfg = rep.config
     layer = args.layer + cfg.n_layer if args.layer < 0 else args.layer
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--layer {args.layer}: the model has {cfg.n_layer} layers (0..{cfg.n_layer - 1})")
     if args.head is not None and not 0 <= args.head < cfg.n_head:
         raise UsageError(f"--head {args.head}: the model has {cfg.n_head} heads (0..{cfg.n_head - 1})")
-    tok = load_tokenizer(args.tokenizer if args.tokenizer is not None else rep.checkpoint.root)
+    if tok is None:
+        tok = tokenizer_for(rep.checkpoint.root)
     ids = tok.encode(args.text)
     if not ids:
         raise UsageError("TEXT encodes to no tokens")
@@ -84,12 +89,16 @@ def run(args: argparse.Namespace) -> int:
     title = f"{args.model}: layer {layer}, {len(ids)} tokens, {str(dt).removeprefix('torch.')}"
     if diff is not None:
         title += f"; max |scratch - transformers (eager)| {float(diff[heads].max()):.2e}"
-    attention_maps.draw(probs, pieces, layer, heads, args.png, title, diff)
-    print(
-        f"wrote {args.png}: layer {layer}, {'head ' + str(args.head) if args.head is not None else 'all heads'}, "
+    try:
+        attention_maps.draw(probs, pieces, layer, heads, args.png, title, diff)
+    except OSError as e:  # the early check passed, yet the write failed (a full disk, /dev/full)
+        raise UsageError(f"--png {args.png}: cannot write ({e.strerror or e})") from None
+    say = functools.partial(print, file=sys.stderr if args.png == "-" else sys.stdout)
+    say(
+        f"wrote {'stdout' if args.png == '-' else args.png}: layer {layer}, {'head ' + str(args.head) if args.head is not None else 'all heads'}, "
         f"{len(ids)} tokens"
     )
     if diff is not None:
         for h in heads:
-            print(f"  head {h:>2}: max |scratch - transformers| {float(diff[h].max()):.3e}")
+            say(f"  head {h:>2}: max |scratch - transformers| {float(diff[h].max()):.3e}")
     return 0

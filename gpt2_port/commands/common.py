@@ -18,5 +18,17 @@ def add_tokenizer_arg(p: argparse.ArgumentParser) -> None:
         "--tokenizer",
         metavar="DIR",
         default=None,
-        help="directory with vocab.json + merges.txt (default: the checkpoint's, else tiktoken's gpt2)",
+        help="directory with vocab.json + merges.txt, or encoder.json + vocab.bpe (default: the checkpoint's, "
+        "else the GPT-2 BPE shipped with gpt2-port; never the network)",
     )
+
+
+def report_written(written: list[str], stderr: bool = False) -> None:
+    """Say which files a command wrote ("wrote PATH"), at its end. On stderr when asked, or when an output went to
+    stdout (`-`), so that a JSON or Markdown stream on stdout stays clean."""
+    import sys
+
+    stream = sys.stderr if stderr or "stdout" in written else sys.stdout
+    for w in written:
+        if w != "stdout":
+            print(f"wrote {w}", file=stream)

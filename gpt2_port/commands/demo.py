@@ -31,14 +31,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..demo import write_demo_checkpoint
+    from ..errors import UsageError
+    from ..util import check_dir_writable
 
     out = args.out or f"weights/{args.size}-random"
+    check_dir_writable(out, "--out")
     t0 = time.perf_counter()
-    d = write_demo_checkpoint(out, size=args.size, seed=args.seed, tokenizer_dir=args.tokenizer_from)
+    try:
+        d = write_demo_checkpoint(out, size=args.size, seed=args.seed, tokenizer_dir=args.tokenizer_from)
+    except OSError as e:  # the early check passed, yet a write failed (a full disk): no partial file is left
+        raise UsageError(f"--out {out}: cannot write the checkpoint ({e.strerror or e})") from None
     size = (d / "model.safetensors").stat().st_size
     print(
         f"wrote {d}/config.json and model.safetensors ({size / 1e6:.1f} MB, random weights, official layout) "
         f"in {time.perf_counter() - t0:.1f}s",
         file=sys.stdout,
     )
+    if args.tokenizer_from:
+        print(f"wrote {d}/vocab.json and merges.txt (GPT-2's tokenizer, sha256-checked)", file=sys.stdout)
     return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
 
@@ -60,19 +61,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-class _Bar:
-    """A tqdm bar on stderr, or nothing."""
+class _Progress:
+    """The shared bar (commands/progress.ByteBar) over the input file's bytes; for JSONL tasks, the fraction of
+    documents (or endings) scored, shown as that fraction of the file."""
 
-    def __init__(self, on: bool, total: int, unit: str) -> None:
-        self.bar = None
-        if on:
-            from tqdm import tqdm
+    def __init__(self, on: bool, label: str, file_bytes: int) -> None:
+        from .progress import ByteBar
 
-            self.bar = tqdm(total=total, unit=unit, unit_scale=True, file=sys.stderr, dynamic_ncols=True)
+        self.bar = ByteBar() if on else None
+        self.label, self.file_bytes = label, file_bytes
 
-    def __call__(self, done: int, _extra: int = 0) -> None:
+    def bytes_done(self, done: int, _tokens: int = 0) -> None:
         if self.bar is not None:
-            self.bar.update(done - self.bar.n)
+            self.bar.update(self.label, done, self.file_bytes)
+
+    def fraction_done(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.label, round(self.file_bytes * done / max(total, 1)), self.file_bytes)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -152,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             check_writable(path, what)
     docs = None
     if task == "text":
-        size = check_text_file(args.text)
+        check_text_file(args.text)
     elif task == "lambada":
         docs = read_jsonl(args.lambada, "--lambada", {"text": str})
     else:
@@ -172,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     scorers = [model_scorer(model)]
     dtype_name = str(dtype).removeprefix("torch.")
     if args.check:
-        from checks.evaluation import NLL_RTOL, reference_scorer
+        from gpt2_port_checks.evaluation import NLL_RTOL, reference_scorer
 
         if dtype_name not in NLL_RTOL:
             raise UsageError(f"--check: no tolerance for dtype {dtype_name} (expected one of {', '.join(NLL_RTOL)})")
@@ -180,21 +185,20 @@ def run(args: argparse.Namespace) -> int:
 
     progress_on = args.progress if args.progress is not None else sys.stderr.isatty()
     t0 = time.perf_counter()
+    source = args.text or args.lambada or args.choices
+    bar = _Progress(progress_on, task, Path(source).stat().st_size)
     if task == "text":
-        bar = _Bar(progress_on, size, "B")
         results = evaluate_text(
-            scorers, tok.encode, args.text, max_length, tok.eot_id, args.stride, args.batch_size, bar
+            scorers, tok.encode, args.text, max_length, tok.eot_id, args.stride, args.batch_size, bar.bytes_done
         )
         method = "rolling (lm-eval loglikelihood_rolling)" if args.stride is None else f"strided (stride {args.stride})"
     elif task == "lambada":
         reqs = lambada_requests(docs, tok.encode, tok.eot_id, "--lambada " + args.lambada)
-        bar = _Bar(progress_on, len(reqs), "doc")
-        results = evaluate_lambada(scorers, reqs, max_length, tok.eot_id, args.batch_size, bar)
+        results = evaluate_lambada(scorers, reqs, max_length, tok.eot_id, args.batch_size, bar.fraction_done)
         method = "lambada_openai (lm-eval): last word, greedy over all its tokens"
     else:
         qs = choice_requests(docs, tok.encode, tok.eot_id, "--choices " + args.choices)
-        bar = _Bar(progress_on, sum(len(q[0]) for q in qs), "ending")
-        results = evaluate_choices(scorers, qs, max_length, tok.eot_id, args.batch_size, bar)
+        results = evaluate_choices(scorers, qs, max_length, tok.eot_id, args.batch_size, bar.fraction_done)
         method = "multiple choice (lm-eval): ending after one space; acc_norm per character"
     bar.close()
     elapsed = time.perf_counter() - t0
@@ -202,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     res = results["gpt2_port"].to_json()
     parity = None
     if args.check:
-        from checks import evaluation as ev
+        from gpt2_port_checks import evaluation as ev
 
         compare = {"text": ev.compare_text, "lambada": ev.compare_lambada, "choices": ev.compare_choices}[task]
         parity = compare(results["gpt2_port"], results["transformers"], dtype_name)

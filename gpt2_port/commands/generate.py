@@ -7,7 +7,7 @@ import json
 import resource
 import sys
 
-from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
+from .common import add_model_arg, add_revision_arg, add_tokenizer_arg, report_written
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 50
@@ -90,7 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_tokenizer_arg(p)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; for checks)")
     p.add_argument(
-        "--json", metavar="PATH", default=None, help="write prompt_ids, generated_ids, texts and the timings as JSON"
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="write prompt_ids, generated_ids, texts and the timings as JSON (- for stdout, after the text)",
     )
     p.set_defaults(func=run)
 
@@ -149,11 +152,12 @@ def peak_rss_mb() -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ..devices import parse_device, parse_dtype
     from ..errors import UsageError
     from ..generate import generate_full
-    from ..load import from_pretrained, parse_device, parse_dtype
-    from ..tokenizer import load_tokenizer
-    from ..util import atomic_write_text, check_writable
+    from ..load import from_pretrained
+    from ..tokenizer import load_tokenizer, tokenizer_for
+    from ..util import check_writable, write_output
 
     # every argument is checked before the (slow) load
     if not args.prompt:
@@ -176,13 +180,15 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.json:
         check_writable(args.json, "--json")
+    tok = load_tokenizer(args.tokenizer, strict=True) if args.tokenizer is not None else None
 
     model, report = from_pretrained(args.model, dtype=dtype, device=device, revision=args.revision)
     if quantize:
         from ..quantize import quantize_int8
 
         quantize_int8(model)
-    tok = load_tokenizer(args.tokenizer if args.tokenizer else report.checkpoint.root)
+    if tok is None:
+        tok = tokenizer_for(report.checkpoint.root)
     prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
         raise UsageError("PROMPT encodes to no tokens: expected some text to continue")
@@ -253,5 +259,5 @@ def run(args: argparse.Namespace) -> int:
             "max_new_tokens": args.max_new_tokens,
             **sampling,
         }
-        atomic_write_text(args.json, json.dumps(data, indent=2) + "\n")
+        report_written([write_output(args.json, json.dumps(data, indent=2) + "\n", "--json")], stderr=True)
     return 0

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import sys
 
-from .common import add_model_arg, add_revision_arg
+from .common import add_model_arg, add_revision_arg, report_written
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,51 +27,57 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="scan every tensor and name any holding NaN or Inf (then exit 2, writing no --json)",
     )
     p.add_argument("--all-keys", action="store_true", help="list the mapping of every layer, not just layer 0")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the report as JSON (- for stdout)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..load import convert_checkpoint, nonfinite_tensors
-    from ..util import atomic_write_text, check_writable
+    from ..util import check_writable, write_output
 
     if args.json:
-        check_writable(args.json)
+        check_writable(args.json, "--json")
     sd, rep = convert_checkpoint(args.model, args.revision)
+    # with --json - the JSON alone goes to stdout, so that it can be piped; the readable report goes to stderr
+    say = functools.partial(print, file=sys.stderr if args.json == "-" else sys.stdout)
     cfg, conv = rep.config, rep.conversion
     n_params = sum(t.numel() for t in conv.state.values())
     dtypes = sorted({str(sd[k].dtype).removeprefix("torch.") for k in sd})
-    print(f"checkpoint  {rep.checkpoint.source}")
-    print(f"  root      {rep.checkpoint.root}")
-    print(f"  files     {', '.join(f.name for f in rep.checkpoint.weight_files)} ({rep.checkpoint.fmt})")
-    print(
+    say(f"checkpoint  {rep.checkpoint.source}")
+    say(f"  root      {rep.checkpoint.root}")
+    say(f"  files     {', '.join(f.name for f in rep.checkpoint.weight_files)} ({rep.checkpoint.fmt})")
+    say(
         f"  config    {rep.checkpoint.config_file.name if rep.checkpoint.config_file else 'inferred from tensor shapes'}"
     )
-    print("config")
-    for f in dataclasses.fields(cfg):
-        print(f"  {f.name:<20}{getattr(cfg, f.name)}")
-    print(f"tensors     {len(sd)} in the file(s), {len(conv.state)} in the scratch model, {len(conv.dropped)} dropped")
-    print(f"parameters  {n_params:,} ({'head tied to wte' if cfg.tie_word_embeddings else 'separate lm_head'})")
-    print(f"bytes       {rep.file_bytes:,} of tensor data ({', '.join(dtypes)})")
-    print(
-        "key mapping (HF layout -> scratch)" + ("" if args.all_keys else ": top level and layer 0; every layer alike")
+    tok_files = rep.checkpoint.tokenizer_files()
+    say(
+        f"  tokenizer {' + '.join(f.name for f in tok_files)}"
+        if tok_files
+        else "  tokenizer none in the checkpoint (commands use the GPT-2 BPE shipped with gpt2-port)"
     )
+    say("config")
+    for f in dataclasses.fields(cfg):
+        say(f"  {f.name:<20}{getattr(cfg, f.name)}")
+    say(f"tensors     {len(sd)} in the file(s), {len(conv.state)} in the scratch model, {len(conv.dropped)} dropped")
+    say(f"parameters  {n_params:,} ({'head tied to wte' if cfg.tie_word_embeddings else 'separate lm_head'})")
+    say(f"bytes       {rep.file_bytes:,} of tensor data ({', '.join(dtypes)})")
+    say("key mapping (HF layout -> scratch)" + ("" if args.all_keys else ": top level and layer 0; every layer alike"))
     for src, op, dst in conv.mapping:
         parts = src.removeprefix("transformer.").split(".")
         if not args.all_keys and parts[0] == "h" and parts[1] != "0":
             continue
-        print(f"  {src:<36} {op:<17} -> {', '.join(dst)}")
+        say(f"  {src:<36} {op:<17} -> {', '.join(dst)}")
     if conv.dropped:
         names = (
             conv.dropped if args.all_keys or len(conv.dropped) <= 4 else conv.dropped[:2] + ["..."] + conv.dropped[-1:]
         )
-        print(f"dropped     {len(conv.dropped)} buffer(s), checked: {', '.join(names)}")
+        say(f"dropped     {len(conv.dropped)} buffer(s), checked: {', '.join(names)}")
     for n in conv.notes:
-        print(f"note        {n}")
+        say(f"note        {n}")
     bad: list[str] | None = None
     if args.check_finite:
         bad = nonfinite_tensors(dict(sd))
-        print(f"finite      {'all tensors finite' if not bad else 'NaN/Inf in: ' + ', '.join(bad)}")
+        say(f"finite      {'all tensors finite' if not bad else 'NaN/Inf in: ' + ', '.join(bad)}")
     if bad:  # bad weights are bad input: exit 2 and write no report file, like every other input error
         from ..errors import CheckpointError
 
@@ -84,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             "root": str(rep.checkpoint.root),
             "files": [str(f) for f in rep.checkpoint.weight_files],
             "format": rep.checkpoint.fmt,
+            "tokenizer_files": [str(f) for f in tok_files] if tok_files else None,
             "config": dataclasses.asdict(cfg),
             "tensors": len(sd),
             "parameters": n_params,
@@ -92,5 +101,5 @@ def run(args: argparse.Namespace) -> int:
             "dropped": conv.dropped,
             "nonfinite": bad,
         }
-        atomic_write_text(args.json, json.dumps(out, indent=2) + "\n")
+        report_written([write_output(args.json, json.dumps(out, indent=2) + "\n", "--json")])
     return 0

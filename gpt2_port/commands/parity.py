@@ -1,9 +1,17 @@
-"""`gpt2-port parity MODEL`: the per-layer parity report against transformers (the checker lives in checks/)."""
+"""`gpt2-port parity MODEL`: the per-layer parity report against transformers (the checker is gpt2_port_checks,
+the checkout's checks/ directory)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
 
+from ..errors import UsageError
+from ..util import atomic_write_text, check_writable
 from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
 
 
@@ -13,12 +21,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="per-layer parity report against Hugging Face transformers",
         description="Load MODEL into the scratch model and into transformers' GPT2LMHeadModel, run both "
         "on the same tokens, and compare the embeddings, every block's output, ln_f and the logits. "
+        "The default prompts are stored as token ids: no tokenizer files and no network needed. "
         "Exit 0 on pass, 1 on a parity failure, 2 on a usage or input error. Needs transformers "
         "(pip install 'gpt2-port[check]').",
     )
     add_model_arg(p)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); replaces the defaults")
     p.add_argument("--prompt-file", default=None, help="a UTF-8 file with one prompt per non-empty line")
+    p.add_argument(
+        "--ids",
+        action="append",
+        default=None,
+        metavar="IDS",
+        help='one prompt as token ids, e.g. --ids "464 2444 4721" (repeatable; spaces or commas); needs no '
+        "tokenizer; replaces the defaults",
+    )
+    p.add_argument(
+        "--ids-file", default=None, metavar="PATH", help="a file with one prompt per non-empty line, as token ids"
+    )
     p.add_argument(
         "--dtype",
         default="float32",
@@ -66,25 +86,135 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="per layer, the top-1 token of ln_f(h) @ wte.T for both models, and whether they agree",
     )
-    p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON")
-    p.add_argument("--markdown", metavar="PATH", default=None, help="write the report as Markdown")
+    p.add_argument(
+        "--only-failures",
+        action="store_true",
+        help="show only the failing rows of each table (terminal and Markdown; the JSON keeps every point)",
+    )
+    p.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON ('-': stdout)")
+    p.add_argument("--markdown", metavar="PATH", default=None, help="write the report as Markdown ('-': stdout)")
     p.add_argument(
         "--plot",
         metavar="PATH",
         default=None,
-        help="write a PNG of error per layer (log scale, noise floor as a band); needs matplotlib: "
-        "pip install 'gpt2-port[plot]'",
+        help="write a PNG of error per layer (log scale, noise floor as a band, the tolerances used as dashed "
+        "lines); needs matplotlib: pip install 'gpt2-port[plot]'",
     )
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..errors import UsageError
-
+def _read_text(path: str, what: str) -> str:
     try:
-        from checks import parity
-    except ImportError as e:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{what} {path}: cannot read ({e.__class__.__name__}: {e})") from None
+
+
+def read_inputs(args: argparse.Namespace):  # -> gpt2_port_checks.prompts.Inputs (imported lazily)
+    """The prompts in the order given: --prompt, --prompt-file, --ids, --ids-file; the defaults when none."""
+    from gpt2_port_checks.prompts import Inputs, default_inputs, parse_ids
+
+    inputs = Inputs([], [])
+    for p in args.prompt or []:
+        if not p:
+            raise UsageError("--prompt: empty prompt (give at least one character)")
+        inputs.add_text(p)
+    if args.prompt_file:
+        lines = [ln for ln in _read_text(args.prompt_file, "--prompt-file").splitlines() if ln.strip()]
+        if not lines:
+            raise UsageError(f"--prompt-file {args.prompt_file}: no non-empty lines")
+        for ln in lines:
+            inputs.add_text(ln)
+    for s in args.ids or []:
+        inputs.add_ids(parse_ids(s, f"--ids {s!r}"))
+    if args.ids_file:
+        lines = _read_text(args.ids_file, "--ids-file").splitlines()
+        n = 0
+        for k, ln in enumerate(lines, 1):
+            if ln.strip():
+                inputs.add_ids(parse_ids(ln, f"--ids-file {args.ids_file} line {k}"))
+                n += 1
+        if not n:
+            raise UsageError(f"--ids-file {args.ids_file}: no non-empty lines")
+    return inputs if inputs.texts else default_inputs()
+
+
+def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(option, path) of every output asked for, checked before any work: '-' (stdout) for at most one of
+    --json/--markdown, never for the PNG; every file path writable."""
+    outs = [(o, p) for o, p in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)) if p]
+    to_stdout = [o for o, p in outs if p == "-"]
+    if "--plot" in to_stdout:
+        raise UsageError("--plot -: a PNG does not go to stdout; give a file path")
+    if len(to_stdout) > 1:
+        raise UsageError(f"{' and '.join(to_stdout)} both ask for stdout ('-'); give one of them a file path")
+    for o, p in outs:
+        if p != "-":
+            check_writable(p, o)
+    return outs
+
+
+def run(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("transformers") is None:  # checked here; imported in gpt2_port_checks only
         raise UsageError(
-            f"the parity checker needs transformers ({e.name or e} is not importable): pip install 'gpt2-port[check]'"
-        ) from None
-    return parity.main(args)
+            "the parity checker needs transformers, which is not installed: pip install 'gpt2-port[check]'"
+        )
+    from gpt2_port_checks import render
+    from gpt2_port_checks.forward import run_detailed
+
+    outs = _outputs(args)
+    if args.plot:
+        from gpt2_port_checks.plots import require_matplotlib
+
+        require_matplotlib("--plot")
+    inputs = read_inputs(args)
+    detail = "sublayer" if args.per_head else args.detail
+    is_sweep = "," in str(args.dtype) or "," in str(args.device)
+    floor = args.noise_floor
+    if floor is None:  # default: measured whenever the report is meant to explain (sub-layers or a sweep)
+        floor = detail == "sublayer" or is_sweep
+    sweep = run_detailed(
+        args.model,
+        inputs,
+        dtypes=args.dtype,
+        devices=args.device,
+        detail=detail,
+        per_head=args.per_head,
+        noise_floor=floor,
+        logit_lens=args.logit_lens,
+        reference_attn=args.reference_attn,
+        attn=args.attn,
+        revision=args.revision,
+        tokenizer=args.tokenizer,
+    )
+    # The report for people goes to stdout, unless stdout carries the JSON or Markdown ('-'): then to stderr.
+    human = sys.stderr if any(p == "-" for _, p in outs) else sys.stdout
+    width = shutil.get_terminal_size().columns if human.isatty() else None
+    human.write(render.render_text(sweep, args.only_failures, width))
+    timing = ", ".join(
+        f"{r.dtype}/{r.device} load {r.timings['scratch_load_s']:.2f}s forward "
+        f"{r.timings['forward_s']:.2f}s floor {r.timings['noise_floor_s']:.2f}s"
+        for r in sweep.reports
+    )
+    print(f"transformers load {sweep.reports[0].timings['reference_load_s']:.2f}s; {timing}", file=sys.stderr)
+    wrote = []
+    for opt, path in outs:
+        if opt == "--plot":
+            from gpt2_port_checks.plots import plot_errors
+
+            plot_errors(sweep, path)
+        else:
+            text = (
+                json.dumps(sweep.to_json(), indent=2) + "\n"
+                if opt == "--json"
+                else render.render_markdown(sweep, args.only_failures)
+            )
+            if path == "-":
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                continue
+            atomic_write_text(path, text)
+        wrote.append(f"wrote {path} ({opt.removeprefix('--')})")
+    if wrote:
+        human.write("\n".join(wrote) + "\n")
+    return 0 if sweep.passed else 1

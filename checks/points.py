@@ -1,7 +1,9 @@
-"""The comparison points inside each block, and how both models expose them.
+"""The comparison points, and capturing them from both models.
 
-Scratch side: the model's named taps (`model.record`). Reference side: forward hooks on transformers' modules:
+Scratch side: the model's named taps (`model.record`). Reference side: forward hooks on transformers' modules
+(checks/reference.py):
 
+    embed                   transformer.drop output
     block.{i}.ln_1          h.{i}.ln_1 output
     block.{i}.attn.q/k/v    h.{i}.attn.c_attn output, split in three and viewed as heads (B, nh, T, hs)
     block.{i}.attn.merged   h.{i}.attn.c_proj input (the attention output before c_proj, heads side by side)
@@ -11,6 +13,8 @@ Scratch side: the model's named taps (`model.record`). Reference side: forward h
     block.{i}.mlp.act       h.{i}.mlp.act output (the MLP hidden after GELU)
     block.{i}.mlp.c_proj    h.{i}.mlp.c_proj output
     block.{i}               h.{i} output
+    ln_f                    transformer.ln_f output
+    logits                  the model's output
 
 Per-head points (`block.{i}.attn.q.h{j}`) are slices of the q/k/v points. The logit lens is the top-1 token of
 ln_f(block output) @ wte.T at every position, computed by each model with its own ln_f and head.
@@ -24,7 +28,7 @@ import torch
 
 from gpt2_port.model import GPT2
 
-from .parity import block_points, capture_reference, capture_scratch, reference_hooks
+from .reference import capture_reference, reference_hooks
 
 # In the order the block computes them; the block output `block.{i}` comes last.
 SUBLAYER_KINDS = [
@@ -53,6 +57,10 @@ _REF_SUBLAYER = {
 }
 
 
+def block_points(n_layer: int) -> list[str]:
+    return ["embed", *(f"block.{i}" for i in range(n_layer)), "ln_f", "logits"]
+
+
 def point_names(n_layer: int, detail: str = "block", per_head: bool = False, n_head: int = 0) -> list[str]:
     """Report points in forward order: embed, [sub-layer points and] block.{i} per layer, ln_f, logits."""
     if detail == "block":
@@ -71,12 +79,6 @@ def is_head_point(name: str) -> bool:
     return name.rsplit(".", 1)[-1].startswith("h") and name.rsplit(".", 1)[-1][1:].isdigit()
 
 
-def layer_of(name: str) -> int | None:
-    """block.3.attn.q -> 3; embed, ln_f, logits -> None."""
-    parts = name.split(".")
-    return int(parts[1]) if parts[0] == "block" else None
-
-
 def _reference_hooks(n_layer: int, detail: str) -> dict[str, tuple[str, str]]:
     hooks = reference_hooks(n_layer)
     if detail == "sublayer":
@@ -93,6 +95,13 @@ def _add_heads(acts: dict[str, torch.Tensor], names: Sequence[str]) -> None:
         if n not in acts and is_head_point(n):
             parent, head = n.rsplit(".", 1)
             acts[n] = acts[parent][:, int(head[1:])]  # (B, nh, T, hs) -> (B, T, hs)
+
+
+def capture_scratch(model: GPT2, ids: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """One forward of the scratch model on `ids`, recording the named taps."""
+    with torch.inference_mode(), model.record(names) as acts:
+        model(ids)
+    return dict(acts)
 
 
 @torch.inference_mode()

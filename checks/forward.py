@@ -1,9 +1,9 @@
-"""One parity run over one or more configurations (dtype x device), with sub-layer points, the noise floor and the
-logit lens.
+"""The forward-parity runner: one configuration (dtype x device) or several, with sub-layer points, the noise floor
+and the logit lens.
 
-A single configuration is the spine's comparison: the scratch model against transformers in the same dtype on the
-same device. Several configurations (`--dtype float32,bfloat16 --device cpu,cuda`) are each compared with ONE
-float32 transformers reference on the first device listed, under the VS_FLOAT32 tolerances.
+A single configuration is compared with transformers in the same dtype on the same device, under TOLERANCES.
+Several configurations (`--dtype float32,bfloat16 --device cpu,cuda`) are each compared with ONE float32
+transformers reference on the first device listed, under VS_FLOAT32_TOLERANCES.
 
 The noise floor of a configuration is transformers' own spread around the same reference: every transformers run
 that could stand in for it (its other attention kernel; in a sweep also its eager and sdpa runs in the
@@ -17,18 +17,24 @@ import gc
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from gpt2_port.checkpoint import locate
+from gpt2_port.devices import parse_device, parse_dtype
 from gpt2_port.errors import UsageError
-from gpt2_port.load import from_pretrained, locate, nonfinite_tensors, parse_device, parse_dtype
+from gpt2_port.load import from_pretrained, nonfinite_tensors
 from gpt2_port.model import GPT2
 from gpt2_port.tokenizer import Tokenizer, load_tokenizer
 
+from .metrics import metrics, next_token
 from .noise import verdict
-from .parity import TOLERANCES, VS_FLOAT32_TOLERANCES, PointResult, Report, Tolerance, load_reference, metrics
-from .sublayer import capture_reference_points, capture_scratch_points, logit_lens_top1, point_names
+from .points import capture_reference_points, capture_scratch_points, logit_lens_top1, point_names
+from .prompts import Inputs, default_inputs, resolve
+from .reference import load_reference
+from .results import PointResult, Report, Sweep
+from .tolerances import TOLERANCES, VS_FLOAT32_TOLERANCES, Tolerance
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -54,59 +60,6 @@ class Activations:
         return torch.cat(self._parts[name])
 
 
-@dataclass
-class Sweep:
-    """Every configuration's Report; a single configuration serialises exactly as the spine's Report."""
-
-    model: str
-    reports: list[Report]
-    baseline: str
-    is_sweep: bool
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.reports)
-
-    @property
-    def first_failing(self) -> Report | None:
-        return next((r for r in self.reports if not r.passed), None)
-
-    def to_json(self) -> dict:
-        """The spine's schema: the first configuration's report at the top, with `passed`/`first_failure` over all
-        configurations; a sweep adds `configurations` (one spine-schema report each) and `first_failure_config`."""
-        d = self.reports[0].to_json()
-        if self.is_sweep:
-            bad = self.first_failing
-            d["passed"] = self.passed
-            d["first_failure"] = bad.first_failure if bad else None
-            d["first_failure_config"] = label(bad) if bad else None
-            d["baseline"] = self.baseline
-            d["configurations"] = [{"config": label(r), **r.to_json()} for r in self.reports]
-        return d
-
-
-def label(r: Report) -> str:
-    return f"{r.dtype}/{r.device}"
-
-
-def _encode(tok: Tokenizer, prompts: Sequence[str], n_positions: int, vocab_size: int) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        ids = tok.encode(p)
-        if not ids:
-            raise UsageError(f"prompt {p!r} encodes to no tokens")
-        if len(ids) > n_positions:
-            raise UsageError(f"prompt of {len(ids)} tokens exceeds the context of {n_positions}")
-        if max(ids) >= vocab_size:
-            raise UsageError(
-                f"prompt {p!r} encodes to token id {max(ids)}, outside the model's vocabulary of {vocab_size} "
-                "(the tokenizer does not fit this checkpoint)"
-            )
-        out.append(ids)
-    return out
-
-
 def _unique(xs: Sequence) -> list:
     return list(dict.fromkeys(xs))
 
@@ -118,9 +71,27 @@ def parse_list(value: str | Sequence[str]) -> list[str]:
     return items
 
 
+def _as_inputs(prompts: Sequence[str] | Inputs | None) -> Inputs:
+    if prompts is None:
+        return default_inputs()
+    if isinstance(prompts, Inputs):
+        return prompts
+    inputs = Inputs([], [])
+    for p in prompts:
+        inputs.add_text(p)
+    return inputs
+
+
+def _has_tokenizer_files(d: Path) -> bool:
+    return any(
+        (d / v).is_file() and (d / m).is_file()
+        for v, m in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))
+    )
+
+
 def run_detailed(
     model: str,
-    prompts: Sequence[str],
+    prompts: Sequence[str] | Inputs | None = None,
     dtypes: str | Sequence[str] = "float32",
     devices: str | Sequence[str] = "cpu",
     detail: str = "block",
@@ -132,6 +103,8 @@ def run_detailed(
     revision: str | None = None,
     tokenizer: str | None = None,
 ) -> Sweep:
+    """Compare the scratch model with transformers on `prompts` (texts, Inputs, or None for the default prompts,
+    which are stored as token ids and need no tokenizer)."""
     import transformers
 
     if detail not in ("block", "sublayer"):
@@ -145,14 +118,20 @@ def run_detailed(
         attn = "manual" if reference_attn == "eager" else "sdpa"
     alt_attn = "sdpa" if reference_attn == "eager" else "eager"
     tv = transformers.__version__
+    inputs = _as_inputs(prompts)
 
     t0 = time.perf_counter()
     scratch, rep = from_pretrained(model, dtype=configs[0][0], device=configs[0][1], revision=revision)
     t_scratch = time.perf_counter() - t0
     cfg, ckpt = rep.config, rep.checkpoint
     names = point_names(cfg.n_layer, detail, per_head, cfg.n_head)
-    tok = load_tokenizer(tokenizer if tokenizer is not None else ckpt.root)
-    ids_list = _encode(tok, prompts, cfg.n_positions, cfg.vocab_size)
+    # The tokenizer is loaded only for text prompts, or for the logit lens's labels when one is at hand locally.
+    tok: Tokenizer | None = None
+    if inputs.needs_tokenizer:
+        tok = load_tokenizer(tokenizer if tokenizer is not None else ckpt.root)
+    elif logit_lens and (tokenizer is not None or _has_tokenizer_files(ckpt.root)):
+        tok = load_tokenizer(tokenizer if tokenizer is not None else ckpt.root)
+    ids_list = resolve(inputs, lambda text: tok.encode(text), cfg.n_positions, cfg.vocab_size)
     n_tokens = sum(len(i) for i in ids_list)
 
     def run_ref(ref: torch.nn.Module, dev: torch.device) -> Activations:
@@ -207,7 +186,7 @@ def run_detailed(
         r.dtype, r.device, r.scratch_attn, r.detail = dtype_name(dt), str(dev), attn, detail
         r.reference = f"transformers {tv} GPT2LMHeadModel ({reference_attn})"
         r.reference_dtype, r.reference_device = dtype_name(base[0]), str(base[1])
-        r.prompts, r.n_tokens = list(prompts), n_tokens
+        r.prompts, r.token_ids, r.n_tokens = list(inputs.texts), [list(i) for i in ids_list], n_tokens
         if noise_floor:
             r.noise_floor = (
                 f"transformers {' / '.join(f for f, _ in floors)} against the reference "
@@ -226,6 +205,29 @@ def run_detailed(
     return Sweep(model=str(model), reports=reports, baseline=base_desc, is_sweep=is_sweep)
 
 
+def run_parity(
+    model: str,
+    prompts: Sequence[str] | Inputs | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    reference_attn: str = "eager",
+    attn: str = "auto",
+    revision: str | None = None,
+    tokenizer: str | None = None,
+) -> Report:
+    """The block-level comparison in one dtype on one device."""
+    return run_detailed(
+        model,
+        prompts,
+        dtypes=[dtype],
+        devices=[device],
+        reference_attn=reference_attn,
+        attn=attn,
+        revision=revision,
+        tokenizer=tokenizer,
+    ).reports[0]
+
+
 def _report(
     model: str,
     names: Sequence[str],
@@ -234,7 +236,7 @@ def _report(
     floors: Sequence[tuple[str, Activations]],
     tol: Tolerance,
     scratch: GPT2,
-    tok: Tokenizer,
+    tok: Tokenizer | None,
     ids_list: Sequence[Sequence[int]],
     logit_lens: bool,
     n_layer: int,
@@ -251,26 +253,27 @@ def _report(
             p.noise_max_abs, p.noise_norm_rel = fl[0], fl[1]
             p.noise_ratio, p.within_noise, p.noise_verdict = v.ratio, v.within, v.text
         r.points.append(p)
-    ls, lr = got["logits"].double(), want["logits"].double()
-    V = scratch.config.vocab_size
-    ls, lr = ls.view(-1, V), lr.view(-1, V)  # (N, V) over all prompts' positions
-    r.top1_agreement = float((ls.argmax(-1) == lr.argmax(-1)).double().mean())
-    r.top1_tolerance = tol.top1
-    r.logprob_max_abs = float((torch.log_softmax(ls, -1) - torch.log_softmax(lr, -1)).abs().max())
-    r.logprob_tolerance = tol.logprob_max_abs
+    nt = next_token(got["logits"], want["logits"], scratch.config.vocab_size)  # over all prompts' positions
+    r.top1_agreement, r.logprob_max_abs, r.nonfinite_logit_positions = (
+        nt.top1_agreement,
+        nt.logprob_max_abs,
+        nt.n_nonfinite,
+    )
+    r.top1_tolerance, r.logprob_tolerance = tol.top1, tol.logprob_max_abs
     r.nonfinite_weights = nonfinite_tensors(scratch.state_dict())
     if logit_lens:
         last = len(ids_list[0]) - 1  # the last position of the first prompt
         for i in range(n_layer):
             a, b = got.lens[i], want.lens[i]
+            sid, rid = int(a[last]), int(b[last])
             r.logit_lens.append(
                 {
                     "layer": i,
                     "agreement": float((a == b).double().mean()),
-                    "scratch_top1": tok.decode([int(a[last])]),
-                    "reference_top1": tok.decode([int(b[last])]),
-                    "scratch_id": int(a[last]),
-                    "reference_id": int(b[last]),
+                    "scratch_top1": tok.decode([sid]) if tok is not None else None,
+                    "reference_top1": tok.decode([rid]) if tok is not None else None,
+                    "scratch_id": sid,
+                    "reference_id": rid,
                 }
             )
     return r

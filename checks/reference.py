@@ -1,0 +1,92 @@
+"""The reference: transformers' GPT2LMHeadModel loaded by transformers itself (never through our adapter), and
+forward hooks that capture its activations by module path.
+
+transformers is imported only inside `load_reference`, so importing this module costs nothing without it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gpt2_port.checkpoint import Checkpoint
+from gpt2_port.config import GPT2Config
+
+
+def reference_dir(ckpt: Checkpoint, cfg: GPT2Config, tmp: Path) -> Path:
+    """A directory transformers' from_pretrained reads: the checkpoint's own when it is standard, else links to it."""
+    std = {"model.safetensors", "pytorch_model.bin"}
+    if ckpt.config_file is not None and (
+        (len(ckpt.weight_files) == 1 and ckpt.weight_files[0].name in std and ckpt.weight_files[0].parent == ckpt.root)
+        or (ckpt.root / "model.safetensors.index.json").is_file()
+        or (ckpt.root / "pytorch_model.bin.index.json").is_file()
+    ):
+        return ckpt.root
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    if len(ckpt.weight_files) == 1:
+        name = "model.safetensors" if ckpt.fmt == "safetensors" else "pytorch_model.bin"
+        (tmp / name).symlink_to(ckpt.weight_files[0])
+    else:
+        for f in ckpt.weight_files:
+            (tmp / f.name).symlink_to(f)
+        for idx in ckpt.root.glob("*.index.json"):
+            (tmp / idx.name).symlink_to(idx)
+    return tmp
+
+
+def load_reference(
+    ckpt: Checkpoint, cfg: GPT2Config, dtype: torch.dtype, device: torch.device, attn: str
+) -> torch.nn.Module:
+    """transformers' GPT2LMHeadModel on the same files, in eval mode (dropout off), with `attn` attention."""
+    import transformers
+    from transformers import GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="gpt2port-ref-") as tmp:
+        d = reference_dir(ckpt, cfg, Path(tmp))
+        ref = GPT2LMHeadModel.from_pretrained(d, dtype=dtype, attn_implementation=attn)
+    return ref.to(device).eval()
+
+
+def reference_hooks(n_layer: int) -> dict[str, tuple[str, str]]:
+    """Block-level points: point name -> (module path in GPT2LMHeadModel, "input" or "output" of that module).
+
+    Block outputs come from hooks because transformers' `hidden_states[-1]` is taken after ln_f.
+    """
+    d = {"embed": ("transformer.drop", "output")}
+    d.update({f"block.{i}": (f"transformer.h.{i}", "output") for i in range(n_layer)})
+    d["ln_f"] = ("transformer.ln_f", "output")
+    return d
+
+
+def capture_reference(
+    ref: torch.nn.Module, ids: torch.Tensor, hooks: dict[str, tuple[str, str]]
+) -> dict[str, torch.Tensor]:
+    """One forward of the reference on `ids`; every hooked activation by point name, plus "logits"."""
+    acts: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def make(name: str, what: str) -> Callable:
+        def hook(_m: torch.nn.Module, inp: tuple, out: object) -> None:
+            t = inp[0] if what == "input" else out
+            if isinstance(t, tuple):  # transformers 4.x blocks return tuples
+                t = t[0]
+            acts[name] = t.detach()
+
+        return hook
+
+    for name, (path, what) in hooks.items():
+        handles.append(ref.get_submodule(path).register_forward_hook(make(name, what)))
+    try:
+        with torch.inference_mode():
+            out = ref(input_ids=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    acts["logits"] = out.logits.detach()
+    return acts

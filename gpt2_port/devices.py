@@ -1,0 +1,61 @@
+"""Dtype and device names: parsing what the user typed, and the one short name of a torch dtype."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UsageError
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    """torch.float32 -> "float32" (the name used in messages, JSON and tolerance tables)."""
+    return str(dt).removeprefix("torch.")
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in (torch.float32, torch.float16, torch.bfloat16):
+            raise UsageError(f"dtype {name} is not supported: expected float32, float16 or bfloat16")
+        return name
+    try:
+        return DTYPES[str(name).lower()]
+    except KeyError:
+        raise UsageError(f"unknown dtype {name!r}: expected float32, float16 or bfloat16") from None
+
+
+def parse_device(name: str | torch.device) -> torch.device:
+    """cpu, cuda, cuda:N, mps or auto -> a torch.device that exists here, or UsageError."""
+    s = str(name).lower()
+    if s == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(s)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"unknown device {name!r}: expected cpu, cuda, cuda:N, mps or auto") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"device {name!r} asked for, but CUDA is not available on this machine (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return dev
+    if dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+            raise UsageError(f"device {name!r} asked for, but MPS is not available on this machine (use --device cpu)")
+        return dev
+    raise UsageError(f"unknown device {name!r}: expected cpu, cuda, cuda:N, mps or auto")
