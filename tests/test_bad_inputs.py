@@ -850,6 +850,131 @@ def c_model_name_close_to_an_official_id(tmp: Path, base: Path) -> dict:
     return {"argv": ["inspect", "gpt2-smal"], "expect": ["gpt2-smal", "not a Hub model id", "did you mean gpt2?"]}
 
 
+# -- eval inputs and arguments -----------------------------------------------------------------------------------------
+def ev(base: Path, tmp: Path, *extra: str) -> list[str]:
+    return ["eval", str(base), *extra, "--json", str(tmp / "eval.json")]
+
+
+def _text(tmp: Path, data: bytes = b"a a a a\nb b\n") -> Path:
+    f = tmp / "in.txt"
+    f.write_bytes(data)
+    return f
+
+
+@case
+def c_eval_text_not_utf8(tmp: Path, base: Path) -> dict:
+    f = _text(tmp, b"a a a\n\xff\xfe b")
+    return {"argv": ev(base, tmp, "--text", str(f)), "expect": ["--text", "in.txt", "not UTF-8", "at byte 6"]}
+
+
+@case
+def c_eval_text_empty(tmp: Path, base: Path) -> dict:
+    f = _text(tmp, b"")
+    return {"argv": ev(base, tmp, "--text", str(f)), "expect": ["--text", "in.txt", "empty", "expected some"]}
+
+
+@case
+def c_eval_text_missing(tmp: Path, base: Path) -> dict:
+    return {"argv": ev(base, tmp, "--text", str(tmp / "nope.txt")), "expect": ["--text", "nope.txt", "no such file"]}
+
+
+@case
+def c_eval_lambada_line_not_json(tmp: Path, base: Path) -> dict:
+    f = tmp / "l.jsonl"
+    f.write_text('{"text": "a b"}\n{"text": "a b"\n')
+    return {"argv": ev(base, tmp, "--lambada", str(f)), "expect": ["--lambada", "l.jsonl", "line 2", "not valid JSON"]}
+
+
+@case
+def c_eval_lambada_line_without_text(tmp: Path, base: Path) -> dict:
+    f = tmp / "l.jsonl"
+    f.write_text('{"text": "a b"}\n\n{"txt": "a b"}\n')
+    return {"argv": ev(base, tmp, "--lambada", str(f)), "expect": ["--lambada", "line 3", "no 'text' field"]}
+
+
+@case
+def c_eval_choices_line_without_endings(tmp: Path, base: Path) -> dict:
+    f = tmp / "c.jsonl"
+    f.write_text('{"ctx": "a", "label": 0}\n')
+    return {"argv": ev(base, tmp, "--choices", str(f)), "expect": ["--choices", "line 1", "no 'endings' field"]}
+
+
+@case
+def c_eval_choices_label_outside_endings(tmp: Path, base: Path) -> dict:
+    f = tmp / "c.jsonl"
+    f.write_text('{"ctx": "a", "endings": ["b", "c"], "label": 0}\n{"ctx": "a", "endings": ["b", "c"], "label": 2}\n')
+    return {
+        "argv": ev(base, tmp, "--choices", str(f)),
+        "expect": ["--choices", "line 2", "label 2 is outside the 2 endings", "0..1"],
+    }
+
+
+@case
+def c_eval_stride_larger_than_max_length(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    return {
+        "argv": ev(base, tmp, "--text", str(f), "--max-length", "16", "--stride", "17"),
+        "expect": ["--stride 17", "larger than --max-length 16"],
+    }
+
+
+@case
+def c_eval_stride_zero(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    return {"argv": ev(base, tmp, "--text", str(f), "--stride", "0"), "expect": ["--stride", "positive", "got 0"]}
+
+
+@case
+def c_eval_stride_negative(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    return {"argv": ev(base, tmp, "--text", str(f), "--stride=-4"), "expect": ["--stride", "positive", "got -4"]}
+
+
+@case
+def c_eval_stride_larger_than_the_context(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)  # --max-length defaults to n_positions (32 here)
+    return {"argv": ev(base, tmp, "--text", str(f), "--stride", "33"), "expect": ["--stride", "1..32", "got 33"]}
+
+
+@case
+def c_eval_max_length_over_the_context(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    return {"argv": ev(base, tmp, "--text", str(f), "--max-length", "64"), "expect": ["--max-length", "1..32", "64"]}
+
+
+@case
+def c_eval_vocab_without_endoftext(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)  # the base checkpoint has 1000 tokens: no <|endoftext|> (50256) for the first window's context
+    return {"argv": ev(base, tmp, "--text", str(f)), "expect": ["vocabulary of 1000", "<|endoftext|> (50256)"]}
+
+
+@case
+def c_eval_nan_weight(tmp: Path, base: Path) -> dict:
+    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=32)  # GPT-2's full vocabulary, tiny otherwise
+    d = write_demo_checkpoint(tmp / "nan", config=cfg, seed=4, tokenizer_dir=base)
+    w = SafetensorsFile(d / "model.safetensors").get("h.1.mlp.c_fc.weight").clone()
+    w[0, 0] = float("nan")
+    rewrite(d / "model.safetensors", put={"h.1.mlp.c_fc.weight": w})
+    f = _text(tmp)
+    return {"argv": ev(d, tmp, "--text", str(f)), "expect": ["non-finite logits", "NaN/Inf in h.1.mlp.c_fc.weight"]}
+
+
+@case
+def c_eval_stride_without_text(tmp: Path, base: Path) -> dict:
+    f = tmp / "l.jsonl"
+    f.write_text('{"text": "a b"}\n')
+    return {"argv": ev(base, tmp, "--lambada", str(f), "--stride", "8"), "expect": ["--stride", "--text only"]}
+
+
+@case
+def c_eval_json_dir_missing(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    return {
+        "argv": ["eval", str(base), "--text", str(f), "--json", str(tmp / "nodir" / "e.json")],
+        "expect": ["--json", "does not exist"],
+    }
+
+
 def _files(root: Path) -> set[str]:
     out = set()
     for dirpath, dirnames, filenames in os.walk(root):

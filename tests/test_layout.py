@@ -28,7 +28,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("model", {"model", "__init__"}),  # the package itself re-exports config, errors and model
     ("files", {"adapter", "safetensors_io", "checkpoint", "hub", "tokenizer"}),
     ("load", {"load"}),
-    ("uses", {"generate", "decode", "quantize", "demo", "prepare", "data", "train", "evaluate"}),
+    (
+        "uses",
+        {"generate", "decode", "quantize", "demo", "prepare", "data", "train", "evaluate", "windows", "published"},
+    ),
     ("top", {"cli", "__main__", "commands"}),  # commands: gpt2_port/commands/*
 ]
 LAYER_OF = {mod: k for k, (_, mods) in enumerate(LAYERS) for mod in mods}
@@ -42,11 +45,11 @@ LAZY_UPWARD = {
 }
 
 # The one sanctioned upward edge: these commands call into the checker.
-MAY_IMPORT_CHECKS = {"gpt2_port.commands.parity", "gpt2_port.commands.attention"}
+MAY_IMPORT_CHECKS = {"gpt2_port.commands.parity", "gpt2_port.commands.attention", "gpt2_port.commands.eval"}
 
 # checks/ (installed as gpt2_port_checks): the base never imports the top.
 CHECKS_BASE = {"__init__", "metrics", "tolerances", "noise", "prompts", "reference", "points", "results"}
-CHECKS_TOP = {"forward", "backward", "render", "plots", "attention_maps"}
+CHECKS_TOP = {"forward", "backward", "render", "plots", "attention_maps", "evaluation"}
 
 CHECKS_PKG = "gpt2_port_checks"
 SCANNED = {"gpt2_port": "gpt2_port", "checks": CHECKS_PKG, "benchmarks": "benchmarks", "scripts": "scripts"}

@@ -1,0 +1,150 @@
+"""`gpt2-port eval`: the JSON keys, --json -, --markdown, --check, published figures, the progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from gpt2_port.cli import main
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
+TEXT_KEYS = {"tokens", "nll", "perplexity", "bytes", "bits_per_byte", "byte_perplexity", "words", "word_perplexity"}
+
+
+@pytest.fixture()
+def text(tmp_path: Path) -> Path:
+    f = tmp_path / "t.txt"
+    f.write_text(SHAKESPEARE.read_text()[:1500])
+    return f
+
+
+@pytest.fixture()
+def lambada(tmp_path: Path) -> Path:
+    f = tmp_path / "l.jsonl"
+    lines = ["The cat sat on the mat and then the cat", "She opened the door and said goodbye", "One two three four"]
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    return f
+
+
+@pytest.fixture()
+def choices(tmp_path: Path) -> Path:
+    f = tmp_path / "c.jsonl"
+    docs = [
+        {"ctx": "A man is sitting on a roof. He", "endings": ["starts pulling up roofing.", "is", "eats"], "label": 0},
+        {"ctx": "The chef", "endings": ["cooks dinner.", "sleeps"], "label": 1},
+    ]
+    f.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return f
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(["eval", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_text_json_has_every_key_and_lm_eval_formulas(tiny_official: Path, text: Path, tmp_path: Path, capsys) -> None:
+    out_json = tmp_path / "r.json"
+    rc, out, _ = run(capsys, str(tiny_official), "--text", str(text), "--json", str(out_json), "--max-length", "64")
+    assert rc == 0
+    d = json.loads(out_json.read_text())
+    assert TEXT_KEYS <= set(d) and d["method"].startswith("rolling") and d["max_length"] == 64
+    assert d["bytes"] == len(text.read_bytes()) and d["windows"] == math.ceil(d["tokens"] / 64)
+    assert math.isclose(d["perplexity"], math.exp(d["nll"] / d["tokens"]))
+    assert math.isclose(d["bits_per_byte"], d["nll"] / d["bytes"] / math.log(2))
+    assert math.isclose(d["word_perplexity"], math.exp(d["nll"] / d["words"]))
+    assert f"perplexity           {d['perplexity']:.6g}" in out
+    assert d["published"] == [] and "Published" not in out  # a local path: no published figures
+
+
+def test_json_to_stdout_is_only_json(tiny_official: Path, text: Path, capsys) -> None:
+    rc, out, err = run(capsys, str(tiny_official), "--text", str(text), "--json", "-", "--stride", "32")
+    assert rc == 0
+    d = json.loads(out)
+    assert d["stride"] == 32 and d["method"] == "strided (stride 32)" and TEXT_KEYS <= set(d)
+    assert "scored in" in err
+
+
+def test_markdown_table(tiny_official: Path, lambada: Path, tmp_path: Path, capsys) -> None:
+    md = tmp_path / "r.md"
+    rc, _, _ = run(capsys, str(tiny_official), "--lambada", str(lambada), "--markdown", str(md))
+    assert rc == 0
+    lines = md.read_text().splitlines()
+    assert "| metric | value |" in lines and any(ln.startswith("| accuracy | ") for ln in lines)
+    assert any(ln.startswith("| n | 3 |") for ln in lines)
+
+
+def test_lambada_and_choices_json_keys(tiny_official: Path, lambada: Path, choices: Path, capsys) -> None:
+    rc, out, _ = run(capsys, str(tiny_official), "--lambada", str(lambada), "--json", "-")
+    d = json.loads(out)
+    assert rc == 0 and d["n"] == 3 and 0 <= d["accuracy"] <= 1 and d["perplexity"] > 1
+    rc, out, _ = run(capsys, str(tiny_official), "--choices", str(choices), "--json", "-", "--batch-size", "2")
+    d = json.loads(out)
+    assert rc == 0 and d["n"] == 2 and d["normalisation"] == "characters"
+    assert d["acc"] in (0, 0.5, 1) and d["acc_norm"] in (0, 0.5, 1)
+
+
+def test_check_reports_parity_and_fails_with_exit_1(tiny_official: Path, text: Path, capsys, monkeypatch) -> None:
+    rc, out, _ = run(capsys, str(tiny_official), "--text", str(text), "--check")
+    assert rc == 0, out
+    assert "parity against transformers (float32" in out and "PASS" in out
+    rc, out, _ = run(capsys, str(tiny_official), "--choices", str(text.parent / "missing.jsonl"))
+    assert rc == 2
+
+    import gpt2_port_checks.evaluation as ev
+
+    real = ev.reference_scorer
+
+    def off_by_a_bit(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        s = real(*a, **k)
+        head = s.head
+        s.head = lambda h: head(h) * 1.001
+        return s
+
+    monkeypatch.setattr(ev, "reference_scorer", off_by_a_bit)
+    rc, out, _ = run(capsys, str(tiny_official), "--text", str(text), "--check", "--json", "-")
+    d = json.loads(out)
+    assert rc == 1 and d["check"]["passed"] is False
+    assert any(r["quantity"] == "total nll" and not r["passed"] for r in d["check"]["rows"])
+
+
+def test_check_on_lambada_and_choices(tiny_official: Path, lambada: Path, choices: Path, capsys) -> None:
+    for flag, f, acc in (("--lambada", lambada, "accuracy"), ("--choices", choices, "acc_norm")):
+        rc, out, _ = run(capsys, str(tiny_official), flag, str(f), "--check", "--json", "-")
+        d = json.loads(out)
+        assert rc == 0 and d["check"]["passed"] is True, d["check"]
+        rows = {r["quantity"].split(" (")[0]: r for r in d["check"]["rows"]}
+        assert rows[acc]["diff"] == 0 and rows["total nll"]["diff"] <= 1e-6
+        assert any(q.startswith("worst ") for q in rows)
+
+
+def test_official_id_prints_the_published_figures(tiny_official: Path, lambada: Path, capsys, monkeypatch) -> None:
+    import gpt2_port.load as load
+
+    real = load.from_pretrained
+    asked = []
+
+    def offline(model, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202 -- the real weights are not here
+        asked.append(model)
+        return real(tiny_official, *a, **k)
+
+    monkeypatch.setattr(load, "from_pretrained", offline)
+    rc, out, _ = run(capsys, "openai-community/gpt2", "--lambada", str(lambada))
+    assert rc == 0 and asked == ["openai-community/gpt2"]
+    assert "Published figures" in out
+    assert "35.13" in out and "0.4599" in out and "Radford et al. 2019" in out  # the paper's LAMBADA
+    assert "40.0554" in out and "issue #2159" in out  # lm-eval's, for gpt2
+    rc, out, _ = run(capsys, "gpt2-xl", "--lambada", str(lambada), "--json", "-")
+    pub = {(p["metric"], p["value"]) for p in json.loads(out)["published"]}
+    assert pub == {("perplexity", 8.63), ("accuracy", 0.6324), ("perplexity", 10.63)}
+
+
+def test_progress_bar_on_stderr_when_asked(tiny_official: Path, text: Path, capsys) -> None:
+    rc, _, err = run(capsys, str(tiny_official), "--text", str(text), "--progress", "--max-length", "32")
+    assert rc == 0 and "B/s" in err and "100%" in err and err.startswith("\rtext")
+    rc, _, err = run(capsys, str(tiny_official), "--text", str(text), "--max-length", "32")
+    assert "100%" not in err  # stderr is not a terminal here: no bar unless asked
