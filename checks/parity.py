@@ -363,6 +363,10 @@ def wants_detail(args: argparse.Namespace) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "backward", False) or getattr(args, "train_steps", None) is not None:
+        from .backward_cli import main as backward_main
+
+        return backward_main(args)
     markdown, plot = getattr(args, "markdown", None), getattr(args, "plot", None)
     for path, what in ((args.json, "--json"), (markdown, "--markdown"), (plot, "--plot")):
         if path:
