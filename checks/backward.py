@@ -126,7 +126,9 @@ class BackwardReport:
 
     @property
     def first_diverging_layer(self) -> str | None:
-        return next((g.layer for g in self.layers if not g.passed), None)
+        """The first layer in backprop order (head, ln_f, the last block ... embed) whose gradients diverge: an
+        error made in the backward pass enters there and flows down to every layer below."""
+        return next((g.layer for g in reversed(self.layers) if not g.passed), None)
 
     @property
     def first_failure(self) -> str | None:
