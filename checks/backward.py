@@ -18,9 +18,11 @@ import copy
 import gc
 import math
 import platform
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -28,6 +30,7 @@ from gpt2_port import adapter
 from gpt2_port.config import GPT2Config
 from gpt2_port.errors import UsageError
 from gpt2_port.load import convert_checkpoint, from_pretrained, parse_device, parse_dtype
+from gpt2_port.safetensors_io import SafetensorsFile, write_safetensors
 from gpt2_port.tokenizer import load_tokenizer
 
 from .noise import verdict
@@ -35,6 +38,9 @@ from .parity import PointResult, load_reference, metrics
 from .sweep import _encode, _unique, dtype_name, parse_list
 
 PREFIX = "transformer."
+# Above this many bytes of gradients (774M and 1.5B in float32), the reference's are kept on disk (SpilledTensors):
+# the peak is then about twice the parameters instead of three times.
+SPILL_BYTES = 2_000_000_000
 
 
 @dataclass(frozen=True)
@@ -245,7 +251,7 @@ def decays(hf_name: str, cfg: GPT2Config) -> bool:
 @dataclass
 class Grads:
     loss: float
-    params: dict[str, torch.Tensor]  # transformers' names, transformers' layout
+    params: Mapping[str, torch.Tensor]  # transformers' names, transformers' layout
     acts: dict[str, torch.Tensor]  # point -> activation gradients of every prompt, flattened and concatenated
 
 
@@ -309,9 +315,44 @@ def scratch_grads(model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_la
     missing = [n for n, g in grads.items() if g is None]
     if missing:
         raise AssertionError(f"scratch parameters without a gradient: {missing}")
-    mapped = adapter.scratch_to_hf(grads, model.config, prefix=PREFIX)  # q/k/v fused, Conv1D transposed
-    model.zero_grad(set_to_none=True)
+    # transformers' layout (q/k/v fused, Conv1D transposed), one tensor at a time when read: no second full copy
+    mapped = LazyTensors(adapter.hf_tensors(grads, model.config, prefix=PREFIX))
     return Grads(loss.item(), mapped, _flat_act_grads(acts))
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """name -> tensor, each made when it is read (from adapter.hf_tensors' makers)."""
+
+    def __init__(self, makers: Sequence[tuple[str, Callable[[], torch.Tensor]]]) -> None:
+        self._makers = dict(makers)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._makers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+
+class SpilledTensors(Mapping[str, torch.Tensor]):
+    """name -> tensor, written once to a safetensors file and read back zero-copy from its mapping: the reference's
+    gradients of a large model stay on disk (reclaimable page cache) instead of in the process's memory."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
+        write_safetensors(path, [(n, tuple(t.shape), t.dtype, lambda t=t: t) for n, t in tensors.items()])
+        tensors.clear()  # the caller's dict held the only references
+        self._file = SafetensorsFile(path)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._file.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file.keys())
+
+    def __len__(self) -> int:
+        return len(self._file.keys())
 
 
 def _flat_act_grads(acts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -404,6 +445,7 @@ def run_backward(
     revision: str | None = None,
     tokenizer: str | None = None,
     log: Callable[[str], None] | None = None,
+    spill_bytes: int | None = SPILL_BYTES,
 ) -> BackwardSweep:
     import transformers
 
@@ -440,6 +482,12 @@ def run_backward(
     t0 = time.perf_counter()
     say("reference gradients")
     want = reference_grads(ref, ids_on(base[1]), L)
+    spill_dir = None
+    if spill_bytes is not None and sum(t.numel() * t.element_size() for t in want.params.values()) > spill_bytes:
+        spill_dir = tempfile.TemporaryDirectory(prefix="gpt2port-grads-")
+        say(f"reference gradients spilled to {spill_dir.name}")
+        want.params = SpilledTensors(dict(want.params), Path(spill_dir.name) / "grads.safetensors")
+        gc.collect()
     t_ref = time.perf_counter() - t0
     floors: dict[tuple, dict[str, tuple]] = {}
     floor_desc: dict[tuple, str] = {}
@@ -509,6 +557,7 @@ def run_backward(
             r.points.append(_point(f"act_grad.{n}", got.acts[n], want.acts[n], tol.act_grad, fl))
         r.layers = _layers(r.points, L)
         del got
+        scratch.zero_grad(set_to_none=True)
         gc.collect()
         t0 = time.perf_counter()
         if tc.steps:
@@ -517,8 +566,8 @@ def run_backward(
             for k, (a, b) in enumerate(zip(losses, ref_steps)):
                 rel = abs(a - b) / abs(b) if b else abs(a)
                 r.steps.append(StepResult(k, a, b, rel, tol.step_loss_rel, bool(rel <= tol.step_loss_rel)))
-            mine = adapter.scratch_to_hf(
-                {n: p.detach() for n, p in scratch.named_parameters()}, scratch.config, prefix=PREFIX
+            mine = LazyTensors(
+                adapter.hf_tensors({n: p.detach() for n, p in scratch.named_parameters()}, scratch.config, PREFIX)
             )
             for n, y in ref_weights.items():
                 r.weights.append(_point(f"weight.{n}", mine[n], y, tol.weight, None))
@@ -536,6 +585,10 @@ def run_backward(
         reports.append(r)
         del scratch
         gc.collect()
+    del want
+    gc.collect()
+    if spill_dir is not None:
+        spill_dir.cleanup()
     baseline = f"transformers {tv} GPT2LMHeadModel ({reference_attn}), float32, {base[1]}"
     return BackwardSweep(model=str(model), reports=reports, baseline=baseline)
 

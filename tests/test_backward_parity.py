@@ -174,3 +174,14 @@ def test_optimizer_groups_are_decided_on_transformers_names(tiny_official: Path)
     ref_decay = sum(p.numel() for n, p in hf.named_parameters() if backward.decays(n, cfg))
     assert ours_decay == ref_decay == sum(p.numel() for p in hf.parameters() if p.ndim >= 2)
     assert not backward.decays("transformer.h.0.ln_1.weight", cfg) and backward.decays("transformer.wpe.weight", cfg)
+
+
+def test_spilled_reference_gradients_give_the_same_report(tiny_official: Path) -> None:
+    """Large models keep the reference's gradients on disk (SpilledTensors); the figures must not change."""
+    prompts = ["The students opened their books"]
+    kept = backward.run_backward(str(tiny_official), prompts, spill_bytes=None)
+    spilled = backward.run_backward(str(tiny_official), prompts, spill_bytes=0)
+    a, b = kept.reports[0], spilled.reports[0]
+    assert b.passed and [p.name for p in a.points] == [p.name for p in b.points]
+    assert [(p.norm_rel, p.noise_norm_rel) for p in a.points] == [(p.norm_rel, p.noise_norm_rel) for p in b.points]
+    assert max(p.noise_norm_rel for p in b.points) > 0
