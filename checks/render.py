@@ -243,20 +243,20 @@ def _hidden_note(t: Table) -> list[str]:
     return [f"({t.hidden} passing row(s) hidden by --only-failures)"]
 
 
-def render_plain(s: Sweep, only_failures: bool = False) -> str:
+def plain_document(head: list[str], tables_: list[Table], tail: list[str]) -> str:
     """Plain text for pipes and logs: aligned columns, no wrapping, no box-drawing characters."""
-    out = header(s)
-    for t in tables(s, only_failures):
+    out = list(head)
+    for t in tables_:
         widths = [max([len(c)] + [len(row[j]) for row in t.rows]) for j, c in enumerate(t.columns)]
         out += ["", t.title]
         if t.rows:
             out.append(("  " + "  ".join(c.ljust(w) for c, w in zip(t.columns, widths))).rstrip())
         out += [("  " + "  ".join(v.ljust(w) for v, w in zip(row, widths))).rstrip() for row in t.rows]
         out += [f"  {n}" for n in t.notes + _hidden_note(t)]
-    return "\n".join(out + [""] + summary(s)) + "\n"
+    return "\n".join(out + [""] + tail) + "\n"
 
 
-def render_rich(s: Sweep, only_failures: bool = False, width: int = 120) -> str:
+def rich_document(head: list[str], tables_: list[Table], tail: list[str], width: int = 120) -> str:
     """The same tables through rich, with colour (ANSI escapes), for a terminal `width` columns wide."""
     from rich import box
     from rich.console import Console
@@ -264,9 +264,9 @@ def render_rich(s: Sweep, only_failures: bool = False, width: int = 120) -> str:
 
     buf = io.StringIO()
     con = Console(file=buf, force_terminal=True, width=width, highlight=False, soft_wrap=True)
-    for line in header(s):
+    for line in head:
         con.print(line, markup=False)
-    for t in tables(s, only_failures):
+    for t in tables_:
         con.print()
         con.print(t.title, style="bold", markup=False)
         rt = RichTable(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
@@ -279,21 +279,33 @@ def render_rich(s: Sweep, only_failures: bool = False, width: int = 120) -> str:
         for n in t.notes + _hidden_note(t):
             con.print(f"  {n}", style="red" if "FAIL" in n or "NaN" in n else None, markup=False)
     con.print()
-    for line in summary(s):
+    for line in tail:
         style = "green" if line.startswith("PASS") or ": PASS" in line or ": YES" in line else None
         style = "bold red" if "FAIL" in line or ": NO (" in line else style
         con.print(line, style=style, markup=False)
     return buf.getvalue()
 
 
-def render_text(s: Sweep, only_failures: bool = False, terminal_width: int | None = None) -> str:
+def text_document(head: list[str], tables_: list[Table], tail: list[str], terminal_width: int | None = None) -> str:
     """rich when writing to a terminal (`terminal_width` given) and rich is installed; plain text otherwise."""
     if terminal_width is not None:
         try:
-            return render_rich(s, only_failures, terminal_width)
+            return rich_document(head, tables_, tail, terminal_width)
         except ImportError:
             pass
-    return render_plain(s, only_failures)
+    return plain_document(head, tables_, tail)
+
+
+def render_plain(s: Sweep, only_failures: bool = False) -> str:
+    return plain_document(header(s), tables(s, only_failures), summary(s))
+
+
+def render_rich(s: Sweep, only_failures: bool = False, width: int = 120) -> str:
+    return rich_document(header(s), tables(s, only_failures), summary(s), width)
+
+
+def render_text(s: Sweep, only_failures: bool = False, terminal_width: int | None = None) -> str:
+    return text_document(header(s), tables(s, only_failures), summary(s), terminal_width)
 
 
 def _md_cell(v: str) -> str:
@@ -314,7 +326,13 @@ def render_markdown(s: Sweep, only_failures: bool = False) -> str:
         "",
     ]
     out += [f"- {line}" for line in summary(s)]
-    for t in tables(s, only_failures):
+    return "\n".join(out + markdown_tables(tables(s, only_failures))) + "\n"
+
+
+def markdown_tables(tables_: list[Table]) -> list[str]:
+    """Each table as a Markdown section (failing rows in bold), its notes after it."""
+    out: list[str] = []
+    for t in tables_:
         out += ["", f"## {t.title}", ""]
         if t.rows:
             out += ["| " + " | ".join(t.columns) + " |", "|" + "---|" * len(t.columns)]
@@ -326,4 +344,4 @@ def render_markdown(s: Sweep, only_failures: bool = False) -> str:
         notes = t.notes + _hidden_note(t)
         if notes:
             out += [""] + [f"{n}  " for n in notes]
-    return "\n".join(out) + "\n"
+    return out

@@ -975,6 +975,43 @@ def c_eval_json_dir_missing(tmp: Path, base: Path) -> dict:
     }
 
 
+@case
+def c_backward_zero_train_steps(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--train-steps", "0"], "expect": ["--train-steps", "positive", "got 0"]}
+
+
+@case
+def c_backward_negative_train_steps(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--train-steps=-2"], "expect": ["--train-steps", "positive", "got -2"]}
+
+
+@case
+def c_backward_zero_lr(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--train-steps", "2", "--lr", "0"], "expect": ["--lr", "> 0", "got 0.0"]}
+
+
+@case
+def c_backward_with_sublayer_detail(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--backward", "--detail", "sublayer"],
+        "expect": ["--detail sublayer", "not with --backward"],
+    }
+
+
+@case
+def c_backward_int8_dtype(tmp: Path, base: Path) -> dict:
+    # parity has no int8 model: the dtype is refused before anything loads (a model that cannot train)
+    return {"argv": ["parity", str(base), "--backward", "--dtype", "int8"], "expect": ["dtype 'int8'", "float32"]}
+
+
+@case
+def c_backward_token_ids_out_of_range(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--backward", "--prompt", " Paris"],
+        "expect": ["token id 6342", "vocabulary of 1000"],
+    }
+
+
 def _files(root: Path) -> set[str]:
     out = set()
     for dirpath, dirnames, filenames in os.walk(root):

@@ -45,11 +45,16 @@ LAZY_UPWARD = {
 }
 
 # The one sanctioned upward edge: these commands call into the checker.
-MAY_IMPORT_CHECKS = {"gpt2_port.commands.parity", "gpt2_port.commands.attention", "gpt2_port.commands.eval"}
+MAY_IMPORT_CHECKS = {
+    "gpt2_port.commands.parity",
+    "gpt2_port.commands.parity_backward",
+    "gpt2_port.commands.attention",
+    "gpt2_port.commands.eval",
+}
 
 # checks/ (installed as gpt2_port_checks): the base never imports the top.
 CHECKS_BASE = {"__init__", "metrics", "tolerances", "noise", "prompts", "reference", "points", "results"}
-CHECKS_TOP = {"forward", "backward", "render", "plots", "attention_maps", "evaluation"}
+CHECKS_TOP = {"forward", "backward", "backward_report", "render", "plots", "attention_maps", "evaluation"}
 
 CHECKS_PKG = "gpt2_port_checks"
 SCANNED = {"gpt2_port": "gpt2_port", "checks": CHECKS_PKG, "benchmarks": "benchmarks", "scripts": "scripts"}

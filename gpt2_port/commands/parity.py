@@ -100,6 +100,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="write a PNG of error per layer (log scale, noise floor as a band, the tolerances used as dashed "
         "lines); needs matplotlib: pip install 'gpt2-port[plot]'",
     )
+    g = p.add_argument_group("backward parity (gradients and optimizer steps)")
+    g.add_argument(
+        "--backward",
+        action="store_true",
+        help="compare the loss, every parameter's gradient (transformers' layout) and the gradients at embed, "
+        "each block, ln_f and the logits, grouped by layer, beside transformers' own eager-vs-sdpa gradient noise "
+        "(dropout off on both sides; a float32 reference)",
+    )
+    g.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also take N AdamW steps on both models (the prompts as the batch each step; implies --backward) "
+        "and report each step's two losses and the weights after the last step",
+    )
+    g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate for --train-steps (default 1e-4)")
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.1,
+        help="AdamW weight decay on the 2+-dim weights for --train-steps (default 0.1; biases and LayerNorm none)",
+    )
+    g.add_argument(
+        "--clip",
+        type=float,
+        default=1.0,
+        help="gradient clipping (clip_grad_norm_) for --train-steps (default 1.0)",
+    )
     p.set_defaults(func=run)
 
 
@@ -167,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
         from gpt2_port_checks.plots import require_matplotlib
 
         require_matplotlib("--plot")
+    if args.backward or args.train_steps is not None:
+        from . import parity_backward
+
+        return parity_backward.run(args, outs)
     inputs = read_inputs(args)
     detail = "sublayer" if args.per_head else args.detail
     is_sweep = "," in str(args.dtype) or "," in str(args.device)

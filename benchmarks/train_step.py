@@ -1,0 +1,216 @@
+"""One training step (forward, backward, AdamW) of 124M float32, ours against transformers' GPT2LMHeadModel.
+
+    PYTHONPATH=. python -m benchmarks.train_step [--ckpt DIR] [--batch 4] [--seq 256] [--rounds 3] [--json PATH]
+
+- time: both models in one process, the same batch and the same torch.optim.AdamW (decay groups by dimension),
+  clip_grad_norm_ 1.0, dropout off, each side's default attention (sdpa); steps interleaved (ours, theirs, ours, ...)
+  after one warm-up step each, so machine noise hits both; the median of each and the ratio ours / transformers.
+- memory: peak RSS (VmHWM) of each in a fresh process (load + 2 steps), so no allocation is shared; beside it the
+  RSS after loading, and ours with gradient checkpointing. The activation memory checkpointing saves is also counted
+  exactly: the bytes of the tensors autograd saves for backward during one forward (saved_tensors_hooks), with and
+  without checkpointing.
+- throughput: 6 x parameters x tokens per step / time, beside this machine's float32 GEMM rate (a timed torch.mm).
+
+Not a test: the numbers depend on the machine and its load (say so when quoting them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rss_mb() -> tuple[float, float]:
+    from benchmarks.worker import rss_mb as f
+
+    return f()
+
+
+def load(impl: str, ckpt: str):
+    if impl == "hf":
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        m = transformers.GPT2LMHeadModel.from_pretrained(ckpt, attn_implementation="sdpa")
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.Dropout):
+                mod.p = 0.0
+        return m.train().requires_grad_(True)
+    from gpt2_port.load import from_pretrained
+
+    m, _ = from_pretrained(ckpt)
+    m.set_attn_impl("sdpa")
+    m.gradient_checkpointing = impl == "ours-gc"
+    return m.set_dropout(0.0).train().requires_grad_(True)
+
+
+def make_step(model, impl: str):
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-4
+    )
+    params = list(model.parameters())
+
+    def step(ids: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        if impl == "hf":
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        else:
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def batch(B: int, T: int) -> torch.Tensor:
+    return torch.randint(0, 50257, (B, T), generator=torch.Generator().manual_seed(0))
+
+
+def saved_bytes(model, impl: str, ids: torch.Tensor) -> int:
+    """Bytes of the tensors autograd keeps for backward during one forward (distinct storages counted once)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        try:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss if impl == "hf" else model(ids, labels=ids).loss
+    del loss
+    return sum(n for ptr, n in seen.items() if ptr not in params)  # weights are not activations
+
+
+def gemm_gflops(n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def worker(impl: str, ckpt: str, B: int, T: int) -> dict:
+    """A fresh process: load, 2 steps (the first allocates AdamW's moments); RSS after load and peak."""
+    torch.manual_seed(0)
+    m = load(impl, ckpt)
+    after_load = rss_mb()[0]
+    step = make_step(m, impl)
+    ids = batch(B, T)
+    for _ in range(2):
+        step(ids)
+    cur, peak = rss_mb()
+    return {"impl": impl, "rss_after_load_mb": after_load, "rss_after_steps_mb": cur, "peak_rss_mb": peak}
+
+
+def run_worker(impl: str, ckpt: str, B: int, T: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    spec = json.dumps({"impl": impl, "ckpt": ckpt, "B": B, "T": T})
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.train_step", "--worker", spec],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        check=True,
+    )
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def duel(ckpt: str, B: int, T: int, rounds: int) -> dict:
+    ours, hf = load("ours", ckpt), load("hf", ckpt)
+    n_params = sum(p.numel() for p in ours.parameters())
+    ids = batch(B, T)
+    steps = {"ours": make_step(ours, "ours"), "hf": make_step(hf, "hf")}
+    times: dict[str, list[float]] = {"ours": [], "hf": []}
+    losses: dict[str, list[float]] = {"ours": [], "hf": []}
+    for k in range(rounds + 1):  # round 0 warms up (and allocates AdamW's moments)
+        for impl in ("ours", "hf") if k % 2 == 0 else ("hf", "ours"):
+            t0 = time.perf_counter()
+            losses[impl].append(steps[impl](ids))
+            if k:
+                times[impl].append(time.perf_counter() - t0)
+            print(f"  round {k} {impl}: {time.perf_counter() - t0:.2f}s", file=sys.stderr)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    flops = 6 * n_params * B * T
+    act = {"ours": saved_bytes(ours, "ours", ids), "hf": saved_bytes(hf, "hf", ids)}
+    ours.gradient_checkpointing = True
+    act["ours_checkpointed"] = saved_bytes(ours, "ours", ids)
+    return {
+        "params": n_params,
+        "step_s": times,
+        "median_s": med,
+        "ratio_ours_over_hf": med["ours"] / med["hf"],
+        "spread_ours": (min(times["ours"]) / med["ours"], max(times["ours"]) / med["ours"]),
+        "spread_hf": (min(times["hf"]) / med["hf"], max(times["hf"]) / med["hf"]),
+        "losses_first_step": {k: v[0] for k, v in losses.items()},
+        "gflops": {k: flops / v / 1e9 for k, v in med.items()},
+        "saved_activation_mb": {k: v / 1e6 for k, v in act.items()},
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", default=None, help="a 124M checkpoint directory (default: a random one, written once)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3, help="timed steps per side, interleaved (after one warm-up)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-rss", action="store_true", help="skip the fresh-process peak RSS measurements")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        s = json.loads(a.worker)
+        print(json.dumps(worker(s["impl"], s["ckpt"], s["B"], s["T"])))
+        return 0
+    ckpt = a.ckpt
+    if ckpt is None:
+        from gpt2_port.demo import write_demo_checkpoint
+
+        ckpt = str(Path(tempfile.gettempdir()) / "gpt2port-bench-124m")
+        if not (Path(ckpt) / "model.safetensors").is_file():
+            write_demo_checkpoint(ckpt, size="gpt2", seed=0)
+    res: dict = {
+        "batch": a.batch,
+        "seq": a.seq,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": os.getloadavg(),
+    }
+    res["gemm_gflops"] = gemm_gflops()
+    res.update(duel(ckpt, a.batch, a.seq, a.rounds))
+    res["gemm_gflops_after"] = gemm_gflops()
+    if not a.no_rss:
+        res["rss"] = {impl: run_worker(impl, ckpt, a.batch, a.seq) for impl in ("ours", "hf", "ours-gc")}
+    res["loadavg_after"] = os.getloadavg()
+    text = json.dumps(res, indent=2)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""`gpt2-port parity MODEL --backward [--train-steps N]`: every gradient and every step against transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2_port.cli import main
+from gpt2_port.load import from_pretrained
+
+transformers = pytest.importorskip("transformers")
+
+from gpt2_port_checks import backward  # noqa: E402
+
+PROMPTS = ["--prompt", "The students opened their books", "--prompt", "The cat chased the mouse"]
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out + err
+
+
+def _hf_param_names(path: Path) -> list[str]:
+    hf = transformers.GPT2LMHeadModel.from_pretrained(path)
+    return [n for n, _ in hf.named_parameters()]
+
+
+@pytest.fixture(scope="module")
+def tied_run(tiny_official: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict, Path]:
+    out = tmp_path_factory.mktemp("bw")
+    argv = ["parity", str(tiny_official), "--backward", "--train-steps", "4", *PROMPTS]
+    argv += ["--json", str(out / "r.json"), "--markdown", str(out / "r.md"), "--plot", str(out / "r.png")]
+    rc = main(argv)
+    return rc, json.loads((out / "r.json").read_text()), out
+
+
+def test_every_gradient_and_step_equals_transformers_on_the_official_layout(tied_run, tiny_official: Path) -> None:
+    rc, d, _ = tied_run
+    assert rc == 0 and d["passed"] and d["kind"] == "backward"
+    grads = {p["name"]: p for p in d["points"] if p["name"].startswith("grad.")}
+    # one point per transformers parameter (a tied head is wte itself: no separate lm_head)
+    assert sorted(grads) == sorted(f"grad.{n}" for n in _hf_param_names(tiny_official))
+    assert "grad.lm_head.weight" not in grads
+    assert all(p["norm_rel"] <= 1e-5 and p["cosine"] > 0.999999 for p in grads.values())
+    acts = [p["name"] for p in d["points"] if p["name"].startswith("act_grad.")]
+    assert acts == ["act_grad.embed", "act_grad.block.0", "act_grad.block.1", "act_grad.ln_f", "act_grad.logits"]
+    assert d["loss_rel"] <= 1e-6 and d["loss_scratch"] > 0
+    # the noise floor is measured beside every figure: transformers' sdpa gradients are not its eager ones
+    assert all(p["noise_norm_rel"] is not None and p["within_noise"] for p in d["points"])
+    assert max(p["noise_norm_rel"] for p in d["points"]) > 0
+    assert d["as_close_as_reference"] is True and d["first_diverging_layer"] is None
+    steps = d["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert all(abs(s["loss_scratch"] - s["loss_reference"]) <= 1e-5 * s["loss_reference"] for s in steps)
+    assert steps[-1]["loss_reference"] < steps[0]["loss_reference"]  # the steps really train
+    assert len(d["weights"]) == len(grads) and all(p["norm_rel"] <= 1e-5 for p in d["weights"])
+    assert [g["layer"] for g in d["layers"]] == ["embed", "h.0", "h.1", "ln_f", "head"]
+
+
+def test_markdown_and_plot_are_written(tied_run) -> None:
+    _, _, out = tied_run
+    md = (out / "r.md").read_text()
+    assert md.startswith("# Backward parity report") and "grad.transformer.h.1.attn.c_attn.weight" in md
+    assert "AdamW steps" in md
+    assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_gradient_of_the_reference_itself_is_what_is_compared(tiny_official: Path) -> None:
+    """The runner's reference gradients equal a plain transformers backward (so the report compares the real ones)."""
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tiny_official, attn_implementation="eager")
+    hf = backward._dropout_off(hf)
+    ids = [torch.tensor([[464, 2444, 4721, 511, 3835]]), torch.tensor([[464, 3797]])]
+    torch.stack([hf(input_ids=i, labels=i, use_cache=False).loss for i in ids]).mean().backward()
+    want = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    hf.zero_grad(set_to_none=True)
+    g = backward.reference_grads(hf, ids, hf.config.n_layer)
+    assert set(g.params) == set(want)
+    assert all(torch.equal(g.params[n], want[n]) for n in want)
+
+
+def test_untied_head_gets_its_own_gradient_point(
+    tiny_hf_untied: Path, tokenizer_dir: Path, capsys, tmp_path: Path
+) -> None:
+    rc, out = _run(
+        ["parity", str(tiny_hf_untied), "--backward", "--no-noise-floor", *PROMPTS, "--tokenizer", str(tokenizer_dir)]
+        + ["--json", str(tmp_path / "r.json")],
+        capsys,
+    )
+    assert (tmp_path / "r.json").is_file(), out
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0 and d["passed"], out
+    names = [p["name"] for p in d["points"]]
+    assert "grad.lm_head.weight" in names and "grad.transformer.wte.weight" in names
+    head = next(g for g in d["layers"] if g["layer"] == "head")
+    assert head["worst_noise_norm_rel"] is None  # floor off
+    assert "first diverging layer: none" in out
+
+
+def test_a_wrong_gradient_is_caught_and_its_layer_named(
+    tiny_official: Path, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backward bug in one parameter (its gradient scaled by 1.001) fails the report at that parameter, names its
+    layer, and is above transformers' own noise; everything else stays equal."""
+
+    def broken(*a, **k):
+        m, rep = from_pretrained(*a, **k)
+        m.requires_grad_(True)
+        m.h[1].mlp.c_fc.weight.register_hook(lambda g: g * 1.001)
+        return m, rep
+
+    monkeypatch.setattr(backward, "from_pretrained", broken)
+    rc, out = _run(["parity", str(tiny_official), "--backward", *PROMPTS, "--json", str(tmp_path / "r.json")], capsys)
+    assert (tmp_path / "r.json").is_file(), out
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 1 and not d["passed"]
+    assert d["first_failure"] == "grad.transformer.h.1.mlp.c_fc.weight"
+    assert d["first_diverging_layer"] == "h.1"
+    bad = [p["name"] for p in d["points"] if not p["passed"]]
+    assert bad == ["grad.transformer.h.1.mlp.c_fc.weight"]
+    assert d["first_above_noise"] == "grad.transformer.h.1.mlp.c_fc.weight"
+    assert "FAIL" in out
+
+
+def test_a_wrong_optimizer_step_is_caught(
+    tiny_official: Path, capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decaying every parameter on our side only (biases and LayerNorm too) moves the losses after step 0 and the
+    weights: the step and weight checks see what the gradient check cannot."""
+    real = backward.hf_name_of_scratch
+    monkeypatch.setattr(backward, "hf_name_of_scratch", lambda cfg: dict.fromkeys(real(cfg), "transformer.wte.weight"))
+    rc, out = _run(
+        ["parity", str(tiny_official), "--train-steps", "3", "--no-noise-floor", "--lr", "1e-2", *PROMPTS]
+        + ["--weight-decay", "0.5", "--json", str(tmp_path / "r.json")],
+        capsys,
+    )
+    assert (tmp_path / "r.json").is_file(), out
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 1
+    assert all(p["passed"] for p in d["points"])  # the gradients before any step still agree
+    assert d["first_failure"].startswith(("steps[", "weight."))
+    assert any(not p["passed"] for p in d["weights"])
+
+
+def test_reduced_dtype_sweep_against_one_float32_reference(tiny_official: Path, capsys, tmp_path: Path) -> None:
+    rc, out = _run(
+        ["parity", str(tiny_official), "--backward", "--dtype", "float32,bfloat16", *PROMPTS]
+        + ["--json", str(tmp_path / "r.json")],
+        capsys,
+    )
+    assert (tmp_path / "r.json").is_file(), out
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0, out
+    confs = {c["config"]: c for c in d["configurations"]}
+    assert set(confs) == {"float32/cpu", "bfloat16/cpu"}
+    bf = confs["bfloat16/cpu"]
+    assert bf["reference_dtype"] == "float32"
+    worst = max(p["norm_rel"] for p in bf["points"])
+    assert 1e-4 < worst <= backward.BACKWARD_TOLERANCES["bfloat16"].grad  # bfloat16 really ran
+    assert bf["as_close_as_reference"] is True  # as far from float32 as transformers itself in bfloat16
+
+
+def test_optimizer_groups_are_decided_on_transformers_names(tiny_official: Path) -> None:
+    m, rep = from_pretrained(tiny_official)
+    cfg = rep.config
+    names = backward.hf_name_of_scratch(cfg)
+    assert set(names) == {n for n, _ in m.named_parameters()}
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tiny_official)
+    ours_decay = sum(p.numel() for n, p in m.named_parameters() if backward.decays(names[n], cfg))
+    ref_decay = sum(p.numel() for n, p in hf.named_parameters() if backward.decays(n, cfg))
+    assert ours_decay == ref_decay == sum(p.numel() for p in hf.parameters() if p.ndim >= 2)
+    assert not backward.decays("transformer.h.0.ln_1.weight", cfg) and backward.decays("transformer.wpe.weight", cfg)
+
+
+def test_spilled_reference_gradients_give_the_same_report(tiny_official: Path) -> None:
+    """Large models keep the reference's gradients on disk (SpilledTensors); the figures must not change."""
+    prompts = ["The students opened their books"]
+    kept = backward.run_backward(str(tiny_official), prompts, spill_bytes=None)
+    spilled = backward.run_backward(str(tiny_official), prompts, spill_bytes=0)
+    a, b = kept.reports[0], spilled.reports[0]
+    assert b.passed and [p.name for p in a.points] == [p.name for p in b.points]
+    assert [(p.norm_rel, p.noise_norm_rel) for p in a.points] == [(p.norm_rel, p.noise_norm_rel) for p in b.points]
+    assert max(p.noise_norm_rel for p in b.points) > 0
