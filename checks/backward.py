@@ -192,20 +192,20 @@ class BackwardSweep:
         return next((r for r in self.reports if not r.passed), None)
 
     def to_json(self) -> dict:
-        """The first configuration's report at the top (the forward report's shape), `passed`/`first_failure` over
-        all configurations, and every configuration's report under `configurations`."""
-        d = self.reports[0].to_json()
+        """One configuration: its report (with `kind` and `baseline`). Several: the verdict over all of them and one
+        report each under `configurations`, nothing repeated at the top (the forward report's shape)."""
+        if len(self.reports) == 1:
+            return {**self.reports[0].to_json(), "kind": "backward", "baseline": self.baseline}
         bad = self.first_failing
-        d.update(
-            kind="backward",
-            baseline=self.baseline,
-            passed=self.passed,
-            first_failure=bad.first_failure if bad else None,
-            first_failure_config=bad.label if bad else None,
-        )
-        if len(self.reports) > 1:
-            d["configurations"] = [r.to_json() for r in self.reports]
-        return d
+        return {
+            "kind": "backward",
+            "model": self.model,
+            "passed": self.passed,
+            "first_failure": bad.first_failure if bad else None,
+            "first_failure_config": bad.label if bad else None,
+            "baseline": self.baseline,
+            "configurations": [r.to_json() for r in self.reports],
+        }
 
 
 # -- names ------------------------------------------------------------------------------------------------------------

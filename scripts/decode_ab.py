@@ -36,7 +36,10 @@ def runners(pkg: str, model_dir: str, prompt: torch.Tensor, new_tokens: int) -> 
     load = importlib.import_module(f"{pkg}.load")
     gen = importlib.import_module(f"{pkg}.generate")
     decode = importlib.import_module(f"{pkg}.decode")
-    kv = importlib.import_module(f"{pkg}.kv_cache")
+    try:
+        kv = importlib.import_module(f"{pkg}.kv_cache")
+    except ModuleNotFoundError:  # commits before the KV cache had a file of its own
+        kv = importlib.import_module(f"{pkg}.model")
     model, _ = load.from_pretrained(model_dir)
 
     def greedy() -> float:

@@ -155,6 +155,7 @@ def test_reduced_dtype_sweep_against_one_float32_reference(tiny_official: Path, 
     assert (tmp_path / "r.json").is_file(), out
     d = json.loads((tmp_path / "r.json").read_text())
     assert rc == 0, out
+    assert "points" not in d and "steps" not in d  # a sweep repeats no configuration at the top
     confs = {c["config"]: c for c in d["configurations"]}
     assert set(confs) == {"float32/cpu", "bfloat16/cpu"}
     bf = confs["bfloat16/cpu"]
