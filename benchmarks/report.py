@@ -144,7 +144,8 @@ def render(res: dict) -> str:
             n = r["decode"]["new_tokens"]
             pc = (
                 f"{par['worst_block_norm_rel']:.2e} | {par['logits_norm_rel']:.2e} | "
-                f"{100 * par['top1_agreement']:.1f}% of {par['n_positions']}{_misses(par)} | {par['logprob_max_abs']:.3f}"
+                f"{100 * par['top1_agreement']:.1f}% of {par['n_positions']}{_misses(par)} | "
+                f"{par['logprob_max_abs']:.3f}"
                 if par
                 else "- | - | - | -"
             )

@@ -3,7 +3,8 @@
 Run by benchmarks.bench as `python -m benchmarks.worker '<json spec>'`, in a fresh process each time, so that the
 peak RSS it reports (VmHWM) belongs to this one load. Prints one JSON object on the last line of stdout.
 
-spec: impl ("ours" | "hf" | "duel": both in one process, prefill and decode timed interleaved), ckpt (directory), dtype ("float32" | "bfloat16" | "float16" | "int8"; int8 is ours
+spec: impl ("ours" | "hf" | "duel": both in one process, prefill and decode timed interleaved), ckpt (directory),
+dtype ("float32" | "bfloat16" | "float16" | "int8"; int8 is ours
 only), device, tasks (subset of "prefill", "decode"), prefill_shapes ([[B, T], ...]), prompt_len, new_tokens,
 max_seconds (time budget per timed measurement), threads, static (ours: decode through the static step; CUDA graph
 on CUDA), seed. Or impl "membw": the machine's memory bandwidth.

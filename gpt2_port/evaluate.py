@@ -364,7 +364,8 @@ def check_choice_docs(docs: list[dict], flag: str) -> None:
             raise UsageError(f"{flag}: line {n}: 'endings' must be a non-empty list of non-empty strings")
         if not 0 <= label < len(endings):
             raise UsageError(
-                f"{flag}: line {n}: label {label} is outside the {len(endings)} endings (expected 0..{len(endings) - 1})"
+                f"{flag}: line {n}: label {label} is outside the {len(endings)} endings "
+                f"(expected 0..{len(endings) - 1})"
             )
 
 

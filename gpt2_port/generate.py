@@ -106,7 +106,9 @@ def apply_top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def process_logits(scores: torch.Tensor, seen: torch.Tensor | None, s: SamplingSettings) -> torch.Tensor:
-    """(B, V) float32 next-token logits -> the processed scores a token is drawn from (softmax gives the distribution)."""
+    """(B, V) float32 next-token logits -> the processed scores a token is drawn from.
+
+    Their softmax is the distribution the token is drawn from."""
     if s.repetition_penalty != 1.0 and seen is not None:
         scores = apply_repetition_penalty(scores, seen, s.repetition_penalty)
     if s.do_sample:
@@ -406,7 +408,9 @@ def _check_prompt(model: GPT2, input_ids: torch.Tensor, attention_mask: torch.Te
 def _prepare(
     model: GPT2, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, num_return_sequences: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Checked (B * num_return_sequences, T) ids and mask on the model's device; the mask None when nothing is padded."""
+    """Checked (B * num_return_sequences, T) ids and mask on the model's device.
+
+    The mask is None when nothing is padded."""
     dev = model.device
     if not isinstance(input_ids, torch.Tensor):
         input_ids = torch.tensor(input_ids, dtype=torch.long)

@@ -2,10 +2,11 @@
 
 Weights are quantized once, symmetrically per output row (scale = max|w_row| / 127, zero point 0), and packed for
 fbgemm (torch's x86 quantized backend). At run time `torch.ops.quantized.linear_dynamic` quantizes each input tensor
-to 7-bit unsigned integers on the fly (one scale and zero point per call), multiplies in int8 with int32 accumulation, and rescales to
-float32. So this is dynamic W8A8, made as accurate as weight-only int8 by a second pass over the activations' quantization
-residual (see Int8Linear). On a 2-core AVX2 CPU it was the only int8 kernel faster than float32: torch's weight-only
-`_weight_int8pack_mm` and `torch._int_mm` were 10-50x slower there (see BENCHMARKS.md). LayerNorm, attention, the KV cache and the embedding lookups stay float32.
+to 7-bit unsigned integers on the fly (one scale and zero point per call), multiplies in int8 with int32
+accumulation, and rescales to float32. So this is dynamic W8A8, made as accurate as weight-only int8 by a second
+pass over the activations' quantization residual (see Int8Linear). On a 2-core AVX2 CPU it was the only int8 kernel
+faster than float32: torch's weight-only `_weight_int8pack_mm` and `torch._int_mm` were 10-50x slower there (see
+BENCHMARKS.md). LayerNorm, attention, the KV cache and the embedding lookups stay float32.
 
     model = GPT2.from_pretrained("gpt2")          # float32, CPU
     model = quantize_int8(model)                  # in place; returns the same model

@@ -254,7 +254,8 @@ def _parse_header(p: Path, raw: bytes, data_start: int, file_size: int) -> tuple
         b, e = offs
         if not (0 <= b <= e <= data_len):
             raise CheckpointError(
-                f"{p}: tensor {_short(name)}: data_offsets [{b}, {e}] out of range for {data_len} data bytes (truncated or corrupt)"
+                f"{p}: tensor {_short(name)}: data_offsets [{b}, {e}] out of range for {data_len} data bytes "
+                "(truncated or corrupt)"
             )
         numel = 1
         for d in shape:
@@ -262,10 +263,12 @@ def _parse_header(p: Path, raw: bytes, data_start: int, file_size: int) -> tuple
         item = torch.empty((), dtype=DTYPES[dt]).element_size()
         if numel * item != e - b:
             raise CheckpointError(
-                f"{p}: tensor {_short(name)}: shape {shape} of {dt} needs {numel * item} bytes, data_offsets give {e - b}"
+                f"{p}: tensor {_short(name)}: shape {shape} of {dt} needs {numel * item} bytes, "
+                f"data_offsets give {e - b}"
             )
         infos[name] = TensorInfo(name, DTYPES[dt], tuple(shape), data_start + b, data_start + e)
-    # No overlap and no hole: sorted by offset, each tensor starts where the last ended, and the data ends at the file end.
+    # No overlap and no hole: sorted by offset, each tensor starts where the last ended, and the data ends at the
+    # file end.
     pos = 0
     for info in sorted(infos.values(), key=lambda i: (i.begin, i.end)):
         rb = info.begin - data_start

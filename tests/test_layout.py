@@ -166,7 +166,8 @@ def violations(files: dict[str, str], packages: Iterable[str] = ()) -> list[str]
                 continue
             if LAYER_OF[mod] > LAYER_OF[short]:
                 bad.append(
-                    f"{where}: {short} ({LAYERS[LAYER_OF[short]][0]}) imports up into {mod} ({LAYERS[LAYER_OF[mod]][0]})"
+                    f"{where}: {short} ({LAYERS[LAYER_OF[short]][0]}) imports up into "
+                    f"{mod} ({LAYERS[LAYER_OF[mod]][0]})"
                 )
             if mod != short and mod != "__init__":
                 graph.setdefault(f"gpt2_port.{short}", set()).add(f"gpt2_port.{mod}")

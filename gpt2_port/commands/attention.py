@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--png {args.png}: cannot write ({e.strerror or e})") from None
     say = functools.partial(print, file=sys.stderr if args.png == "-" else sys.stdout)
     say(
-        f"wrote {'stdout' if args.png == '-' else args.png}: layer {layer}, {'head ' + str(args.head) if args.head is not None else 'all heads'}, "
+        f"wrote {'stdout' if args.png == '-' else args.png}: layer {layer}, "
+        f"{'head ' + str(args.head) if args.head is not None else 'all heads'}, "
         f"{len(ids)} tokens"
     )
     if diff is not None:

@@ -1,4 +1,6 @@
-"""`gpt2-port inspect MODEL`: config, tensors, parameters, bytes, the key mapping and dropped buffers. No forward pass."""
+"""`gpt2-port inspect MODEL`: config, tensors, parameters, bytes, the key mapping and dropped buffers.
+
+No forward pass."""
 
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     say(f"  root      {rep.checkpoint.root}")
     say(f"  files     {', '.join(f.name for f in rep.checkpoint.weight_files)} ({rep.checkpoint.fmt})")
     say(
-        f"  config    {rep.checkpoint.config_file.name if rep.checkpoint.config_file else 'inferred from tensor shapes'}"
+        "  config    "
+        + (rep.checkpoint.config_file.name if rep.checkpoint.config_file else "inferred from tensor shapes")
     )
     tok_files = rep.checkpoint.tokenizer_files()
     say(
