@@ -85,6 +85,7 @@ class TrainArgs:
     seed: int = 1337
     dtype: str = "float32"
     skip_nonfinite: bool = False
+    stop_at: int | None = None  # stop after this step with a resumable state (the schedule still spans `steps`)
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_batches"):
@@ -114,6 +115,8 @@ class TrainArgs:
             raise UsageError(f"--clip must be >= 0 (0: no clipping), got {self.clip!r}")
         if self.dropout is not None and not (0 <= self.dropout < 1):
             raise UsageError(f"--dropout must be in [0, 1), got {self.dropout!r}")
+        if self.stop_at is not None and not (isinstance(self.stop_at, int) and 1 <= self.stop_at):
+            raise UsageError(f"--stop-at must be a positive integer, got {self.stop_at!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
 
@@ -138,7 +141,7 @@ class Callbacks:
 class TrainResult:
     start_step: int
     step: int  # steps completed when the run ended
-    interrupted: bool
+    interrupted: bool  # stopped before --steps: by request_stop (Ctrl-C, SIGTERM) or at --stop-at
     train_loss: float | None
     val_loss: float | None
     best_val_loss: float | None
@@ -338,6 +341,13 @@ class Trainer:
 
     def _restore(self, st: trainer_state.TrainerState, source: Path) -> None:
         same_model(self.model.config, st.model_config, str(source / trainer_state.STATE_JSON))
+        if st.args.get("steps") != self.args.steps and self.args.schedule == "cosine":
+            log.warning(
+                "--steps %d where the saved run planned %s: the cosine schedule now spans %d steps",
+                self.args.steps,
+                st.args.get("steps"),
+                self.args.steps,
+            )
         if st.step > self.args.steps:
             raise UsageError(f"--steps {self.args.steps}: the run in {source} is already at step {st.step}")
         trainer_state.load_optimizer_tensors(self.model, self.optimizer, st.tensors, source)
@@ -566,7 +576,7 @@ class Trainer:
             if self.cb.on_step and d.is_main:
                 self.cb.on_step(record)
             stop = d.all_reduce_max(torch.tensor(1.0 if self._stop else 0.0, device=self.device))
-            if bool(stop) and not last:
+            if (bool(stop) or (a.stop_at is not None and step >= a.stop_at)) and not last:
                 interrupted = True
             if last or interrupted or (a.save_every and step % a.save_every == 0):
                 self.save(step, elapsed, tokens)

@@ -64,6 +64,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--batch-size", type=int, default=d.batch_size, help=f"micro-batch per process ({d.batch_size})")
     g.add_argument("--block-size", type=int, default=None, help="window length, at most n_positions (n_positions)")
     g.add_argument("--grad-accum", type=int, default=d.grad_accum, help=f"micro-steps per step ({d.grad_accum})")
+    g.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after step N with a resumable state; the schedule still spans --steps",
+    )
     g = p.add_argument_group("schedule and optimizer")
     g.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate ({d.lr})")
     g.add_argument("--min-lr", type=float, default=None, help="learning rate at the last step (lr / 10)")
@@ -196,6 +203,7 @@ def _train_args(a: argparse.Namespace):  # noqa: ANN202
         seed=a.seed,
         dtype=a.dtype,
         skip_nonfinite=a.skip_nonfinite,
+        stop_at=a.stop_at,
     )
 
 
@@ -338,8 +346,9 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
     finally:
         distributed.shutdown(dist)
+    at_stop = result.interrupted and targs.stop_at is not None and result.step >= targs.stop_at
     if not dist.is_main:
-        return 130 if result.interrupted else 0
+        return 130 if result.interrupted and not at_stop else 0
     if not args.no_plot:
         plot_loss(read_log(out / LOG_FILE, result.step), out / "loss.png")
     summary = {
@@ -362,6 +371,12 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.json:
         atomic_write_text(args.json, json.dumps(summary, indent=2) + "\n")
+    if at_stop:
+        print(
+            f"stopped at step {result.step}/{targs.steps} (--stop-at): state saved in {out}; continue with "
+            f"gpt2-port train --resume {out} --data {args.data} --steps {targs.steps}"
+        )
+        return 0
     if result.interrupted:
         print(
             f"interrupted at step {result.step}/{targs.steps}: state saved in {out}; continue with "
