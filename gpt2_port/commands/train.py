@@ -260,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--init MODEL is required (or --resume DIR to continue a run)")
     if args.from_scratch and args.init is None:
         raise UsageError("--from-scratch needs --init: a size preset (gpt2, ...) or a config.json")
+    if args.out is None and args.resume is None:
+        raise UsageError("--out DIR is required (it receives the model, the trainer state and log.jsonl)")
     out = Path(args.out if args.out is not None else args.resume)
     dist = distributed.from_env()
     device = distributed.device_for(dist, parse_device(args.device))
