@@ -405,6 +405,34 @@ class Trainer:
         finite = math.isfinite(train_loss) and (math.isfinite(grad_norm) or self.scaler is not None)
         return train_loss, grad_norm, finite
 
+    def step(self, step: int) -> dict[str, Any]:
+        """Optimizer step `step` (0-based): schedule, micro-batches, clip, AdamW; the start of its log record."""
+        a = self.args
+        lr = a.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        train_loss, grad_norm, finite = self._train_step(step)
+        if not finite and not a.skip_nonfinite:
+            self.optimizer.zero_grad(set_to_none=True)
+            what = "loss" if not math.isfinite(train_loss) else "gradient norm"
+            value = train_loss if what == "loss" else grad_norm
+            raise NonFiniteError(
+                f"step {step + 1}: the {what} is {value} (non-finite); stopped without applying it; lower --lr, "
+                f"keep --clip, use --dtype bf16 rather than fp16, or pass --skip-nonfinite"
+            )
+        record: dict[str, Any] = {"step": step + 1, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm}
+        if finite:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        else:
+            record["skipped"] = True
+            log.warning("step %d: non-finite loss or gradients, step skipped (--skip-nonfinite)", step + 1)
+        self.optimizer.zero_grad(set_to_none=True)
+        return record
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over `eval_batches * batch_size` val.bin windows, the same windows at every evaluation."""
@@ -524,34 +552,18 @@ class Trainer:
         last_saved = self.start_step if self.start_step else -1
         while step < a.steps:
             t0 = time.perf_counter()
-            lr = a.lr_at(step)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            train_loss, grad_norm, finite = self._train_step(step)
-            if not finite and not a.skip_nonfinite:
-                what = "loss" if not math.isfinite(train_loss) else "gradient norm"
-                value = train_loss if what == "loss" else grad_norm
+            try:
+                record = self.step(step)
+            except NonFiniteError as e:
                 saved = (
                     f"the last checkpoint in {self.out} is from step {last_saved}"
                     if last_saved >= 0
                     else ("nothing was saved")
                 )
-                raise NonFiniteError(
-                    f"step {step + 1}: the {what} is {value} (non-finite); stopped without applying it ({saved}); "
-                    f"lower --lr, keep --clip, use --dtype bf16 rather than fp16, or pass --skip-nonfinite"
-                )
-            record: dict[str, Any] = {"step": step + 1, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm}
-            if finite:
-                if self.scaler is not None:
-                    self.scaler.step(self.optimizer)
-                    self.scaler.update()
-                else:
-                    self.optimizer.step()
-            else:
+                raise NonFiniteError(f"{e} ({saved})") from None
+            if record.get("skipped"):
                 skipped.append(step + 1)
-                record["skipped"] = True
-                log.warning("step %d: non-finite loss or gradients, step skipped (--skip-nonfinite)", step + 1)
-            self.optimizer.zero_grad(set_to_none=True)
+            train_loss = record["train_loss"]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             dt = time.perf_counter() - t0
