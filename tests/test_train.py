@@ -166,13 +166,25 @@ def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
 ) -> None:
     out = tmp_path / "run"
     argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "4"]
-    rc = train(*argv, *PLOT, "--eval-every", "2", "--tokenizer", str(tokenizer_dir), "--json", str(tmp_path / "s.json"))
+    rc = train(
+        *argv,
+        *PLOT,
+        "--eval-every",
+        "2",
+        "--sample-every",
+        "2",
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--json",
+        str(tmp_path / "s.json"),
+    )
     assert rc == 0
     records = log(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         assert {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"} <= set(r)
     assert ("val_loss" in records[1]) and ("val_loss" in records[3]) and ("val_loss" not in records[0])
+    assert isinstance(records[1]["sample"], str) and records[1]["sample"] and "sample" not in records[0]
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "vocab.json").is_file() and (out / "best" / "config.json").is_file()
     summary = json.loads((tmp_path / "s.json").read_text())
@@ -260,6 +272,18 @@ def test_from_scratch_is_seeded_and_an_out_that_holds_a_run_is_not_overwritten(
         *FAST,
     )
     assert rc == 2 and log(tmp_path / "a") == runs[0]
+
+
+def test_grad_checkpointing_trains_the_same_model(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
+    runs = []
+    for flag in ([], ["--grad-checkpointing"]):
+        out = tmp_path / f"run{len(runs)}"
+        argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "2", *FAST]
+        assert train(*argv, "--dropout", "0.1", "--eval-every", "0", *flag) == 0
+        runs.append(out)
+    assert [r["train_loss"] for r in log(runs[0])] == [r["train_loss"] for r in log(runs[1])]
+    wa, wb = weights(runs[0]), weights(runs[1])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 # -- memory, NaN, Ctrl-C ---------------------------------------------------------------------------------------------
