@@ -396,6 +396,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _peak_rss_mb() -> float:
+    """VmHWM: the peak RSS of this program (ru_maxrss would carry over the peak of a parent that forked it)."""
     import resource
 
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
