@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "gpt2_port.commands.inspect",
     "gpt2_port.commands.demo",
     "gpt2_port.commands.prepare",
+    "gpt2_port.commands.train",
     "gpt2_port.commands.eval",
 ]
 

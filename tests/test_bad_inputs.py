@@ -1012,6 +1012,97 @@ def c_backward_token_ids_out_of_range(tmp: Path, base: Path) -> dict:
     }
 
 
+# -- train ------------------------------------------------------------------------------------------------------------
+def _train_data(tmp: Path, ids: object = None) -> Path:
+    import numpy as np
+
+    d = tmp / "data"
+    d.mkdir(exist_ok=True)
+    np.array(list(range(900)) * 3 if ids is None else ids, dtype="<u2").tofile(d / "train.bin")
+    np.array(list(range(100)) * 3, dtype="<u2").tofile(d / "val.bin")
+    return d
+
+
+def train_argv(base: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--init",
+        str(base),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--steps",
+        "1",
+        "--no-plot",
+        "--batch-size",
+        "1",
+        "--block-size",
+        "8",
+        *extra,
+    ]
+
+
+@case
+def c_train_data_without_train_bin(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    (d / "train.bin").unlink()
+    return {"argv": train_argv(base, d, tmp / "out"), "expect": ["--data", "no train.bin", "gpt2-port prepare"]}
+
+
+@case
+def c_train_bin_id_outside_vocabulary(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp, [5] * 50 + [1000] + [7] * 50)  # the checkpoint's vocabulary has 1000 ids
+    return {"argv": train_argv(base, d, tmp / "out"), "expect": ["train.bin", "token id 1000 at offset 50", "1000"]}
+
+
+@case
+def c_train_block_size_above_n_positions(tmp: Path, base: Path) -> dict:
+    argv = train_argv(base, _train_data(tmp), tmp / "out")
+    argv[argv.index("--block-size") + 1] = "33"
+    return {"argv": argv, "expect": ["--block-size 33", "n_positions=32"]}
+
+
+@case
+def c_train_batch_size_zero(tmp: Path, base: Path) -> dict:
+    argv = train_argv(base, _train_data(tmp), tmp / "out")
+    argv[argv.index("--batch-size") + 1] = "0"
+    return {"argv": argv, "expect": ["--batch-size", "positive integer", "got 0"]}
+
+
+@case
+def c_train_resume_from_another_model(tmp: Path, base: Path) -> dict:
+    from gpt2_port import trainer_state
+
+    other = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32, vocab_size=1000)
+    run = write_demo_checkpoint(tmp / "run", config=other, seed=1)
+    trainer_state.save(
+        trainer_state.TrainerState(
+            step=1,
+            model_config=other.to_hf_dict(),
+            args={"steps": 1},
+            world_size=1,
+            batches_drawn=1,
+            tensors={"rng.torch_cpu": torch.get_rng_state(), "rng.data": torch.Generator().get_state()},
+        ),
+        run,
+    )
+    argv = ["train", "--init", str(base), "--resume", str(run), "--data", str(_train_data(tmp)), "--steps", "2"]
+    return {"argv": argv + ["--no-plot"], "expect": ["--resume", "trained another model", "n_layer=1", "2 here"]}
+
+
+@case
+def c_train_out_under_a_regular_file(tmp: Path, base: Path) -> dict:
+    (tmp / "afile").write_text("x")
+    argv = train_argv(base, _train_data(tmp), tmp / "afile" / "out")
+    return {"argv": argv, "expect": ["--out", "afile", "is a file, not a directory"]}
+
+
+@case
+def c_train_out_unwritable_proc(tmp: Path, base: Path) -> dict:
+    return {"argv": train_argv(base, _train_data(tmp), Path("/proc/x")), "expect": ["--out /proc/x", "cannot write"]}
+
+
 def _files(root: Path) -> set[str]:
     out = set()
     for dirpath, dirnames, filenames in os.walk(root):

@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("load", {"load"}),
     (
         "uses",
-        {"generate", "decode", "quantize", "demo", "prepare", "data", "train", "evaluate", "windows", "published"},
+        {"generate", "decode", "quantize", "demo", "prepare", "data", "train", "evaluate", "windows", "published"}
+        | {"schedule", "memory", "trainer_state", "distributed"},
     ),
     ("top", {"cli", "__main__", "commands"}),  # commands: gpt2_port/commands/*
 ]

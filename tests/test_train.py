@@ -1,0 +1,401 @@
+"""The training loop: windows, sampler, schedule, optimizer groups, exact resume, outputs, memory check, NaN, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2_port import memory, trainer_state
+from gpt2_port.cli import main
+from gpt2_port.config import GPT2Config, preset
+from gpt2_port.data import GlobalBatchSampler, TokenFile, open_split
+from gpt2_port.demo import write_demo_checkpoint
+from gpt2_port.errors import UsageError
+from gpt2_port.load import from_pretrained
+from gpt2_port.model import GPT2
+from gpt2_port.safetensors_io import SafetensorsFile
+from gpt2_port.schedule import lr_at, param_groups
+from gpt2_port.tokenizer import load_tokenizer
+from gpt2_port.train import NonFiniteError, TrainArgs, Trainer, prepare_model
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+# Small vocabulary: the machine's 2 cores are shared, and GPT-2's 50257-wide head would dominate every step.
+SMALL = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=512)
+PLOT = ["--batch-size", "2", "--block-size", "16", "--eval-batches", "2", "--device", "cpu"]
+FAST = [*PLOT, "--no-plot"]
+
+
+def write_bin(path: Path, ids) -> Path:  # noqa: ANN001
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.array(ids, dtype="<u2").tofile(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def shakes(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """tiny shakespeare as nanoGPT's prepare.py writes it: 90/10 character split, encode_ordinary, uint16."""
+    text = CORPUS.read_text()
+    n = int(len(text) * 0.9)
+    enc = load_tokenizer(tokenizer_dir).enc
+    d = tmp_path_factory.mktemp("shakes")
+    write_bin(d / "train.bin", enc.encode_ordinary(text[:n]))
+    write_bin(d / "val.bin", enc.encode_ordinary(text[n:]))
+    return d
+
+
+@pytest.fixture(scope="module")
+def small_data(shakes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The corpus folded into SMALL's 512-token vocabulary (ids mod 512): real text statistics, a cheap head."""
+    d = tmp_path_factory.mktemp("small_data")
+    for split in ("train", "val"):
+        ids = np.fromfile(shakes / f"{split}.bin", dtype="<u2")[:20000] % SMALL.vocab_size
+        write_bin(d / f"{split}.bin", ids)
+    return d
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    return write_demo_checkpoint(tmp_path_factory.mktemp("small_ckpt"), config=SMALL, seed=4)
+
+
+def train(*argv: str) -> int:
+    return main(["train", *argv])
+
+
+def log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def weights(d: Path) -> dict[str, torch.Tensor]:
+    st = SafetensorsFile(d / "model.safetensors")
+    return {k: st.get(k).clone() for k in st.keys()}
+
+
+# -- data ------------------------------------------------------------------------------------------------------------
+def test_windows_are_x_data_i_to_i_plus_t_and_y_shifted_by_one(tmp_path: Path) -> None:
+    f = TokenFile(write_bin(tmp_path / "a.bin", range(100)), vocab_size=200)
+    x, y = f.windows(torch.tensor([0, 7, 90]), 9)
+    assert x.dtype == torch.int64 and x.shape == (3, 9)
+    assert x[1].tolist() == list(range(7, 16)) and y[1].tolist() == list(range(8, 17))
+    assert y[2].tolist() == list(range(91, 100))  # the last window ends on the last token
+
+
+def test_the_bin_format_is_little_endian_uint16_without_header(shakes: Path, tokenizer_dir: Path) -> None:
+    f = TokenFile(shakes / "train.bin", 50257)
+    assert len(f) == 301966  # nanoGPT's data/shakespeare/prepare.py: "train has 301,966 tokens"
+    assert len(TokenFile(shakes / "val.bin", 50257)) == 36059  # "val has 36,059 tokens"
+    enc = load_tokenizer(tokenizer_dir).enc
+    assert enc.decode(f.ids[:5].tolist()) == "First Citizen:\nBefore"
+
+
+def test_an_id_outside_the_vocabulary_is_named_with_its_file_and_offset(tmp_path: Path) -> None:
+    p = write_bin(tmp_path / "train.bin", [1, 2, 3, 600, 4, 700])
+    with pytest.raises(UsageError, match=r"train.bin: token id 600 at offset 3 .*vocabulary of 512"):
+        TokenFile(p, 512)
+
+
+def test_a_truncated_bin_and_a_missing_split_are_errors(tmp_path: Path) -> None:
+    (tmp_path / "train.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(UsageError, match="3 bytes is not a whole number"):
+        TokenFile(tmp_path / "train.bin", 512)
+    with pytest.raises(UsageError, match="no val.bin"):
+        open_split(tmp_path, "val", 512, 8)
+    write_bin(tmp_path / "val.bin", range(5))
+    with pytest.raises(UsageError, match="holds 5 tokens, fewer than the 9"):
+        open_split(tmp_path, "val", 512, 8)
+
+
+def test_one_generator_draws_the_global_batch_and_each_rank_takes_its_share() -> None:
+    one = GlobalBatchSampler(1000, 16, batch_size=3, grad_accum=2, world_size=1, seed=5)
+    two = [GlobalBatchSampler(1000, 16, batch_size=3, grad_accum=1, world_size=2, seed=5) for _ in range(2)]
+    for _ in range(3):
+        a = one.next_step(0)  # (2, 3): micro-steps 0 and 1 of the one process
+        r0, r1 = two[0].next_step(0), two[1].next_step(1)  # (1, 3) each
+        assert torch.equal(a[0], r0[0]) and torch.equal(a[1], r1[0])
+    assert (a >= 0).all() and (a < 1000 - 16).all()
+    other = GlobalBatchSampler(1000, 16, batch_size=3, grad_accum=2, world_size=1, seed=6)
+    assert not torch.equal(GlobalBatchSampler(1000, 16, 3, 2, 1, 5).next_step(0), other.next_step(0))
+
+
+# -- schedule and optimizer ------------------------------------------------------------------------------------------
+def test_lr_warms_up_linearly_then_follows_a_cosine_to_min_lr() -> None:
+    lrs = [lr_at(s, 1.0, 0.1, 4, 20) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == 1.0 and math.isclose(lrs[-1], 0.1)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))  # decays monotonically
+    mid = 4 + (19 - 4) / 2
+    assert math.isclose(lr_at(int(mid), 1.0, 0.1, 4, 20), 0.1 + 0.45 * (1 + math.cos(math.pi * 7 / 15)))
+    assert [lr_at(s, 1.0, 0.1, 2, 10, "constant") for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_weight_decay_goes_to_weights_of_two_or_more_dims_only() -> None:
+    m = GPT2(SMALL).requires_grad_(True)
+    decay, no_decay = param_groups(m, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert {names[id(p)] for p in decay["params"]} >= {"wte.weight", "wpe.weight", "h.0.mlp.c_fc.weight"}
+    assert "ln_f.weight" in {names[id(p)] for p in no_decay["params"]}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(m.parameters()))  # tied head counted once
+
+
+def test_gradients_are_clipped_to_clip_and_the_norm_before_clipping_is_logged(small_ckpt: Path, small_data: Path):
+    m, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=1, batch_size=2, block_size=16, clip=0.01, eval_every=0, dropout=0.0)
+    prepare_model(m, args, torch.device("cpu"))
+    t = Trainer(m, args, TokenFile(small_data / "train.bin", 512), None, "/nonexistent")
+    _, norm, finite = t._train_step(0)
+    after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()]))
+    assert finite and norm > 0.05 and math.isclose(float(after), 0.01, rel_tol=1e-4)
+
+
+# -- the command: outputs and exact resume ---------------------------------------------------------------------------
+def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
+    small_ckpt: Path, small_data: Path, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "4"]
+    rc = train(
+        *argv,
+        *PLOT,
+        "--eval-every",
+        "2",
+        "--sample-every",
+        "2",
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--json",
+        str(tmp_path / "s.json"),
+    )
+    assert rc == 0
+    records = log(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"} <= set(r)
+    assert ("val_loss" in records[1]) and ("val_loss" in records[3]) and ("val_loss" not in records[0])
+    assert isinstance(records[1]["sample"], str) and records[1]["sample"] and "sample" not in records[0]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "vocab.json").is_file() and (out / "best" / "config.json").is_file()
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["step"] == 4 and summary["val_loss"] == records[3]["val_loss"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary directory left
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    ours, _ = from_pretrained(out)
+    ids = torch.randint(0, 512, (1, 12))
+    torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=0, atol=1e-5)
+    # the model in --out is the last step's: one more step of AdamW would have moved it
+    assert not torch.equal(weights(out)["h.0.mlp.c_fc.weight"], weights(small_ckpt)["h.0.mlp.c_fc.weight"])
+
+
+def test_resume_continues_exactly_same_losses_and_bit_identical_weights(
+    small_ckpt: Path, small_data: Path, tmp_path: Path
+) -> None:
+    """6 steps == 3 steps (--stop-at 3) + resume to 6, with dropout, grad accumulation, warmup, a cosine schedule
+    and evaluation in play."""
+    common = ["--data", str(small_data), *FAST, "--dropout", "0.1", "--grad-accum", "2", "--warmup", "2"]
+    common += ["--eval-every", "2", "--seed", "7"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert train("--init", str(small_ckpt), "--out", str(full), "--steps", "6", *common) == 0
+    assert train("--init", str(small_ckpt), "--out", str(part), "--steps", "6", "--stop-at", "3", *common) == 0
+    assert trainer_state.load(part).step == 3
+    assert train("--resume", str(part), "--steps", "6", *common) == 0
+    a, b = log(full), log(part)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for key in ("train_loss", "lr", "grad_norm"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]  # evaluated at steps 2, 4, 6
+    wa, wb = weights(full), weights(part)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = trainer_state.load(full), trainer_state.load(part)
+    assert all(torch.equal(sa.tensors[k], sb.tensors[k]) for k in sa.tensors)
+
+
+def test_the_trainer_state_is_safetensors_and_json_not_a_pickle(small_ckpt: Path, small_data: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    assert train("--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "1", *FAST) == 0
+    raw = (out / trainer_state.STATE_TENSORS).read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    names = set(header) - {"__metadata__"}
+    assert {"rng.torch_cpu", "rng.data", "optim.wte.weight.exp_avg", "optim.wte.weight.exp_avg_sq"} <= names
+    meta = json.loads((out / trainer_state.STATE_JSON).read_text())
+    assert meta["step"] == 1 and meta["batches_drawn"] == 1 and meta["model_config"]["n_embd"] == 32
+
+
+def test_from_scratch_is_seeded_and_an_out_that_holds_a_run_is_not_overwritten(
+    small_data: Path, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMALL.to_hf_dict()))
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        assert (
+            train(
+                "--init",
+                str(cfg),
+                "--from-scratch",
+                "--data",
+                str(small_data),
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                *FAST,
+            )
+            == 0
+        )
+        runs.append(log(out))
+    assert [r["train_loss"] for r in runs[0]] == [r["train_loss"] for r in runs[1]]
+    assert abs(runs[0][0]["train_loss"] - math.log(512)) < 0.1  # GPT-2 init: near-uniform predictions
+    rc = train(
+        "--init",
+        str(cfg),
+        "--from-scratch",
+        "--data",
+        str(small_data),
+        "--out",
+        str(tmp_path / "a"),
+        "--steps",
+        "2",
+        *FAST,
+    )
+    assert rc == 2 and log(tmp_path / "a") == runs[0]
+
+
+def test_grad_checkpointing_trains_the_same_model(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
+    runs = []
+    for flag in ([], ["--grad-checkpointing"]):
+        out = tmp_path / f"run{len(runs)}"
+        argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "2", *FAST]
+        assert train(*argv, "--dropout", "0.1", "--eval-every", "0", *flag) == 0
+        runs.append(out)
+    assert [r["train_loss"] for r in log(runs[0])] == [r["train_loss"] for r in log(runs[1])]
+    wa, wb = weights(runs[0]), weights(runs[1])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# -- memory, NaN, Ctrl-C ---------------------------------------------------------------------------------------------
+def test_gpt2_large_fine_tunes_in_24_gib_by_the_estimate_with_grad_checkpointing() -> None:
+    large = preset("gpt2-large")
+    small_batch = memory.estimate(large, 1, 1024, grad_checkpointing=True)
+    assert small_batch.total < 20 * memory.GiB  # fits this 24 GiB machine with room for the system
+    assert small_batch.weights + small_batch.grads + small_batch.optimizer == 16 * large.num_params()
+    big_batch = memory.estimate(large, 16, 1024)
+    assert big_batch.total > 24 * memory.GiB  # would be an out-of-memory kill: the check stops it first
+    assert (
+        memory.estimate(large, 4, 1024, grad_checkpointing=True).activations
+        < memory.estimate(large, 4, 1024).activations / 5
+    )
+
+
+def test_a_run_that_cannot_fit_stops_with_the_estimate_and_what_to_change(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setattr(memory, "available_cpu_memory", lambda: (int(0.8 * memory.GiB), "MemAvailable (test)"))
+    out = tmp_path / "run"
+    rc = train(
+        "--init",
+        str(small_ckpt),
+        "--data",
+        str(small_data),
+        "--out",
+        str(out),
+        "--steps",
+        "1",
+        "--batch-size",
+        "64",
+        "--block-size",
+        "64",
+        "--no-plot",
+        "--device",
+        "cpu",
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "memory: this run needs about" in err and "0.8 GiB is available" in err and "try" in err
+    assert not out.exists()
+
+
+def test_a_nan_loss_stops_with_the_step_and_skip_nonfinite_skips_it(small_ckpt: Path, small_data: Path) -> None:
+    m, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=3, batch_size=2, block_size=16, eval_every=0, dropout=0.0)
+    prepare_model(m, args, torch.device("cpu"))
+    with torch.no_grad():
+        m.ln_f.weight[3] = float("nan")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    t = Trainer(m, args, TokenFile(small_data / "train.bin", 512), None, "/nonexistent-out")
+    with pytest.raises(NonFiniteError, match=r"step 1: the loss is nan .*--skip-nonfinite"):
+        t.run()
+    for k, v in m.state_dict().items():  # nothing was applied
+        assert torch.equal(torch.nan_to_num(before[k]), torch.nan_to_num(v)), k
+
+
+def test_skip_nonfinite_skips_the_step_without_changing_weights(
+    small_ckpt: Path, small_data: Path, tmp_path: Path
+) -> None:
+    m, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=2, batch_size=2, block_size=16, eval_every=0, dropout=0.0, skip_nonfinite=True)
+    prepare_model(m, args, torch.device("cpu"))
+    with torch.no_grad():
+        m.h[0].mlp.c_fc.bias[0] = float("inf")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    res = Trainer(m, args, TokenFile(small_data / "train.bin", 512), None, tmp_path / "o").run()
+    assert res.skipped_steps == [1, 2]
+    for k, v in m.state_dict().items():
+        assert torch.equal(torch.nan_to_num(before[k]), torch.nan_to_num(v)), k
+    assert [r.get("skipped") for r in log(tmp_path / "o")] == [True, True]
+
+
+def test_ctrl_c_saves_a_resumable_state_then_exits(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpt2_port",
+        "train",
+        "--init",
+        str(small_ckpt),
+        "--data",
+        str(small_data),
+        "--out",
+        str(out),
+        "--steps",
+        "100000",
+        *FAST,
+        "--eval-every",
+        "0",
+        "--schedule",
+        "constant",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "log.jsonl").exists() and len(log(out)) >= 2):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    st = trainer_state.load(out)
+    assert st.step >= 2 and f"interrupted at step {st.step}/100000" in stdout
+    assert "--resume" in stdout and "Traceback" not in stderr
+    assert [r["step"] for r in log(out)] == list(range(1, st.step + 1))
+    # the interrupted run resumes to the same place as an uninterrupted run (constant lr: --steps may change)
+    more = ["--data", str(small_data), *FAST, "--eval-every", "0", "--schedule", "constant"]
+    assert train("--resume", str(out), "--steps", str(st.step + 2), *more) == 0
+    ref = tmp_path / "ref"
+    assert train("--init", str(small_ckpt), "--out", str(ref), "--steps", str(st.step + 2), *more) == 0
+    assert [r["train_loss"] for r in log(out)] == [r["train_loss"] for r in log(ref)]
+    wa, wb = weights(out), weights(ref)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
