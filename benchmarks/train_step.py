@@ -10,6 +10,8 @@
   exactly: the bytes of the tensors autograd saves for backward during one forward (saved_tensors_hooks), with and
   without checkpointing.
 - throughput: 6 x parameters x tokens per step / time, beside this machine's float32 GEMM rate (a timed torch.mm).
+- --profile PATH: torch.profiler (CPU) over 2 more steps of each side, the op tables (by self CPU time) written to
+  PATH as text, to see where the two differ.
 
 Not a test: the numbers depend on the machine and its load (say so when quoting them).
 """
@@ -138,7 +140,21 @@ def run_worker(impl: str, ckpt: str, B: int, T: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def duel(ckpt: str, B: int, T: int, rounds: int) -> dict:
+def profile_tables(steps: dict, ids: torch.Tensor, n: int = 2, rows: int = 30) -> str:
+    """Each side's torch.profiler op table (self CPU time) over n steps, one after the other."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for impl, step in steps.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(n):
+                step(ids)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40)
+        out.append(f"== {impl}: {n} steps\n{table}")
+    return "\n".join(out)
+
+
+def duel(ckpt: str, B: int, T: int, rounds: int, profile_path: str | None = None) -> dict:
     ours, hf = load("ours", ckpt), load("hf", ckpt)
     n_params = sum(p.numel() for p in ours.parameters())
     ids = batch(B, T)
@@ -153,6 +169,8 @@ def duel(ckpt: str, B: int, T: int, rounds: int) -> dict:
                 times[impl].append(time.perf_counter() - t0)
             print(f"  round {k} {impl}: {time.perf_counter() - t0:.2f}s", file=sys.stderr)
     med = {k: statistics.median(v) for k, v in times.items()}
+    if profile_path:
+        Path(profile_path).write_text(profile_tables(steps, ids) + "\n")
     flops = 6 * n_params * B * T
     act = {"ours": saved_bytes(ours, "ours", ids), "hf": saved_bytes(hf, "hf", ids)}
     ours.gradient_checkpointing = True
@@ -177,6 +195,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3, help="timed steps per side, interleaved (after one warm-up)")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, help="write each side's torch.profiler op table to this text file")
     p.add_argument("--no-rss", action="store_true", help="skip the fresh-process peak RSS measurements")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -200,7 +219,7 @@ def main() -> int:
         "loadavg_before": os.getloadavg(),
     }
     res["gemm_gflops"] = gemm_gflops()
-    res.update(duel(ckpt, a.batch, a.seq, a.rounds))
+    res.update(duel(ckpt, a.batch, a.seq, a.rounds, a.profile))
     res["gemm_gflops_after"] = gemm_gflops()
     if not a.no_rss:
         res["rss"] = {impl: run_worker(impl, ckpt, a.batch, a.seq) for impl in ("ours", "hf", "ours-gc")}

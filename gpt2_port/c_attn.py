@@ -6,8 +6,12 @@ copy). Two ways to run the one matmul from them:
 - inference: `fused_qkv` finds the (3C, C) weight the three are views of and hands it to F.linear. One matmul decodes
   faster than three strided ones (measured ~30% less time in that matmul). The view is made with as_strided on
   q's weight, so autograd would send all of c_attn's gradient to q_proj: never used when a gradient is wanted.
-- training: `project_qkv(..., grad=True)` concatenates the three into c_attn's `[C, 3C]` layout, so the matmul is the
-  reference's and autograd splits its gradient back into q, k and v.
+- training: `CAttn`, a custom autograd Function with transformers' Conv1D arithmetic. Forward: addmm(b, x, W), W the
+  `[C, 3C]` c_attn matrix (the checkpoint's storage viewed when q/k/v are adjacent views of it, else assembled).
+  It saves x and the three weight parameters themselves (no copy of W is kept for backward: 85 MB at 124M when
+  autograd kept a torch.cat). Backward runs the ops autograd runs for Conv1D's addmm (grad @ W^T, x^T @ grad,
+  grad.sum(0)) and splits the `[C, 3C]` weight gradient into q, k and v's `[out, in]` ones (transposes, views), so
+  the gradients equal transformers' bit for bit.
 """
 
 from __future__ import annotations
@@ -17,13 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (3C, C) weight and (3C,) bias that q/k/v are adjacent views of, or None. Inference only (see above)."""
-    if not all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)):
-        return None
-    wq, wk, wv, bq, bk, bv = q.weight, k.weight, v.weight, q.bias, k.bias, v.bias
+def c_attn_view(
+    wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, bq: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The `[C, 3C]` weight and (3C,) bias that q/k/v's (C, C) [out, in] weights and biases are adjacent views of,
+    as views of that storage (no copy), or None when they are not laid out so."""
     C = wq.shape[1]
     if not (wq.shape == wk.shape == wv.shape == (C, C) and wq.dtype == wk.dtype == wv.dtype == bq.dtype):
+        return None
+    if not (bq.shape == bk.shape == bv.shape == (C,) and bq.dtype == bk.dtype == bv.dtype):
         return None
     ws, bs = wq.untyped_storage().data_ptr(), bq.untyped_storage().data_ptr()
     wo, bo = wq.storage_offset(), bq.storage_offset()
@@ -36,7 +42,54 @@ def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, t
         return None
     if not bq.stride() == bk.stride() == bv.stride() == (1,):
         return None
-    return wq.as_strided((3 * C, C), (1, 3 * C)), bq.as_strided((3 * C,), (1,))
+    return wq.as_strided((C, 3 * C), (3 * C, 1)), bq.as_strided((3 * C,), (1,))
+
+
+def c_attn_weight(
+    wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, bq: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """c_attn's `[C, 3C]` weight and (3C,) bias: the shared storage viewed, else assembled (a copy)."""
+    fused = c_attn_view(wq, wk, wv, bq, bk, bv)
+    if fused is not None:
+        return fused
+    return torch.cat((wq.t(), wk.t(), wv.t()), dim=1), torch.cat((bq, bk, bv))  # (C, 3C), (3C,)
+
+
+def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (3C, C) weight and (3C,) bias that q/k/v are adjacent views of, or None. Inference only (see above)."""
+    if not all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)):
+        return None
+    fused = c_attn_view(q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
+    return None if fused is None else (fused[0].t(), fused[1])
+
+
+class CAttn(torch.autograd.Function):
+    """(N, C) x -> (N, 3C) = addmm(b, x, W) with gradients for x and q/k/v's weights and biases (see above)."""
+
+    @staticmethod
+    def forward(ctx, x2d, wq, wk, wv, bq, bk, bv):  # noqa: ANN001, ANN205 (autograd's signature)
+        w, b = c_attn_weight(wq, wk, wv, bq, bk, bv)
+        ctx.save_for_backward(x2d, wq, wk, wv, bq, bk, bv)  # the parameters themselves: nothing is copied
+        return torch.addmm(b, x2d, w)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        x2d, wq, wk, wv, bq, bk, bv = ctx.saved_tensors
+        C = wq.shape[1]
+        need = ctx.needs_input_grad
+        gx = gq = gk = gv = gbq = gbk = gbv = None
+        if need[0]:  # as autograd's mm_mat1_backward: a column-major x gets its gradient column-major
+            w, _ = c_attn_weight(wq, wk, wv, bq, bk, bv)
+            N = x2d.shape[0]
+            if x2d.stride(0) == 1 and x2d.stride(1) == N:
+                gx = w.mm(grad.t()).t()
+            else:
+                gx = grad.mm(w.t())  # (N, 3C) @ (3C, C)
+        if any(need[1:4]):  # as mm_mat2_backward for Conv1D's row-major [C, 3C] weight
+            gq, gk, gv = (g.t() for g in x2d.t().mm(grad).split(C, dim=1))  # (C, 3C) -> 3 x (C, C) [out, in]
+        if any(need[4:7]):  # as autograd's sum_to for addmm's broadcast bias
+            gbq, gbk, gbv = grad.sum(0).split(C)
+        return gx, gq, gk, gv, gbq, gbk, gbv
 
 
 def project_qkv(
@@ -45,10 +98,9 @@ def project_qkv(
     """(B, T, C) -> q, k, v (B, T, C) each. grad: a gradient is wanted (no shared-storage view then)."""
     B, T, C = x.shape
     plain = all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v))
-    if grad and plain:  # c_attn as transformers holds it, [in, 3 out], assembled so autograd splits
-        w = torch.cat((q.weight.t(), k.weight.t(), v.weight.t()), dim=1)  # (C, 3C)
-        b = torch.cat((q.bias, k.bias, v.bias))  # (3C,)
-        return torch.addmm(b, x.reshape(-1, C), w).view(B, T, 3 * C).split(C, dim=-1)
+    if grad and plain:  # c_attn as transformers runs it, [in, 3 out], gradients split back into q, k and v
+        y = CAttn.apply(x.reshape(-1, C), q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)  # (B*T, 3C)
+        return y.view(B, T, 3 * C).split(C, dim=-1)
     fused = None if grad else fused_qkv(q, k, v)
     if fused is not None:  # the checkpoint's own c_attn storage, viewed: no copy
         return F.linear(x, *fused).split(C, dim=-1)

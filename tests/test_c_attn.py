@@ -1,0 +1,87 @@
+"""c_attn's training projection (gpt2_port.c_attn.CAttn): correct gradients, Conv1D's arithmetic bit for bit, and no
+copy of the fused weight kept for backward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2_port.c_attn import CAttn, c_attn_view
+from gpt2_port.load import from_pretrained
+
+
+def _fused(C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """A [C, 3C] weight and (3C,) bias, and q/k/v's [out, in] weights and biases as views of them (a loaded model)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(C, 3 * C, generator=g, dtype=dtype)
+    b = torch.randn(3 * C, generator=g, dtype=dtype)
+    ws = [t.t().requires_grad_(True) for t in w.detach().split(C, dim=1)]  # views of w's storage
+    bs = [t.requires_grad_(True) for t in b.detach().split(C)]
+    return w, b, ws + bs
+
+
+def _separate(C: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """q/k/v's weights and biases in their own storages (a model built from scratch)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g, dtype=dtype, requires_grad=True) for s in [(C, C)] * 3 + [(C,)] * 3]
+
+
+@pytest.mark.parametrize("layout", ["views", "separate"])
+def test_gradcheck_float64(layout: str) -> None:
+    C, N = 4, 5
+    params = _fused(C, torch.float64, 0)[2] if layout == "views" else _separate(C, torch.float64, 0)
+    assert (c_attn_view(*params) is not None) == (layout == "views")
+    x = torch.randn(N, C, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(CAttn.apply, (x, *params))
+    xt = torch.randn(C, N, dtype=torch.float64).t().requires_grad_(True)  # a column-major x
+    assert torch.autograd.gradcheck(CAttn.apply, (xt, *params))
+
+
+@pytest.mark.parametrize("layout", ["views", "separate"])
+def test_gradients_equal_conv1d_addmm_bit_for_bit(layout: str) -> None:
+    """transformers' Conv1D runs addmm(b, x, W) on a [C, 3C] parameter; autograd's gradients of that are the
+    reference: CAttn's (split into q, k, v) must be the same floats, not merely close."""
+    C, N = 48, 37
+    if layout == "views":
+        w, b, params = _fused(C, torch.float32, 1)
+    else:
+        params = _separate(C, torch.float32, 1)
+        w = torch.cat([p.detach().t() for p in params[:3]], dim=1)
+        b = torch.cat([p.detach() for p in params[3:]])
+    w, b = w.clone().requires_grad_(True), b.clone().requires_grad_(True)  # Conv1D's own parameters
+    x = torch.randn(N, C, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+    g = torch.randn(N, 3 * C, generator=torch.Generator().manual_seed(3))
+    xr = x.detach().clone().requires_grad_(True)
+    y_ref = torch.addmm(b, xr, w)
+    y = CAttn.apply(x, *params)
+    assert torch.equal(y, y_ref)
+    y_ref.backward(g)
+    y.backward(g)
+    assert torch.equal(x.grad, xr.grad)
+    for i, p in enumerate(params[:3]):
+        assert torch.equal(p.grad, w.grad[:, i * C : (i + 1) * C].t()), i
+    for i, p in enumerate(params[3:]):
+        assert torch.equal(p.grad, b.grad[i * C : (i + 1) * C]), i
+
+
+def test_no_copy_of_the_fused_weight_is_saved_for_backward(tiny_official: Path) -> None:
+    """Autograd keeps only parameters and activations in train mode: no [C, 3C] tensor outside the parameters."""
+    m, _ = from_pretrained(tiny_official)
+    m.train().requires_grad_(True)
+    C = m.config.n_embd
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    shapes = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            shapes.append(tuple(t.shape))
+        return t
+
+    ids = torch.randint(0, m.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = m(ids, labels=ids).loss
+    loss.backward()
+    assert shapes, "nothing was saved: the hook saw no forward"
+    assert (C, 3 * C) not in shapes and (3 * C, C) not in shapes, shapes
