@@ -102,10 +102,3 @@ class GlobalBatchSampler:
         offsets = torch.randint(self.high, shape, generator=self.generator)  # (A, W, B)
         self.batches_drawn += 1
         return offsets[:, rank]  # (A, B)
-
-    def state(self) -> torch.Tensor:
-        return self.generator.get_state()
-
-    def load_state(self, state: torch.Tensor, batches_drawn: int) -> None:
-        self.generator.set_state(state)
-        self.batches_drawn = batches_drawn

@@ -311,9 +311,9 @@ class Trainer:
         self.optimizer = make_optimizer(
             model, args.lr, args.weight_decay, (args.beta1, args.beta2), args.eps, fused=self.device.type == "cuda"
         )
-        self.scaler = torch.amp.GradScaler("cuda") if args.dtype == "fp16" else None
         if args.dtype == "fp16" and self.device.type != "cuda":
             raise UsageError("--dtype fp16 needs a CUDA device (it trains with a grad scaler); use float32 on CPU")
+        self.scaler = torch.amp.GradScaler("cuda") if args.dtype == "fp16" else None
         self.start_step, self.best_val, self.best_step, self.elapsed0, self.tokens0 = 0, None, None, 0.0, 0
         self.records: list[dict] = []
         if resume is not None:
