@@ -8,7 +8,9 @@ import importlib.util
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from ..errors import UsageError
 from ..util import atomic_write_text, check_writable
@@ -230,18 +232,32 @@ def run(args: argparse.Namespace) -> int:
         for r in sweep.reports
     )
     print(f"transformers load {sweep.reports[0].timings['reference_load_s']:.2f}s; {timing}", file=sys.stderr)
+    from gpt2_port_checks.plots import plot_errors
+
+    write_outputs(
+        outs,
+        human,
+        json_text=lambda: json.dumps(sweep.to_json(), indent=2) + "\n",
+        markdown_text=lambda: render.render_markdown(sweep, args.only_failures),
+        plot=lambda path: plot_errors(sweep, path),
+    )
+    return 0 if sweep.passed else 1
+
+
+def write_outputs(
+    outs: list[tuple[str, str]],
+    human: TextIO,
+    json_text: Callable[[], str],
+    markdown_text: Callable[[], str],
+    plot: Callable[[str], None],
+) -> None:
+    """Write each asked-for output ('-': stdout; files atomically), then one `wrote PATH (kind)` line per file."""
     wrote = []
     for opt, path in outs:
         if opt == "--plot":
-            from gpt2_port_checks.plots import plot_errors
-
-            plot_errors(sweep, path)
+            plot(path)
         else:
-            text = (
-                json.dumps(sweep.to_json(), indent=2) + "\n"
-                if opt == "--json"
-                else render.render_markdown(sweep, args.only_failures)
-            )
+            text = json_text() if opt == "--json" else markdown_text()
             if path == "-":
                 sys.stdout.write(text)
                 sys.stdout.flush()
@@ -250,4 +266,3 @@ def run(args: argparse.Namespace) -> int:
         wrote.append(f"wrote {path} ({opt.removeprefix('--')})")
     if wrote:
         human.write("\n".join(wrote) + "\n")
-    return 0 if sweep.passed else 1

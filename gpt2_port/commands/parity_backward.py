@@ -11,7 +11,6 @@ import sys
 import time
 
 from ..errors import UsageError
-from ..util import atomic_write_text
 
 
 def train_config(args: argparse.Namespace):  # -> gpt2_port_checks.backward.TrainConfig
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]]) -> int:
     from gpt2_port_checks import backward_report as render
     from gpt2_port_checks.backward import run_backward
 
-    from .parity import read_inputs
+    from .parity import read_inputs, write_outputs
 
     for opt, on in (
         ("--detail sublayer", getattr(args, "detail", "block") != "block"),
@@ -80,18 +79,11 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]]) -> int:
         ),
         file=sys.stderr,
     )
-    wrote = []
-    for opt, path in outs:
-        if opt == "--plot":
-            render.plot_gradients(sweep, path)
-        else:
-            text = json.dumps(sweep.to_json(), indent=2) + "\n" if opt == "--json" else render.render_markdown(sweep)
-            if path == "-":
-                sys.stdout.write(text)
-                sys.stdout.flush()
-                continue
-            atomic_write_text(path, text)
-        wrote.append(f"wrote {path} ({opt.removeprefix('--')})")
-    if wrote:
-        human.write("\n".join(wrote) + "\n")
+    write_outputs(
+        outs,
+        human,
+        json_text=lambda: json.dumps(sweep.to_json(), indent=2) + "\n",
+        markdown_text=lambda: render.render_markdown(sweep),
+        plot=lambda path: render.plot_gradients(sweep, path),
+    )
     return 0 if sweep.passed else 1
