@@ -150,7 +150,7 @@ def render_markdown(s: BackwardSweep) -> str:
 def plot_gradients(s: BackwardSweep, path: str | os.PathLike[str]) -> None:
     """Per layer, the worst parameter-gradient and activation-gradient norm_rel of each configuration (log scale),
     transformers' own noise at that layer as a band (floor to NOISE_MARGIN x floor), the tolerances dashed."""
-    from .plots import pyplot, save_png
+    from .plots import finish, pyplot
 
     plt = pyplot()
     layers = layer_order(sum(1 for g in s.reports[0].layers if g.layer.startswith("h.")))
@@ -222,16 +222,4 @@ def plot_gradients(s: BackwardSweep, path: str | os.PathLike[str]) -> None:
         f"gradient error per layer: {os.path.basename(str(s.model).rstrip('/')) or s.model}\nagainst {s.baseline}",
         fontsize=10,
     )
-    if any_zero:
-        ax.text(
-            0,
-            bottom,
-            " hollow markers: exactly 0 (bit-exact), drawn at the bottom",
-            fontsize=8,
-            va="bottom",
-            color="0.3",
-        )
-    ax.grid(True, which="major", axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    save_png(fig, path)
-    plt.close(fig)
+    finish(fig, ax, path, any_zero, bottom)

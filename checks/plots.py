@@ -126,16 +126,15 @@ def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
     ax.set_title(
         f"parity error per layer: {os.path.basename(str(s.model).rstrip('/')) or s.model}\nagainst {ref}", fontsize=10
     )
+    finish(fig, ax, path, any_zero, bottom)
+
+
+def finish(fig, ax, path: str | os.PathLike[str], any_zero: bool, bottom: float) -> None:  # noqa: ANN001
+    """The common end of every error plot: the exact-zero note, grid, legend outside, written as PNG."""
     if any_zero:
-        ax.text(
-            0,
-            bottom,
-            " hollow markers: exactly 0 (bit-exact), drawn at the bottom",
-            fontsize=8,
-            va="bottom",
-            color="0.3",
-        )
+        note = " hollow markers: exactly 0 (bit-exact), drawn at the bottom"
+        ax.text(0, bottom, note, fontsize=8, va="bottom", color="0.3")
     ax.grid(True, which="major", axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     save_png(fig, path)
-    plt.close(fig)
+    pyplot().close(fig)

@@ -27,22 +27,12 @@ from collections.abc import Sequence
 import torch
 
 from gpt2_port.model import GPT2
+from gpt2_port.taps import BLOCK_POINTS
 
 from .reference import capture_reference, reference_hooks
 
 # In the order the block computes them; the block output `block.{i}` comes last.
-SUBLAYER_KINDS = [
-    "ln_1",
-    "attn.q",
-    "attn.k",
-    "attn.v",
-    "attn.merged",
-    "attn.c_proj",
-    "resid_attn",
-    "ln_2",
-    "mlp.act",
-    "mlp.c_proj",
-]
+SUBLAYER_KINDS = [p for p in BLOCK_POINTS if p != "attn.probs"]  # probs: compared by the attention command
 QKV = ("attn.q", "attn.k", "attn.v")
 
 # Reference module (under transformer.h.{i}) and what to take, for every sub-layer kind but q/k/v.
