@@ -31,6 +31,7 @@ from gpt2_port.config import GPT2Config
 from gpt2_port.devices import dtype_name, parse_device, parse_dtype
 from gpt2_port.errors import UsageError
 from gpt2_port.load import convert_checkpoint, from_pretrained
+from gpt2_port.memory import available_cpu_memory
 from gpt2_port.safetensors_io import SafetensorsFile, write_safetensors
 from gpt2_port.tokenizer import load_tokenizer
 
@@ -45,6 +46,9 @@ PREFIX = "transformer."
 # Above this many bytes of gradients (774M and 1.5B in float32), the reference's are kept on disk (SpilledTensors):
 # the peak is then about twice the parameters instead of three times.
 SPILL_BYTES = 2_000_000_000
+# AdamW's moments go to disk (moments_on_disk) when weights + gradients + moments exceed this share of the free
+# memory: 1.5B's 25 GB on a 24 GiB machine.
+DISK_MOMENTS_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -370,6 +374,23 @@ def _flat_act_grads(acts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 # -- training -------------------------------------------------------------------------------------------------------
 
 
+def moments_on_disk(opt: torch.optim.Optimizer, directory: Path) -> None:
+    """Give AdamW its state before the first step, as it would make it (step 0, both moments zero), with the moments
+    in file-backed shared mappings under `directory` (one file per parameter): the kernel writes their pages back
+    and evicts them under memory pressure, so weights + gradients + moments of 1.5B (25 GB in float32) run on a
+    24 GiB machine. The arithmetic is torch's own; only where the moments live changes."""
+    scalar = torch.get_default_dtype()  # torch.optim keeps `step` as a scalar tensor of the default dtype
+    k = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            moments = {}
+            for name in ("exp_avg", "exp_avg_sq"):
+                path = directory / f"{k:05d}.{name}.bin"
+                moments[name] = torch.from_file(str(path), shared=True, size=p.numel(), dtype=p.dtype).view_as(p)
+            opt.state[p] = {"step": torch.tensor(0.0, dtype=scalar), **moments}
+            k += 1
+
+
 def train_steps(
     model: torch.nn.Module,
     hf_names: dict[str, str],
@@ -377,10 +398,13 @@ def train_steps(
     forward: Callable,
     ids_list: Sequence[torch.Tensor],
     tc: TrainConfig,
+    moments_dir: Path | None = None,
 ) -> list[float]:
     """N AdamW steps on the same batch (llm.c's check); each step's loss before its update.
 
-    hf_names: the model's parameter name -> transformers' name; the decay groups are decided on the latter."""
+    hf_names: the model's parameter name -> transformers' name; the decay groups are decided on the latter.
+    moments_dir: keep AdamW's moments on disk there (moments_on_disk), for models whose training state does not fit.
+    """
     named = list(model.named_parameters())
     decay = [p for n, p in named if decays(hf_names[n], cfg)]
     no_decay = [p for n, p in named if not decays(hf_names[n], cfg)]
@@ -390,6 +414,8 @@ def train_steps(
         betas=tc.betas,
         eps=tc.eps,
     )
+    if moments_dir is not None:
+        moments_on_disk(opt, moments_dir)
     params = [p for _, p in named]
     losses = []
     for _ in range(tc.steps):
@@ -451,6 +477,7 @@ def run_backward(
     tokenizer: str | None = None,
     log: Callable[[str], None] | None = None,
     spill_bytes: int | None = SPILL_BYTES,
+    disk_moments: bool | None = None,
 ) -> BackwardSweep:
     import transformers
 
@@ -514,13 +541,29 @@ def run_backward(
             gc.collect()
     t_floor = time.perf_counter() - t0
     ref_steps: list[float] = []
-    ref_weights: dict[str, torch.Tensor] = {}
+    ref_weights: Mapping[str, torch.Tensor] = {}
     t0 = time.perf_counter()
+    if disk_moments is None:  # gradients and AdamW's two moments (the weights are in already) against what is free
+        param_bytes = sum(t.numel() * t.element_size() for t in ref.parameters())
+        on_cpu = all(d.type == "cpu" for d in devs)
+        disk_moments = on_cpu and 3 * param_bytes > DISK_MOMENTS_SHARE * available_cpu_memory()[0]
+    moments_root = tempfile.TemporaryDirectory(prefix="gpt2port-adamw-") if tc.steps and disk_moments else None
+
+    def moments_dir(side: str) -> Path | None:
+        if moments_root is None:
+            return None
+        d = Path(moments_root.name) / side
+        d.mkdir()
+        say(f"{side}: AdamW's moments kept on disk in {d} (the training state does not fit in memory)")
+        return d
+
     if tc.steps:
         say(f"reference: {tc.steps} AdamW steps")
         ref_names = {n: n for n, _ in ref.named_parameters()}
-        ref_steps = train_steps(ref, ref_names, cfg, _ref_loss, ids_on(base[1]), tc)
+        ref_steps = train_steps(ref, ref_names, cfg, _ref_loss, ids_on(base[1]), tc, moments_dir("reference"))
         ref_weights = {n: p.detach() for n, p in ref.named_parameters()}
+        if spill_dir is not None:  # the reference's trained weights wait on disk while the scratch model trains
+            ref_weights = SpilledTensors(dict(ref_weights), Path(spill_dir.name) / "weights.safetensors")
     t_ref_train = time.perf_counter() - t0
     del ref
     gc.collect()
@@ -568,7 +611,8 @@ def run_backward(
         t0 = time.perf_counter()
         if tc.steps:
             say(f"scratch {lab}: {tc.steps} AdamW steps")
-            losses = train_steps(scratch, hf_name_of_scratch(cfg), cfg, _scratch_loss, ids_on(dev), tc)
+            where = moments_dir(f"scratch-{dtype_name(dt)}-{dev.type}")
+            losses = train_steps(scratch, hf_name_of_scratch(cfg), cfg, _scratch_loss, ids_on(dev), tc, where)
             for k, (a, b) in enumerate(zip(losses, ref_steps)):
                 rel = abs(a - b) / abs(b) if b else abs(a)
                 r.steps.append(StepResult(k, a, b, rel, tol.step_loss_rel, bool(rel <= tol.step_loss_rel)))
@@ -595,6 +639,8 @@ def run_backward(
     gc.collect()
     if spill_dir is not None:
         spill_dir.cleanup()
+    if moments_root is not None:
+        moments_root.cleanup()
     baseline = f"transformers {tv} GPT2LMHeadModel ({reference_attn}), float32, {base[1]}"
     return BackwardSweep(model=str(model), reports=reports, baseline=baseline)
 

@@ -114,6 +114,9 @@ def from_pretrained(
         state = {k: t.to(device=dev, dtype=dt) for k, t in state.items()}
     m.load_state_dict(state, strict=True, assign=True)
     m.eval().requires_grad_(False)
+    # The model holds the tensors now. The report keeps no reference to them, or the file's mapping would outlive
+    # parameters replaced later (a training run gives each its own memory): a second copy of the weights in the RSS.
+    report.conversion.state = {}
     report.load_s = time.perf_counter() - t0
     log.info(
         "loaded %s (%s layers, %s params) as %s on %s in %.2fs",
