@@ -25,18 +25,20 @@ from torch.utils.checkpoint import checkpoint
 from .c_attn import project_qkv
 from .config import GPT2Config
 from .errors import UsageError
+from .fused import gelu_tanh, linear_cross_entropy
 from .init import init_tensor_
 from .kv_cache import KVCache
-from .loss import causal_lm_loss, check_labels
+from .loss import check_labels, cross_entropy, shift_labels
 from .masks import build_mask, causal, positions_from_mask
 from .taps import Recorder, Taps
 
 AttnImpl = Literal["sdpa", "manual"]
+Kernels = Literal["reference", "fast"]
 
 
 class CausalLMOutput(NamedTuple):
     loss: torch.Tensor  # scalar, float32: transformers' causal-LM loss
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor | None  # (B, T, V); None when the fast kernels computed the loss without them
 
 
 class LayerNorm(nn.Module):
@@ -116,9 +118,11 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(cfg.d_mlp, cfg.n_embd)
         self.dropout = nn.Dropout(cfg.resid_pdrop)
         self.taps, self.tag = taps, f"block.{layer}.mlp"
+        self.kernels: Kernels = "reference"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        h = gelu_new(self.c_fc(x))  # (B, T, 4C)
+        act = gelu_tanh if self.kernels == "fast" and wants_grad(self) else gelu_new
+        h = act(self.c_fc(x))  # (B, T, 4C)
         self.taps(f"{self.tag}.act", h)
         y = self.c_proj(h)
         self.taps(f"{self.tag}.c_proj", y)
@@ -160,6 +164,7 @@ class GPT2(nn.Module):
         # Tied: no lm_head module at all, the head *is* wte.weight (one tensor). Untied: its own Linear.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False  # recompute each block in backward (train mode only)
+        self.kernels: Kernels = "reference"  # "fast": gpt2_port.fused's kernels when training
 
     @classmethod
     def from_pretrained(
@@ -200,6 +205,17 @@ class GPT2(nn.Module):
             raise UsageError(f"attention implementation must be 'sdpa' or 'manual', got {impl!r}")
         for b in self.h:
             b.attn.impl = impl
+
+    def set_kernels(self, kernels: Kernels) -> GPT2:
+        """'reference' (default: transformers' arithmetic op for op, bit-identical gradients) or 'fast' (when training,
+        the one-kernel tanh GELU and the head fused with the loss, never holding the logits: gpt2_port.fused). Eval
+        mode and no-grad forwards always use the reference arithmetic."""
+        if kernels not in ("reference", "fast"):
+            raise UsageError(f"kernels must be 'reference' or 'fast', got {kernels!r}")
+        self.kernels = kernels
+        for b in self.h:
+            b.mlp.kernels = kernels
+        return self
 
     def set_dropout(self, p: float) -> GPT2:
         """Set every dropout rate (embeddings, attention probabilities, residual branches) to p; config follows."""
@@ -247,12 +263,14 @@ class GPT2(nn.Module):
         last_only: bool = False,
         hidden_only: bool = False,
         labels: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
     ) -> torch.Tensor | CausalLMOutput:
         """(B, T) token ids -> (B, T, V) logits ((B, 1, V) with last_only; ln_f's (B, T|1, C) with hidden_only).
 
         attention_mask: (B, S) 1 for real tokens, 0 for (left) padding, S = cached + new tokens.
         position_ids: (B, T); derived from attention_mask when it is given, else counted from the cache length.
         labels: (B, T) as transformers takes them (shifted inside, -100 ignored): returns CausalLMOutput(loss, logits).
+        targets: (B, T) already aligned with the positions (nanoGPT's y windows, -100 ignored): the same output.
         """
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
@@ -263,8 +281,11 @@ class GPT2(nn.Module):
         if input_ids.numel() and not (0 <= int(input_ids.min()) and int(input_ids.max()) < V):
             bad = int(input_ids.min()) if int(input_ids.min()) < 0 else int(input_ids.max())
             raise UsageError(f"input_ids: token id {bad} is out of range (expected 0 <= id < {V})")
-        if labels is not None:
-            check_labels(labels, input_ids, self.config.vocab_size, partial=last_only or hidden_only)
+        if labels is not None and targets is not None:
+            raise UsageError("pass labels (shifted inside) or targets (already aligned), not both")
+        for t in (labels, targets):
+            if t is not None:
+                check_labels(t, input_ids, self.config.vocab_size, partial=last_only or hidden_only)
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = positions_from_mask(attention_mask)[:, past:]
@@ -284,11 +305,27 @@ class GPT2(nn.Module):
             x = x[:, -1:]
         if hidden_only:
             return x
+        if labels is not None:
+            targets = shift_labels(labels)
+        if targets is not None and self._fused_loss():
+            bias = None if self.lm_head is None else self.lm_head.bias
+            return CausalLMOutput(linear_cross_entropy(x, self.head_weight, bias, targets), None)
         logits = self.head(x)  # (B, T, V)
         self.taps("logits", logits)
-        if labels is not None:
-            return CausalLMOutput(causal_lm_loss(logits, labels), logits)
+        if targets is not None:
+            return CausalLMOutput(cross_entropy(logits, targets), logits)
         return logits
+
+    def _fused_loss(self) -> bool:
+        """The head fused with the loss: fast kernels, training, float32 without autocast, nobody asking for logits."""
+        return (
+            self.kernels == "fast"
+            and wants_grad(self)
+            and self.dtype == torch.float32
+            and not torch.is_autocast_enabled(self.device.type)
+            and (self.lm_head is None or type(self.lm_head) is nn.Linear)
+            and not self.taps.wants("logits")
+        )
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits. A replaced head (e.g. quantize's int8 head) is a module.

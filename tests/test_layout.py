@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Modules not written yet are listed too, so that they land in the right room.
 LAYERS: list[tuple[str, set[str]]] = [
     ("leaves", {"errors", "config", "devices", "util"}),
-    ("model pieces", {"taps", "kv_cache", "masks", "loss", "init", "c_attn"}),
+    ("model pieces", {"taps", "kv_cache", "masks", "loss", "init", "c_attn", "fused"}),
     ("model", {"model", "__init__"}),  # the package itself re-exports config, errors and model
     ("files", {"adapter", "safetensors_io", "checkpoint", "hub", "tokenizer"}),
     ("load", {"load"}),

@@ -1,0 +1,123 @@
+"""The fast training kernels (gpt2_port.fused): the same loss and gradients as the reference arithmetic to rounding,
+used only when asked and only when training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2_port import fused
+from gpt2_port.errors import UsageError
+from gpt2_port.load import from_pretrained
+from gpt2_port.loss import IGNORE_INDEX, cross_entropy, shift_labels
+
+# float32 CPU, these shapes: loss rel worst seen 1.2e-7, gradients norm-rel worst seen 3.1e-7 (summation order only)
+LOSS_REL = 1e-6
+GRAD_NORM_REL = 1e-5
+
+
+def _norm_rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x - y).norm() / y.norm().clamp_min(1e-30))
+
+
+def _case(seed: int, N: int, C: int, V: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, C, generator=g)
+    w = torch.randn(V, C, generator=g) * 0.5
+    b = torch.randn(V, generator=g) if bias else None
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::4] = IGNORE_INDEX
+    return h, w, b, t
+
+
+def _grads(fn, h, w, b, t, num_items=None):
+    leaves = [x.clone().requires_grad_(True) if x is not None else None for x in (h, w, b)]
+    loss = fn(*leaves, t, num_items)
+    loss.backward()
+    return loss.detach(), [x.grad if x is not None else None for x in leaves]
+
+
+def _reference(h, w, b, t, num_items):
+    return cross_entropy(F.linear(h, w, b), t, num_items=num_items)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("num_items", [None, 7])
+def test_linear_cross_entropy_equals_the_head_then_the_loss(monkeypatch, bias: bool, num_items) -> None:
+    monkeypatch.setattr(fused, "CHUNK_ROWS", 5)  # 23 rows: several chunks and a partial last one
+    h, w, b, t = _case(0, 23, 16, 97, bias)
+    want, want_g = _grads(_reference, h, w, b, t, num_items)
+    got, got_g = _grads(fused.linear_cross_entropy, h, w, b, t, num_items)
+    assert abs(float(got - want)) <= LOSS_REL * abs(float(want))
+    for x, y in zip(got_g, want_g):
+        if y is None:
+            assert x is None
+        else:
+            assert _norm_rel(x, y) <= GRAD_NORM_REL
+
+
+def test_linear_cross_entropy_scales_by_the_incoming_gradient() -> None:
+    h, w, b, t = _case(1, 9, 8, 31, False)
+    _, g1 = _grads(lambda *a: fused.linear_cross_entropy(*a), h, w, b, t)
+    _, g3 = _grads(lambda *a: 3.0 * fused.linear_cross_entropy(*a), h, w, b, t)
+    assert torch.allclose(g3[0], 3 * g1[0]) and torch.allclose(g3[1], 3 * g1[1])
+
+
+def test_all_targets_ignored_gives_nan_like_the_reference() -> None:
+    h, w, b, t = _case(2, 6, 8, 31, False)
+    t[:] = IGNORE_INDEX
+    assert torch.isnan(fused.linear_cross_entropy(h, w, b, t)) and torch.isnan(_reference(h, w, b, t, None))
+
+
+def _ours(path: Path, kernels: str):
+    m, _ = from_pretrained(path)
+    m.set_attn_impl("sdpa")
+    return m.set_kernels(kernels).set_dropout(0.0).train().requires_grad_(True)
+
+
+@pytest.mark.parametrize("which", ["tiny_official", "tiny_hf_untied"])
+def test_fast_kernels_train_like_the_reference(which: str, request, monkeypatch) -> None:
+    import gpt2_port.model as model_mod
+
+    calls = []
+    monkeypatch.setattr(model_mod, "gelu_tanh", lambda x: calls.append(1) or fused.gelu_tanh(x))
+    path = request.getfixturevalue(which)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50257, (2, 16), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = IGNORE_INDEX
+    ref, fast = _ours(path, "reference"), _ours(path, "fast")
+    a, b = ref(ids, labels=labels), fast(ids, labels=labels)
+    assert b.logits is None  # the head was fused with the loss: no (B, T, V) logits were made
+    assert len(calls) == fast.config.n_layer  # every block's MLP ran the one-kernel GELU (the reference model none)
+    assert abs(float(b.loss - a.loss)) <= LOSS_REL * abs(float(a.loss.detach()))
+    a.loss.backward()
+    b.loss.backward()
+    fp = dict(fast.named_parameters())
+    # k_proj.bias's gradient is 0 in exact arithmetic (softmax ignores a shift shared by every key): its rounding
+    # residue (~1e-11 here) is compared against the whole gradient's scale, every other one norm-relative.
+    scale = torch.cat([p.grad.flatten() for p in ref.parameters()]).norm()
+    for n, p in ref.named_parameters():
+        assert fp[n].grad is not None, n
+        assert (fp[n].grad - p.grad).norm() <= GRAD_NORM_REL * p.grad.norm() + 1e-7 * scale, n
+    # targets (already aligned) are the same loss as labels (shifted inside)
+    c = fast(ids, targets=shift_labels(labels))
+    assert float(c.loss) == float(b.loss)
+
+
+def test_fast_kernels_leave_inference_and_recorded_logits_alone(tiny_official: Path) -> None:
+    ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
+    ref, fast = _ours(tiny_official, "reference"), _ours(tiny_official, "fast")
+    with torch.no_grad():
+        assert torch.equal(ref.eval()(ids), fast.eval()(ids))  # eval, no grad: the reference arithmetic, bit for bit
+    fast.train()
+    with fast.record(["logits"]) as acts:
+        out = fast(ids, labels=ids)
+    assert out.logits is not None and "logits" in acts  # asked for the logits: the unfused head
+    with pytest.raises(UsageError, match="kernels must be"):
+        fast.set_kernels("turbo")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="not both"):
+        fast(ids, labels=ids, targets=ids)
