@@ -2,9 +2,11 @@
 
     PYTHONPATH=. python -m benchmarks.train_step [--ckpt DIR] [--batch 4] [--seq 256] [--rounds 3] [--json PATH]
 
-- time: both models in one process, the same batch and the same torch.optim.AdamW (decay groups by dimension),
-  clip_grad_norm_ 1.0, dropout off, each side's default attention (sdpa); steps interleaved (ours, theirs, ours, ...)
-  after one warm-up step each, so machine noise hits both; the median of each and the ratio ours / transformers.
+- time: the three sides in one process -- ours with the reference kernels (bit-identical to transformers), ours with
+  the fast kernels (`set_kernels("fast")`: one-kernel GELU, the head fused with the loss) and transformers -- the
+  same batch and the same torch.optim.AdamW (decay groups by dimension), clip_grad_norm_ 1.0, dropout off, sdpa
+  attention; steps interleaved in rotating order after one warm-up step each, so machine noise hits every side;
+  the median of each and the ratios to transformers (also per round).
 - memory: peak RSS (VmHWM) of each in a fresh process (load + 2 steps), so no allocation is shared; beside it the
   RSS after loading, and ours with gradient checkpointing. The activation memory checkpointing saves is also counted
   exactly: the bytes of the tensors autograd saves for backward during one forward (saved_tensors_hooks), with and
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+SIDES = ["ours", "ours-fast", "hf"]  # ours: reference kernels (bit-identical); ours-fast: GPT2.set_kernels("fast")
 
 
 def rss_mb() -> tuple[float, float]:
@@ -54,6 +57,7 @@ def load(impl: str, ckpt: str):
     m, _ = from_pretrained(ckpt)
     m.set_attn_impl("sdpa")
     m.gradient_checkpointing = impl == "ours-gc"
+    m.set_kernels("fast" if impl == "ours-fast" else "reference")
     return m.set_dropout(0.0).train().requires_grad_(True)
 
 
@@ -155,14 +159,15 @@ def profile_tables(steps: dict, ids: torch.Tensor, n: int = 2, rows: int = 30) -
 
 
 def duel(ckpt: str, B: int, T: int, rounds: int, profile_path: str | None = None) -> dict:
-    ours, hf = load("ours", ckpt), load("hf", ckpt)
+    models = {impl: load(impl, ckpt) for impl in SIDES}
+    ours = models["ours"]
     n_params = sum(p.numel() for p in ours.parameters())
     ids = batch(B, T)
-    steps = {"ours": make_step(ours, "ours"), "hf": make_step(hf, "hf")}
-    times: dict[str, list[float]] = {"ours": [], "hf": []}
-    losses: dict[str, list[float]] = {"ours": [], "hf": []}
+    steps = {impl: make_step(m, impl) for impl, m in models.items()}
+    times: dict[str, list[float]] = {k: [] for k in SIDES}
+    losses: dict[str, list[float]] = {k: [] for k in SIDES}
     for k in range(rounds + 1):  # round 0 warms up (and allocates AdamW's moments)
-        for impl in ("ours", "hf") if k % 2 == 0 else ("hf", "ours"):
+        for impl in SIDES[k % len(SIDES) :] + SIDES[: k % len(SIDES)]:  # each side first in turn
             t0 = time.perf_counter()
             losses[impl].append(steps[impl](ids))
             if k:
@@ -172,7 +177,7 @@ def duel(ckpt: str, B: int, T: int, rounds: int, profile_path: str | None = None
     if profile_path:
         Path(profile_path).write_text(profile_tables(steps, ids) + "\n")
     flops = 6 * n_params * B * T
-    act = {"ours": saved_bytes(ours, "ours", ids), "hf": saved_bytes(hf, "hf", ids)}
+    act = {impl: saved_bytes(m, impl, ids) for impl, m in models.items()}
     ours.gradient_checkpointing = True
     act["ours_checkpointed"] = saved_bytes(ours, "ours", ids)
     return {
@@ -180,8 +185,9 @@ def duel(ckpt: str, B: int, T: int, rounds: int, profile_path: str | None = None
         "step_s": times,
         "median_s": med,
         "ratio_ours_over_hf": med["ours"] / med["hf"],
-        "spread_ours": (min(times["ours"]) / med["ours"], max(times["ours"]) / med["ours"]),
-        "spread_hf": (min(times["hf"]) / med["hf"], max(times["hf"]) / med["hf"]),
+        "ratio_ours_fast_over_hf": med["ours-fast"] / med["hf"],
+        "per_round_ratios": {impl: [a / b for a, b in zip(times[impl], times["hf"])] for impl in SIDES if impl != "hf"},
+        "spread": {impl: (min(v) / med[impl], max(v) / med[impl]) for impl, v in times.items()},
         "losses_first_step": {k: v[0] for k, v in losses.items()},
         "gflops": {k: flops / v / 1e9 for k, v in med.items()},
         "saved_activation_mb": {k: v / 1e6 for k, v in act.items()},
@@ -222,7 +228,7 @@ def main() -> int:
     res.update(duel(ckpt, a.batch, a.seq, a.rounds, a.profile))
     res["gemm_gflops_after"] = gemm_gflops()
     if not a.no_rss:
-        res["rss"] = {impl: run_worker(impl, ckpt, a.batch, a.seq) for impl in ("ours", "hf", "ours-gc")}
+        res["rss"] = {impl: run_worker(impl, ckpt, a.batch, a.seq) for impl in (*SIDES, "ours-gc")}
     res["loadavg_after"] = os.getloadavg()
     text = json.dumps(res, indent=2)
     print(text)

@@ -122,6 +122,7 @@ class BackwardReport:
     scratch_attn: str
     prompts: list[str]
     n_tokens: int
+    kernels: str = "reference"  # the scratch model's training kernels (GPT2.set_kernels)
     loss_scratch: float = math.nan
     loss_reference: float = math.nan
     loss_rel: float = math.nan
@@ -215,8 +216,10 @@ class BackwardSweep:
 # -- names ------------------------------------------------------------------------------------------------------------
 
 
-def act_points(n_layer: int) -> list[str]:
-    return ["embed", *(f"block.{i}" for i in range(n_layer)), "ln_f", "logits"]
+def act_points(n_layer: int, logits: bool = True) -> list[str]:
+    """The activation gradients compared. Without logits when the scratch model's fast kernels fuse the head with
+    the loss (asking for the logits would turn the fusion off, and it is the fused path that is measured)."""
+    return ["embed", *(f"block.{i}" for i in range(n_layer)), "ln_f", *(["logits"] if logits else [])]
 
 
 def layer_of(point: str) -> str:
@@ -290,7 +293,7 @@ def _reference_forward(ref: torch.nn.Module, ids: torch.Tensor, n_layer: int) ->
 
 
 def _scratch_forward(model: torch.nn.Module, ids: torch.Tensor, n_layer: int) -> tuple[torch.Tensor, dict]:
-    with model.record(act_points(n_layer), keep_graph=True) as acts:
+    with model.record(act_points(n_layer, model.kernels == "reference"), keep_graph=True) as acts:
         loss = model(ids, labels=ids).loss
     return loss, dict(acts)
 
@@ -478,6 +481,7 @@ def run_backward(
     log: Callable[[str], None] | None = None,
     spill_bytes: int | None = SPILL_BYTES,
     disk_moments: bool | None = None,
+    kernels: str = "reference",
 ) -> BackwardSweep:
     import transformers
 
@@ -577,7 +581,7 @@ def run_backward(
         say(f"scratch {lab}: load")
         scratch, _ = from_pretrained(model, dtype=dt, device=dev, revision=revision)
         scratch.set_attn_impl(attn)  # type: ignore[arg-type]
-        scratch.set_dropout(0.0).train().requires_grad_(True)
+        scratch.set_kernels(kernels).set_dropout(0.0).train().requires_grad_(True)  # type: ignore[arg-type]
         t_load = time.perf_counter() - t0
         t0 = time.perf_counter()
         say(f"scratch {lab}: gradients")
@@ -591,6 +595,7 @@ def run_backward(
             reference_dtype="float32",
             reference_device=str(base[1]),
             scratch_attn=attn,
+            kernels=kernels,
             prompts=[t if t is not None else " ".join(map(str, i)) for t, i in zip(inputs.texts, ids_py)],
             n_tokens=n_tokens,
             versions=versions,
@@ -602,7 +607,7 @@ def run_backward(
         r.noise_floor = floor_desc.get((dt, dev))
         for n, y in want.params.items():
             r.points.append(_point(f"grad.{n}", got.params[n], y, tol.grad, fl))
-        for n in act_points(L):
+        for n in act_points(L, kernels == "reference"):
             r.points.append(_point(f"act_grad.{n}", got.acts[n], want.acts[n], tol.act_grad, fl))
         r.layers = _layers(r.points, L)
         del got

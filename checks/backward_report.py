@@ -30,7 +30,7 @@ def point_table(r: BackwardReport) -> Table:
     floor = r.noise_floor is not None
     cols = ["gradient", "max_abs", "norm_rel", "cosine"] + (["noise floor", "vs floor"] if floor else []) + ["tol", ""]
     t = Table(
-        f"{r.label}: scratch ({r.scratch_attn} attention) gradients vs {r.reference}, "
+        f"{r.label}: scratch ({r.scratch_attn} attention, {r.kernels} kernels) gradients vs {r.reference}, "
         f"{r.reference_dtype}, {r.reference_device}",
         cols,
     )

@@ -78,6 +78,7 @@ class TrainArgs:
     clip: float = 1.0  # 0: no clipping (the norm is still measured)
     dropout: float | None = None  # None: keep the checkpoint's config
     grad_checkpointing: bool = False
+    kernels: str = "reference"  # "fast": gpt2_port.fused (not bit-identical to transformers; within its noise)
     eval_every: int = 50  # 0: never (the last step still evaluates when val.bin is given)
     eval_batches: int = 20
     save_every: int = 0  # 0: only at the end (and on Ctrl-C)
@@ -117,6 +118,8 @@ class TrainArgs:
             raise UsageError(f"--dropout must be in [0, 1), got {self.dropout!r}")
         if self.stop_at is not None and not (isinstance(self.stop_at, int) and 1 <= self.stop_at):
             raise UsageError(f"--stop-at must be a positive integer, got {self.stop_at!r}")
+        if self.kernels not in ("reference", "fast"):
+            raise UsageError(f"--kernels must be 'reference' or 'fast', got {self.kernels!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
 
@@ -177,6 +180,7 @@ def prepare_model(model: GPT2, args: TrainArgs, device: torch.device) -> GPT2:
     if args.dropout is not None:
         model.set_dropout(args.dropout)
     model.gradient_checkpointing = args.grad_checkpointing
+    model.set_kernels(args.kernels)  # type: ignore[arg-type]
     return model.train().requires_grad_(True)
 
 
@@ -385,8 +389,7 @@ class Trainer:
             sync = contextlib.nullcontext() if (last or not d.enabled) else self.net.no_sync()  # type: ignore[operator]
             with sync:
                 with self._autocast():
-                    logits = self.net(x)  # (B, T, V)
-                    loss = cross_entropy(logits, y)
+                    loss = self.net(x, targets=y).loss  # the mean over this micro-batch's B x T targets
                 scaled = loss / a.grad_accum
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_sum += loss.detach().double().cpu()

@@ -976,6 +976,11 @@ def c_eval_json_dir_missing(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_parity_kernels_without_backward(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--kernels", "fast"], "expect": ["--kernels", "--backward"]}
+
+
+@case
 def c_backward_zero_train_steps(tmp: Path, base: Path) -> dict:
     return {"argv": ["parity", str(base), "--train-steps", "0"], "expect": ["--train-steps", "positive", "got 0"]}
 

@@ -137,3 +137,60 @@ def test_resume_works_with_another_number_of_processes(setup, tmp_path: Path) ->
         == 0
     )
     assert close(losses(run), losses(ref)), (losses(run), losses(ref))
+
+
+_SYNC_SCRIPT = """
+import json, sys
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from gpt2_port import distributed
+from gpt2_port.data import open_split
+from gpt2_port.load import from_pretrained
+from gpt2_port.train import Trainer, TrainArgs, prepare_model
+
+ck, data, out = sys.argv[1:4]
+d = distributed.from_env()
+distributed.init(d, torch.device("cpu"))
+model, _ = from_pretrained(ck)
+args = TrainArgs(steps=2, batch_size=2, block_size=16, grad_accum=3, dropout=0.0, eval_every=0)
+prepare_model(model, args, torch.device("cpu"))
+t = Trainer(model, args, open_split(data, "train", model.config.vocab_size, 16), None, out, "cpu", d)
+micro = []  # the micro-step each batch window belongs to
+windows = t.train_data.windows
+t.train_data.windows = lambda *a: micro.append(len(micro)) or windows(*a)
+synced = []  # the micro-step during whose backward DDP all-reduced a gradient bucket
+
+def hook(state, bucket):
+    synced.append(micro[-1] % args.grad_accum)
+    return allreduce_hook(None, bucket)
+
+t.net.register_comm_hook(None, hook)
+for step in range(2):
+    t.step(step)
+print(json.dumps({"rank": d.rank, "micro": len(micro), "synced": synced}))
+distributed.shutdown(d)
+"""
+
+
+def test_gradients_are_synchronised_only_on_the_last_micro_step(setup, tmp_path: Path) -> None:
+    """With --grad-accum 3, DDP's all-reduce runs during the third micro-batch's backward only (no_sync before it):
+    the other two would send the gradients three times for nothing."""
+    ck, data = setup
+    script = tmp_path / "sync.py"
+    script.write_text(_SYNC_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [*cmd, str(ck), str(data), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert sorted(x["rank"] for x in ranks) == [0, 1]
+    for x in ranks:
+        assert x["micro"] == 6  # 2 steps x 3 micro-batches
+        assert x["synced"] and set(x["synced"]) == {2}, x

@@ -118,6 +118,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also take N AdamW steps on both models (the prompts as the batch each step; implies --backward) "
         "and report each step's two losses and the weights after the last step",
     )
+    g.add_argument(
+        "--kernels",
+        choices=["reference", "fast"],
+        default=None,
+        help="the scratch model's training kernels: reference (default: transformers' arithmetic op for op) or fast "
+        "(what `gpt2-port train --kernels fast` runs: one-kernel GELU, the head fused with the loss)",
+    )
     g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate for --train-steps (default 1e-4)")
     g.add_argument(
         "--weight-decay",
@@ -198,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         from gpt2_port_checks.plots import require_matplotlib
 
         require_matplotlib("--plot")
+    if args.kernels is not None and not (args.backward or args.train_steps is not None):
+        raise UsageError("--kernels chooses the training kernels: it needs --backward or --train-steps")
     if args.backward or args.train_steps is not None:
         from . import parity_backward
 

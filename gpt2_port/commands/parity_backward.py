@@ -59,6 +59,7 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]]) -> int:
         devices=args.device,
         reference_attn=args.reference_attn,
         attn=args.attn,
+        kernels=args.kernels or "reference",
         noise_floor=True if floor is None else floor,
         train=tc,
         revision=args.revision,

@@ -86,6 +86,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("model options")
     g.add_argument("--dropout", type=float, default=None, help="every dropout rate (default: the checkpoint's)")
     g.add_argument("--grad-checkpointing", action="store_true", help="recompute blocks in backward: less memory")
+    g.add_argument(
+        "--kernels",
+        choices=["reference", "fast"],
+        default=d.kernels,
+        help="reference: transformers' arithmetic op for op (default); fast: one-kernel GELU and the head fused with "
+        "the loss (faster, less memory, gradients within transformers' own noise: docs/training.md)",
+    )
     g = p.add_argument_group("evaluation and saving")
     g.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between val losses ({d.eval_every})")
     g.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"batches per val loss ({d.eval_batches})")
@@ -196,6 +203,7 @@ def _train_args(a: argparse.Namespace):  # noqa: ANN202
         clip=a.clip,
         dropout=a.dropout,
         grad_checkpointing=a.grad_checkpointing,
+        kernels=a.kernels,
         eval_every=a.eval_every,
         eval_batches=a.eval_batches,
         save_every=a.save_every,
