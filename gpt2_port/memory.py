@@ -2,7 +2,8 @@
 
 The estimate adds the float32 weights, their gradients, AdamW's two moments, the activations autograd keeps for
 one micro-batch (all of every block, or only each block's input plus one block's worth with gradient checkpointing),
-the logits with their float32 loss and gradient, and a fixed allowance for the runtime. It is meant to err high: a
+the logits with their float32 loss and gradient, the largest short-lived buffers, the memory glibc keeps after
+tensors are freed, and a fixed allowance for the runtime. It is meant to err high: a
 run it accepts fits, and a run it rejects stops with a one-line error instead of an out-of-memory kill.
 """
 
@@ -17,14 +18,20 @@ import torch
 from .config import GPT2Config
 
 GiB = 1 << 30
-RUNTIME_OVERHEAD = 0.75 * GiB  # torch, numpy, the tokenizer, allocator slack: `train` on a 2-layer 32-wide model
-# (vocab 512, batch 2 x 16) peaks at 310 MB RSS (its --json peak_rss_mb)
-# Values kept per token per block for backward, in units of n_embd: ln_1 in/out, q/k/v, merged heads, c_proj and its
-# dropout, the residual, ln_2, c_fc (4C), gelu_new's intermediates (pow, tanh, products: ~16C), its output (4C), the
-# MLP's c_proj and dropout. Counted from the autograd graph of model.py's block, rounded up.
-BLOCK_ACTIVATIONS_PER_TOKEN = 36
-ATTN_SCORES_PER_HEAD = 3  # scores, probabilities, dropout mask: (T, T) per head when attention is not fused
-LOGIT_BYTES = 16  # logits, their float32 upcast, log-softmax kept by cross-entropy, and the logits' gradient
+RUNTIME_OVERHEAD = 0.75 * GiB  # torch, numpy, the tokenizer: `train` on a 2-layer 32-wide model (vocab 512, batch
+# 2 x 16) peaks at 310 MB RSS (its --json peak_rss_mb)
+# Bytes autograd keeps per token per block, in units of n_embd x the activation's size, with sdpa attention. Measured
+# with saved_tensors_hooks (`python -m benchmarks.train_step`): 22.7 with the reference kernels (ln_1, q/k/v, merged
+# heads, c_proj, ln_2, c_fc, gelu_new's five intermediates, the MLP's c_proj), 10.7 with the fast ones (one GELU
+# input kept instead of five); rounded up.
+BLOCK_ACTIVATIONS_PER_TOKEN = {"reference": 26, "fast": 14}
+ATTN_SCORES_PER_HEAD = 3  # scores, probabilities, dropout mask: (T, T) per head when attention dropout is on
+LOGIT_BYTES = 16  # reference kernels: logits, log-softmax kept by cross-entropy, and two (N, V) gradients in backward
+# glibc keeps memory that tensors freed (the gradients between steps, most of them under its 32 MB mmap threshold)
+# and hands it out again with gaps: a share of the long-lived state. Measured: gpt2-large, 1 x 1024, gradient
+# checkpointing, peaks at 15.2 GiB where weights + gradients + moments + activations + logits + transients come
+# to 13.8 GiB (`python -m benchmarks.memory_estimate`); 0.12 of the 11.5 GiB of state covers it.
+ALLOCATOR_SLACK = 0.12
 
 
 @dataclass(frozen=True)
@@ -34,39 +41,69 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     logits: int
+    transient: int  # the largest short-lived buffers: the embedding's dense gradient, AdamW's temporaries on wte
+    slack: int
     overhead: int
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.overhead
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.transient
+            + self.slack
+            + self.overhead
+        )
 
     def describe(self) -> str:
         parts = ("weights", "grads", "optimizer", "activations", "logits")
         inner = ", ".join(f"{p} {getattr(self, p) / GiB:.1f}" for p in parts)
-        return f"{self.total / GiB:.1f} GiB ({inner} GiB)"
+        other = (self.transient + self.slack + self.overhead) / GiB
+        return f"{self.total / GiB:.1f} GiB ({inner}, buffers and runtime {other:.1f} GiB)"
 
 
 def estimate(
-    cfg: GPT2Config, batch_size: int, block_size: int, amp: bool = False, grad_checkpointing: bool = False
+    cfg: GPT2Config,
+    batch_size: int,
+    block_size: int,
+    amp: bool = False,
+    grad_checkpointing: bool = False,
+    kernels: str = "reference",
 ) -> MemoryEstimate:
-    """Peak bytes of one process training `cfg` at this micro-batch (weights and AdamW state in float32)."""
+    """Peak bytes of one process training `cfg` at this micro-batch (weights and AdamW state in float32).
+
+    kernels: the model's training kernels ("fast": gpt2_port.fused, which never holds the (N, V) logits).
+    """
     P = cfg.num_params()
     act = 2 if amp else 4  # bytes per activation: bf16/fp16 under autocast, else float32
-    BT, C = batch_size * block_size, cfg.n_embd
-    per_block = BT * act * (BLOCK_ACTIVATIONS_PER_TOKEN * C + ATTN_SCORES_PER_HEAD * cfg.n_head * block_size)
+    BT, C, V = batch_size * block_size, cfg.n_embd, cfg.vocab_size
+    scores = ATTN_SCORES_PER_HEAD * cfg.n_head * block_size if cfg.attn_pdrop > 0 else 0
+    per_block = BT * act * (BLOCK_ACTIVATIONS_PER_TOKEN[kernels] * C + scores)
     if grad_checkpointing:  # each block's input, plus one block recomputed at a time in backward
         activations = cfg.n_layer * BT * C * act + per_block
     else:
         activations = cfg.n_layer * per_block
     activations += 2 * BT * C * 4  # embeddings and ln_f
+    if kernels == "fast" and not amp:  # a few chunks of logits, and the gradients the fused loss makes in forward
+        from .fused import CHUNK_ROWS
+
+        logits = 3 * min(BT, CHUNK_ROWS) * V * 4 + V * C * 4 + BT * C * 4
+    else:
+        logits = BT * V * LOGIT_BYTES
     casts = 2 * P if amp else 0  # autocast's low-precision copies of the weights
+    state = 4 * P + 4 * P + 8 * P
     return MemoryEstimate(
         weights=4 * P + casts,
         grads=4 * P,
         optimizer=8 * P,
         activations=activations,
-        logits=BT * cfg.vocab_size * LOGIT_BYTES,
-        overhead=RUNTIME_OVERHEAD,
+        logits=logits,
+        transient=3 * V * C * 4,
+        slack=int(ALLOCATOR_SLACK * state),
+        overhead=int(RUNTIME_OVERHEAD),
     )
 
 
@@ -109,12 +146,18 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 
 def largest_batch_that_fits(
-    cfg: GPT2Config, block_size: int, budget: int, amp: bool, grad_checkpointing: bool, limit: int = 1024
+    cfg: GPT2Config,
+    block_size: int,
+    budget: int,
+    amp: bool,
+    grad_checkpointing: bool,
+    limit: int = 1024,
+    kernels: str = "reference",
 ) -> int:
     """The largest micro-batch whose estimate is within `budget` (0 if not even 1 fits)."""
     best = 0
     for b in range(1, limit + 1):
-        if estimate(cfg, b, block_size, amp, grad_checkpointing).total > budget:
+        if estimate(cfg, b, block_size, amp, grad_checkpointing, kernels).total > budget:
             break
         best = b
     return best

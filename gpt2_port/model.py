@@ -207,9 +207,10 @@ class GPT2(nn.Module):
             b.attn.impl = impl
 
     def set_kernels(self, kernels: Kernels) -> GPT2:
-        """'reference' (default: transformers' arithmetic op for op, bit-identical gradients) or 'fast' (when training,
-        the one-kernel tanh GELU and the head fused with the loss, never holding the logits: gpt2_port.fused). Eval
-        mode and no-grad forwards always use the reference arithmetic."""
+        """'reference' (default: transformers' arithmetic op for op, bit-identical gradients) or 'fast'
+        (gpt2_port.fused): the one-kernel tanh GELU when training, and the head fused with the loss in any forward
+        given labels or targets (no logits are made; the output's logits are None). A forward that returns logits
+        without training is the reference arithmetic, bit for bit."""
         if kernels not in ("reference", "fast"):
             raise UsageError(f"kernels must be 'reference' or 'fast', got {kernels!r}")
         self.kernels = kernels
@@ -317,10 +318,10 @@ class GPT2(nn.Module):
         return logits
 
     def _fused_loss(self) -> bool:
-        """The head fused with the loss: fast kernels, training, float32 without autocast, nobody asking for logits."""
+        """The head fused with the loss: fast kernels, float32 without autocast, nobody asking for the logits (a
+        forward given labels or targets; with gradients or without, as a validation loss is)."""
         return (
             self.kernels == "fast"
-            and wants_grad(self)
             and self.dtype == torch.float32
             and not torch.is_autocast_enabled(self.device.type)
             and (self.lm_head is None or type(self.lm_head) is nn.Linear)

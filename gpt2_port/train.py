@@ -40,7 +40,6 @@ from .data import GlobalBatchSampler, TokenFile
 from .distributed import Dist
 from .errors import CheckpointError, GPT2PortError, UsageError
 from .load import save_pretrained
-from .loss import cross_entropy
 from .memory import GiB, available_memory, estimate, largest_batch_that_fits
 from .model import GPT2
 from .quantize import check_trainable
@@ -187,7 +186,9 @@ def prepare_model(model: GPT2, args: TrainArgs, device: torch.device) -> GPT2:
 def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, d: Dist) -> dict:
     """Stop before the run starts if its estimated peak does not fit the free memory (one line: what to change)."""
     amp = args.dtype != "float32"
-    est = estimate(cfg, args.batch_size, block_size, amp, args.grad_checkpointing)
+    if args.dropout is not None:
+        cfg = cfg.with_dropout(args.dropout)
+    est = estimate(cfg, args.batch_size, block_size, amp, args.grad_checkpointing, args.kernels)
     avail, source = available_memory(device)
     share = d.local_world_size if device.type == "cpu" else 1  # processes on one host share its memory
     budget = int(avail * MEMORY_HEADROOM) // share
@@ -195,13 +196,13 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
     if est.total <= budget:
         return info
     hints = []
-    b = largest_batch_that_fits(cfg, block_size, budget, amp, args.grad_checkpointing, args.batch_size)
+    b = largest_batch_that_fits(cfg, block_size, budget, amp, args.grad_checkpointing, args.batch_size, args.kernels)
     if b:
         hints.append(
             f"--batch-size {b} (with --grad-accum {args.grad_accum * args.batch_size // b} for the same batch)"
         )
     if not args.grad_checkpointing:
-        bc = largest_batch_that_fits(cfg, block_size, budget, amp, True, args.batch_size)
+        bc = largest_batch_that_fits(cfg, block_size, budget, amp, True, args.batch_size, args.kernels)
         if bc:
             hints.append(f"--grad-checkpointing (fits --batch-size {bc})")
     if not hints:
@@ -444,8 +445,7 @@ class Trainer:
             for chunk in offsets.split(a.batch_size):
                 x, y = self.val_data.windows(chunk, self.block_size)
                 with self._autocast():
-                    logits = self.model(x.to(self.device))
-                nll = cross_entropy(logits, y.to(self.device))
+                    nll = self.model(x.to(self.device), targets=y.to(self.device)).loss
                 total += float(nll) * chunk.numel()
         finally:
             self.model.train()

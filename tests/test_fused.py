@@ -113,6 +113,9 @@ def test_fast_kernels_leave_inference_and_recorded_logits_alone(tiny_official: P
     ref, fast = _ours(tiny_official, "reference"), _ours(tiny_official, "fast")
     with torch.no_grad():
         assert torch.equal(ref.eval()(ids), fast.eval()(ids))  # eval, no grad: the reference arithmetic, bit for bit
+    with torch.no_grad():  # a validation loss: the fused loss without gradients, no logits made
+        a, b = ref(ids, labels=ids), fast(ids, labels=ids)
+    assert b.logits is None and abs(float(b.loss - a.loss)) <= LOSS_REL * abs(float(a.loss))
     fast.train()
     with fast.record(["logits"]) as acts:
         out = fast(ids, labels=ids)

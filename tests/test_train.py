@@ -287,6 +287,38 @@ def test_grad_checkpointing_trains_the_same_model(small_ckpt: Path, small_data: 
 
 
 # -- memory, NaN, Ctrl-C ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_the_estimate_bounds_a_real_runs_peak(shakes: Path, tmp_path: Path, kernels: str) -> None:
+    """A run whose memory is mostly logits (GPT-2's vocabulary, 16 x 256 tokens, a 2-layer 64-wide model): the peak
+    RSS of a fresh `gpt2-port train` process stays under the estimate it printed, which is what makes the check
+    before the run a promise (a run it accepts does not get killed). Fresh process: pytest's own memory not counted.
+    """
+    import subprocess
+    import sys
+
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=256)
+    ck = write_demo_checkpoint(tmp_path / "ck", config=cfg, seed=1)
+    out, js = tmp_path / "out", tmp_path / "s.json"
+    argv = ["--init", str(ck), "--data", str(shakes), "--out", str(out), "--steps", "2", "--batch-size", "16"]
+    argv += ["--block-size", "256", "--dropout", "0.0", "--eval-every", "0", "--kernels", kernels, "--json", str(js)]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run(
+        [sys.executable, "-m", "gpt2_port", "train", *argv, "--no-plot"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(js.read_text())
+    logits_mb = 16 * 256 * cfg.vocab_size * 4 / 2**20  # one (N, V) float32 tensor: 785 MB
+    assert s["peak_rss_mb"] <= s["memory_estimate_mb"]
+    if kernels == "reference":  # the logits and their gradients were really there: the bound is not vacuous
+        assert s["peak_rss_mb"] > 3 * logits_mb
+    else:  # the fused loss never made them
+        assert s["peak_rss_mb"] < logits_mb
+
+
 def test_gpt2_large_fine_tunes_in_24_gib_by_the_estimate_with_grad_checkpointing() -> None:
     large = preset("gpt2-large")
     small_batch = memory.estimate(large, 1, 1024, grad_checkpointing=True)

@@ -378,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
         "world_size": dist.world_size,
         "skipped_steps": result.skipped_steps,
         "peak_rss_mb": _peak_rss_mb(),
+        "memory_estimate_mb": mem["estimate_bytes"] / 2**20 if mem is not None else None,
     }
     if args.json:
         atomic_write_text(args.json, json.dumps(summary, indent=2) + "\n")
