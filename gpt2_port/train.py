@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -485,18 +485,32 @@ class Trainer:
             tensors=tensors,
         )
 
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around every write into --out: a directory moved or deleted while training, or a write that fails (a full
+        disk, lost permissions), stops the run with one line naming --out instead of a traceback."""
+        if not self.out.is_dir():
+            raise UsageError(
+                f"--out {self.out}: the directory is gone (moved or deleted while training); stopped without "
+                "writing anything more (to continue, --resume the directory where it is now)"
+            )
+        try:
+            yield
+        except OSError as e:
+            raise UsageError(f"--out {self.out}: cannot write there any more ({e.strerror or e})") from None
+
     def save(self, step: int, elapsed: float, tokens: int) -> None:
         """The model and trainer state of `step` into --out (rank 0 only; the others wait)."""
         if self.dist.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".step-{step}-", suffix=".partial", dir=self.out))
-            try:
-                save_pretrained(self.model, tmp, self.tokenizer_dir)
-                trainer_state.save(self._state(step, elapsed, tokens), tmp)
-                _swap_in(tmp, self.out)
-            finally:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
+            with self._writing():
+                tmp = Path(tempfile.mkdtemp(prefix=f".step-{step}-", suffix=".partial", dir=self.out))
+                try:
+                    save_pretrained(self.model, tmp, self.tokenizer_dir)
+                    trainer_state.save(self._state(step, elapsed, tokens), tmp)
+                    _swap_in(tmp, self.out)
+                finally:
+                    if tmp.exists():
+                        shutil.rmtree(tmp)
             if self.cb.on_save:
                 self.cb.on_save("last", self.out, step)
         self.dist.barrier()
@@ -504,26 +518,28 @@ class Trainer:
     def save_best(self, step: int) -> None:
         if not self.dist.is_main:
             return
-        tmp = Path(tempfile.mkdtemp(prefix=".best-", suffix=".partial", dir=self.out))
-        try:
-            save_pretrained(self.model, tmp, self.tokenizer_dir)
-            _replace_dir(tmp, self.out / BEST_DIR)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
+        with self._writing():
+            tmp = Path(tempfile.mkdtemp(prefix=".best-", suffix=".partial", dir=self.out))
+            try:
+                save_pretrained(self.model, tmp, self.tokenizer_dir)
+                _replace_dir(tmp, self.out / BEST_DIR)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
         if self.cb.on_save:
             self.cb.on_save("best", self.out / BEST_DIR, step)
 
     def _write_log(self, records: list[dict], append: dict | None = None) -> None:
         if not self.dist.is_main:
             return
-        if append is None:
-            from .util import atomic_write_text
+        with self._writing():
+            if append is None:
+                from .util import atomic_write_text
 
-            atomic_write_text(self.out / LOG_FILE, "".join(json.dumps(r) + "\n" for r in records))
-            return
-        with open(self.out / LOG_FILE, "a") as f:
-            f.write(json.dumps(append) + "\n")
+                atomic_write_text(self.out / LOG_FILE, "".join(json.dumps(r) + "\n" for r in records))
+                return
+            with open(self.out / LOG_FILE, "a") as f:
+                f.write(json.dumps(append) + "\n")
 
     def run(self) -> TrainResult:
         a, d = self.args, self.dist

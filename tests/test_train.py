@@ -160,6 +160,35 @@ def test_gradients_are_clipped_to_clip_and_the_norm_before_clipping_is_logged(sm
     assert finite and norm > 0.05 and math.isclose(float(after), 0.01, rel_tol=1e-4)
 
 
+@pytest.mark.parametrize("when", ["on_step", "on_save"])
+def test_an_out_directory_moved_while_training_stops_with_a_usage_error(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, when: str
+) -> None:
+    """Moved after a step's log line (the next write is the log or a save) or right after a save: one line naming
+    --out (exit 2 in the CLI), and nothing recreated at the old path or written into the moved directory after it."""
+    import shutil
+
+    from gpt2_port.train import Callbacks
+
+    m, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=3, batch_size=2, block_size=16, eval_every=0, dropout=0.0, save_every=1)
+    prepare_model(m, args, torch.device("cpu"))
+    out, moved = tmp_path / "out", tmp_path / "moved"
+    once = []
+
+    def move(*_a) -> None:
+        if not once:
+            once.append(1)
+            shutil.move(out, moved)
+
+    cb = Callbacks(on_step=move) if when == "on_step" else Callbacks(on_save=move)
+    t = Trainer(m, args, TokenFile(small_data / "train.bin", 512), None, out, callbacks=cb)
+    with pytest.raises(UsageError, match=r"--out .*out: the directory is gone \(moved or deleted"):
+        t.run()
+    assert not out.exists()  # not recreated by a later write
+    assert (moved / "log.jsonl").is_file()
+
+
 # -- the command: outputs and exact resume ---------------------------------------------------------------------------
 def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
     small_ckpt: Path, small_data: Path, tokenizer_dir: Path, tmp_path: Path
