@@ -292,7 +292,7 @@ class GPT2(nn.Module):
                 position_ids = positions_from_mask(attention_mask)[:, past:]
             else:
                 position_ids = torch.arange(past, S, device=input_ids.device)[None]
-        x = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, C)
+        x = self.drop(self._embed_tokens(input_ids) + self.wpe(position_ids))  # (B, T, C)
         self.taps("embed", x)
         mask = build_mask(attention_mask, T, S, input_ids.device)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
@@ -316,6 +316,13 @@ class GPT2(nn.Module):
         if targets is not None:
             return CausalLMOutput(cross_entropy(logits, targets), logits)
         return logits
+
+    def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """wte rows. Fast kernels, training, tied head: the rows' gradient goes to wte as a sparse (B*T rows) tensor
+        added into the head's dense one, instead of a dense (V, C) gradient made, filled and summed."""
+        if self.kernels == "fast" and self.lm_head is None and wants_grad(self) and self.wte.weight.requires_grad:
+            return F.embedding(input_ids, self.wte.weight, sparse=True)
+        return self.wte(input_ids)
 
     def _fused_loss(self) -> bool:
         """The head fused with the loss: fast kernels, float32 without autocast, nobody asking for the logits (a

@@ -65,7 +65,8 @@ def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= LOSS_REL * abs(y) for x, y in zip(a, b))
 
 
-def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup, tmp_path: Path, kernels: str) -> None:
     ck, data = setup
     two, one = tmp_path / "two", tmp_path / "one"
     r = torchrun(
@@ -80,6 +81,8 @@ def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup,
         "4",
         "--json",
         str(tmp_path / "s.json"),
+        "--kernels",
+        kernels,
         *COMMON,
     )
     assert r.stdout.count("trained steps 0->4") == 1  # only rank 0 prints (and writes)
@@ -98,6 +101,8 @@ def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup,
                 "4",
                 "--grad-accum",
                 "2",
+                "--kernels",
+                kernels,
                 *COMMON,
             ]
         )
