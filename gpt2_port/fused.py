@@ -67,14 +67,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w.addmm_(g.t(), hc)  # (V, n) @ (n, C)
             if grad_b is not None:
                 grad_b.add_(g.sum(0))
-        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (grad_h, grad_w, grad_b)))
-        ctx.has = (grad_h is not None, grad_w is not None, grad_b is not None)
+        # Intermediates (not inputs or outputs), so kept on ctx and handed over in backward: with the usual incoming
+        # gradient of 1 the tensors themselves become the gradients (no copy of the (V, C) head gradient).
+        ctx.made = [grad_h, grad_w, grad_b]
         return total / divisor
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # noqa: ANN001, ANN205
-        saved = ctx.saved_tensors
-        grads = [t * grad_out.to(t.dtype) if has else None for t, has in zip(saved, ctx.has)]
+        if ctx.made is None:
+            raise RuntimeError(
+                "linear_cross_entropy: a second backward through the same loss (its gradients were handed over)"
+            )
+        made, ctx.made = ctx.made, None
+        one = grad_out.device.type == "cpu" and float(grad_out) == 1.0
+        grads = [t if t is None or one else t * grad_out.to(t.dtype) for t in made]
         return grads[0], grads[1], grads[2], None, None, None
 
 

@@ -124,3 +124,12 @@ def test_fast_kernels_leave_inference_and_recorded_logits_alone(tiny_official: P
         fast.set_kernels("turbo")  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="not both"):
         fast(ids, labels=ids, targets=ids)
+
+
+def test_a_second_backward_through_the_fused_loss_is_refused() -> None:
+    h, w, b, t = _case(3, 6, 8, 31, False)
+    h.requires_grad_(True)
+    loss = fused.linear_cross_entropy(h, w, b, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
