@@ -20,7 +20,7 @@ import math
 import platform
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -402,11 +402,14 @@ def train_steps(
     ids_list: Sequence[torch.Tensor],
     tc: TrainConfig,
     moments_dir: Path | None = None,
+    clip_layout: Callable[[], Iterator[torch.Tensor]] | None = None,
 ) -> list[float]:
     """N AdamW steps on the same batch (llm.c's check); each step's loss before its update.
 
     hf_names: the model's parameter name -> transformers' name; the decay groups are decided on the latter.
     moments_dir: keep AdamW's moments on disk there (moments_on_disk), for models whose training state does not fit.
+    clip_layout: the gradients as transformers holds them (one at a time, in its parameter order), for the clip norm;
+    None: the model's own gradients are transformers' (the reference itself). See clip_grad_norm.
     """
     named = list(model.named_parameters())
     decay = [p for n, p in named if decays(hf_names[n], cfg)]
@@ -425,12 +428,31 @@ def train_steps(
         opt.zero_grad(set_to_none=True)
         loss = torch.stack([forward(model, ids) for ids in ids_list]).mean()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, tc.clip)
+        layout = clip_layout() if clip_layout is not None else (p.grad for p in params if p.grad is not None)
+        clip_grad_norm(params, layout, tc.clip)
         opt.step()
         losses.append(loss.item())
     del opt
     model.zero_grad(set_to_none=True)
     return losses
+
+
+def clip_grad_norm(params: Sequence[torch.Tensor], layout: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s arithmetic (each gradient's 2-norm, the norm of those norms, the gradients
+    scaled by min(1, max_norm / (total + 1e-6))), with the total norm taken over `layout`: the same gradients in
+    transformers' tensors and order. The global norm is the same number either way, but its rounding depends on how
+    the elements are grouped and summed; summed over our separate q/k/v it differs from transformers' one c_attn in
+    the last bit, and ten AdamW steps of a large model amplify that (1.5B: 2e-4 on the loss by step 10). Summed
+    the same way, the clip factor is the same float, so the steps compare the models and not the bookkeeping."""
+    norms = [torch.linalg.vector_norm(g.contiguous(), 2.0) for g in layout]  # one tensor made at a time
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device))
+    return total
 
 
 def _ref_loss(ref: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -561,6 +583,7 @@ def run_backward(
         say(f"{side}: AdamW's moments kept on disk in {d} (the training state does not fit in memory)")
         return d
 
+    ref_order = [n for n, _ in ref.named_parameters()]  # transformers' parameter order, for the clip norm
     if tc.steps:
         say(f"reference: {tc.steps} AdamW steps")
         ref_names = {n: n for n, _ in ref.named_parameters()}
@@ -617,7 +640,14 @@ def run_backward(
         if tc.steps:
             say(f"scratch {lab}: {tc.steps} AdamW steps")
             where = moments_dir(f"scratch-{dtype_name(dt)}-{dev.type}")
-            losses = train_steps(scratch, hf_name_of_scratch(cfg), cfg, _scratch_loss, ids_on(dev), tc, where)
+
+            def in_hf_layout(m: torch.nn.Module = scratch) -> Iterator[torch.Tensor]:
+                grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+                made = dict(adapter.hf_tensors(grads, m.config, prefix=PREFIX))
+                return (made[n]() for n in ref_order if n in made)
+
+            names = hf_name_of_scratch(cfg)
+            losses = train_steps(scratch, names, cfg, _scratch_loss, ids_on(dev), tc, where, in_hf_layout)
             for k, (a, b) in enumerate(zip(losses, ref_steps)):
                 rel = abs(a - b) / abs(b) if b else abs(a)
                 r.steps.append(StepResult(k, a, b, rel, tol.step_loss_rel, bool(rel <= tol.step_loss_rel)))

@@ -219,3 +219,16 @@ def test_moments_on_disk_hold_adamws_state(tiny_official: Path, tmp_path: Path) 
     assert len(files) == 2 * len(list(model.parameters()))
     assert all(f.stat().st_size > 0 for f in files)
     assert any(torch.from_file(str(f), size=f.stat().st_size // 4).abs().sum() > 0 for f in files)
+
+
+def test_train_steps_clip_on_transformers_layout_so_steps_are_bit_identical(tiny_official: Path) -> None:
+    """Gradients bit-identical, the clip norm summed over transformers' tensors on both sides: every step's loss and
+    every weight after the steps equal exactly. The clip clips (the tiny model's norm is far above 0.01), and eps=1
+    makes AdamW's update proportional to the clipped gradient instead of invariant to its scale, so a clip factor one
+    bit off would show in the weights."""
+    tc = backward.TrainConfig(steps=4, lr=1e-2, clip=0.01, eps=1.0)
+    r = backward.run_backward(str(tiny_official), ["The students opened their books"], train=tc, noise_floor=False)
+    rep = r.reports[0]
+    assert [s.rel for s in rep.steps] == [0.0] * 4
+    assert len({s.loss_scratch for s in rep.steps}) == 4  # it trained
+    assert all(p.max_abs == 0.0 for p in rep.weights), max(rep.weights, key=lambda p: p.max_abs)
