@@ -72,8 +72,8 @@ def steps_table(r: BackwardReport) -> Table:
         hp = r.train
         t.notes.append(
             f"lr {hp['lr']:g}, betas {tuple(hp['betas'])}, eps {hp['eps']:g}, weight decay {hp['weight_decay']:g} "
-            f"(2+-dim weights only), clip_grad_norm {hp['clip']:g} (the total norm summed over transformers' tensors on both sides); batch: {hp['batch']}; tolerance "
-            f"{r.steps[0].tolerance:.0e} relative"
+            f"(2+-dim weights only), clip_grad_norm {hp['clip']:g} (the total norm summed over transformers' "
+            f"tensors on both sides); batch: {hp['batch']}; tolerance {r.steps[0].tolerance:.0e} relative"
         )
     if r.weights:
         worst = max(r.weights, key=lambda p: -1.0 if math.isnan(p.norm_rel) else p.norm_rel)
