@@ -51,15 +51,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, h.shape[0], CHUNK_ROWS):
             hc, tc, kc = h[s : s + CHUNK_ROWS], safe[s : s + CHUNK_ROWS], keep[s : s + CHUNK_ROWS]
             logits = F.linear(hc, w, b).float()  # (n, V)
-            lse = torch.logsumexp(logits, dim=-1)  # (n,)
             picked = logits.gather(1, tc[:, None])[:, 0]  # (n,)
-            total += ((lse - picked) * kc).sum()
+            top = logits.amax(dim=-1)  # (n,)
+            e = logits.sub_(top[:, None]).exp_()  # (n, V): exp(logit - max), in the logits' memory, made once
+            total_e = e.sum(dim=-1)  # (n,)
+            total += ((top + total_e.log() - picked) * kc).sum()  # log-sum-exp minus the target's logit
             if not (need[0] or need[1] or need[2]):
                 continue
             # d(mean nll)/d(logits) = (softmax - onehot(target)) / divisor on kept rows, 0 on ignored ones
-            g = logits.sub_(lse[:, None]).exp_()  # (n, V): the softmax, in the logits' memory
-            g[torch.arange(len(tc), device=g.device), tc] -= 1.0
-            g.mul_((kc / divisor).to(g.dtype)[:, None])
+            scale = (kc / divisor).to(e.dtype)  # (n,)
+            g = e.mul_((scale / total_e)[:, None])  # the softmax, scaled, from the same exponentials
+            g[torch.arange(len(tc), device=g.device), tc] -= scale
             g = g.to(h.dtype)
             if grad_h is not None:
                 torch.mm(g, w, out=grad_h[s : s + CHUNK_ROWS])  # (n, V) @ (V, C)
