@@ -10,12 +10,13 @@ run it accepts fits, and a run it rejects stops with a one-line error instead of
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from .config import GPT2Config
+from .fused import CHUNK_ROWS
 
 GiB = 1 << 30
 RUNTIME_OVERHEAD = 0.75 * GiB  # torch, numpy, the tokenizer: `train` on a 2-layer 32-wide model (vocab 512, batch
@@ -47,16 +48,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return (
-            self.weights
-            + self.grads
-            + self.optimizer
-            + self.activations
-            + self.logits
-            + self.transient
-            + self.slack
-            + self.overhead
-        )
+        return sum(getattr(self, f.name) for f in fields(self))
 
     def describe(self) -> str:
         parts = ("weights", "grads", "optimizer", "activations", "logits")
@@ -88,8 +80,6 @@ def estimate(
         activations = cfg.n_layer * per_block
     activations += 2 * BT * C * 4  # embeddings and ln_f
     if kernels == "fast" and not amp:  # a few chunks of logits, and the gradients the fused loss makes in forward
-        from .fused import CHUNK_ROWS
-
         logits = 3 * min(BT, CHUNK_ROWS) * V * 4 + V * C * 4 + BT * C * 4
     else:
         logits = BT * V * LOGIT_BYTES

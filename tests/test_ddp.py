@@ -43,13 +43,23 @@ def setup(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> tupl
     return write_demo_checkpoint(d / "ck", config=SMALL, seed=5), data
 
 
-def torchrun(n: int, *argv: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
-    cmd += ["-m", "gpt2_port", "train", *argv]
+def launch(n: int, *target: str) -> subprocess.CompletedProcess:
+    """torchrun with n CPU processes running `target` (a script and its arguments, or -m MODULE ...)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *target]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def torchrun(n: int, *argv: str) -> subprocess.CompletedProcess:
+    return launch(n, "-m", "gpt2_port", "train", *argv)
+
+
+def one_process_accumulating_two(ck: Path, data: Path, out: Path, *extra: str) -> None:
+    """The run 2 processes must equal: 1 process, 4 steps, --grad-accum 2 (the same global batch)."""
+    argv = ["train", "--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "4", "--grad-accum", "2"]
+    assert main([*argv, *extra, *COMMON]) == 0
 
 
 def losses(out: Path) -> list[float]:
@@ -87,27 +97,7 @@ def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup,
     )
     assert r.stdout.count("trained steps 0->4") == 1  # only rank 0 prints (and writes)
     assert json.loads((tmp_path / "s.json").read_text())["world_size"] == 2
-    assert (
-        main(
-            [
-                "train",
-                "--init",
-                str(ck),
-                "--data",
-                str(data),
-                "--out",
-                str(one),
-                "--steps",
-                "4",
-                "--grad-accum",
-                "2",
-                "--kernels",
-                kernels,
-                *COMMON,
-            ]
-        )
-        == 0
-    )
+    one_process_accumulating_two(ck, data, one, "--kernels", kernels)
     a, b = losses(two), losses(one)
     assert len(a) == 4 and close(a, b), (a, b)
     assert len(set(a)) == 4  # the steps did train
@@ -122,25 +112,7 @@ def test_resume_works_with_another_number_of_processes(setup, tmp_path: Path) ->
     torchrun(2, "--init", str(ck), "--data", str(data), "--out", str(run), "--steps", "4", "--stop-at", "2", *COMMON)
     assert trainer_state.load(run).world_size == 2
     assert main(["train", "--resume", str(run), "--data", str(data), "--steps", "4", "--grad-accum", "2", *COMMON]) == 0
-    assert (
-        main(
-            [
-                "train",
-                "--init",
-                str(ck),
-                "--data",
-                str(data),
-                "--out",
-                str(ref),
-                "--steps",
-                "4",
-                "--grad-accum",
-                "2",
-                *COMMON,
-            ]
-        )
-        == 0
-    )
+    one_process_accumulating_two(ck, data, ref)
     assert close(losses(run), losses(ref)), (losses(run), losses(ref))
 
 
@@ -186,17 +158,7 @@ def test_gradients_are_synchronised_only_on_the_last_micro_step(setup, tmp_path:
     ck, data = setup
     script = tmp_path / "sync.py"
     script.write_text(_SYNC_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    r = subprocess.run(
-        [*cmd, str(ck), str(data), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    launch(2, str(script), str(ck), str(data), str(tmp_path / "out"))
     ranks = [json.loads(f.read_text()) for f in sorted((tmp_path / "out").glob("rank*.json"))]
     assert sorted(x["rank"] for x in ranks) == [0, 1]
     for x in ranks:
