@@ -269,7 +269,17 @@ class Grads:
     acts: dict[str, torch.Tensor]  # point -> activation gradients of every prompt, flattened and concatenated
 
 
-def _reference_forward(ref: torch.nn.Module, ids: torch.Tensor, n_layer: int) -> tuple[torch.Tensor, dict]:
+def prompt_share(ids: torch.Tensor, n_prompts: int) -> int:
+    """num_items_in_batch for one (1, T) prompt of n_prompts: its summed NLL divided by n_prompts x its T - 1
+    targets. The prompts' losses then add up to the mean of their means, and each one's backward starts from a
+    gradient of exactly 1, as a training step's does (the fast kernels' fused loss makes its gradients in forward,
+    bit for bit the reference's for that incoming gradient; a mean over the prompts would hand it 1/n_prompts)."""
+    return n_prompts * (ids.numel() - ids.shape[0])
+
+
+def _reference_forward(
+    ref: torch.nn.Module, ids: torch.Tensor, n_layer: int, num_items: int
+) -> tuple[torch.Tensor, dict]:
     """Loss of one prompt on transformers, with every act point kept in the graph and its gradient retained."""
     acts: dict[str, torch.Tensor] = {}
     paths = {"embed": "transformer.drop", "ln_f": "transformer.ln_f"}
@@ -285,7 +295,7 @@ def _reference_forward(ref: torch.nn.Module, ids: torch.Tensor, n_layer: int) ->
 
     handles = [ref.get_submodule(p).register_forward_hook(make(n)) for n, p in paths.items()]
     try:
-        out = ref(input_ids=ids, labels=ids, use_cache=False)
+        out = ref(input_ids=ids, labels=ids, use_cache=False, num_items_in_batch=num_items)
     finally:
         for h in handles:
             h.remove()
@@ -294,20 +304,22 @@ def _reference_forward(ref: torch.nn.Module, ids: torch.Tensor, n_layer: int) ->
     return out.loss, acts
 
 
-def _scratch_forward(model: torch.nn.Module, ids: torch.Tensor, n_layer: int) -> tuple[torch.Tensor, dict]:
+def _scratch_forward(
+    model: torch.nn.Module, ids: torch.Tensor, n_layer: int, num_items: int
+) -> tuple[torch.Tensor, dict]:
     with model.record(act_points(n_layer, model.kernels == "reference"), keep_graph=True) as acts:
-        loss = model(ids, labels=ids).loss
+        loss = model(ids, labels=ids, num_items_in_batch=num_items).loss
     return loss, dict(acts)
 
 
 def _batch_loss(forward: Callable, model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_layer: int):
-    """Mean of the prompts' losses (each prompt a batch of one) and the act points of each prompt."""
+    """Mean of the prompts' losses (each prompt a batch of one; see prompt_share) and the act points of each."""
     losses, acts = [], []
     for ids in ids_list:
-        loss, a = forward(model, ids, n_layer)
+        loss, a = forward(model, ids, n_layer, prompt_share(ids, len(ids_list)))
         losses.append(loss)
         acts.append(a)
-    return torch.stack(losses).mean(), acts
+    return torch.stack(losses).sum(), acts
 
 
 def reference_grads(ref: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_layer: int) -> Grads:
@@ -428,7 +440,7 @@ def train_steps(
     losses = []
     for _ in range(tc.steps):
         opt.zero_grad(set_to_none=True)
-        loss = torch.stack([forward(model, ids) for ids in ids_list]).mean()
+        loss = torch.stack([forward(model, ids, prompt_share(ids, len(ids_list))) for ids in ids_list]).sum()
         loss.backward()
         layout = clip_layout() if clip_layout is not None else (p.grad for p in params if p.grad is not None)
         clip_grad_norm(params, layout, tc.clip)
@@ -457,12 +469,12 @@ def clip_grad_norm(params: Sequence[torch.Tensor], layout: Iterable[torch.Tensor
     return total
 
 
-def _ref_loss(ref: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return ref(input_ids=ids, labels=ids, use_cache=False).loss
+def _ref_loss(ref: torch.nn.Module, ids: torch.Tensor, num_items: int) -> torch.Tensor:
+    return ref(input_ids=ids, labels=ids, use_cache=False, num_items_in_batch=num_items).loss
 
 
-def _scratch_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(ids, labels=ids).loss
+def _scratch_loss(model: torch.nn.Module, ids: torch.Tensor, num_items: int) -> torch.Tensor:
+    return model(ids, labels=ids, num_items_in_batch=num_items).loss
 
 
 # -- the run --------------------------------------------------------------------------------------------------------

@@ -1,17 +1,22 @@
-"""The fast training kernels: the same functions as the reference arithmetic, rounded differently.
+"""The fast training kernels: less memory and time than the reference arithmetic, and close to it.
 
 - `gelu_tanh`: GPT-2's tanh GELU as torch's one kernel (`F.gelu(approximate="tanh")`) instead of the eight
-  elementwise ops OpenAI and transformers write; autograd keeps one tensor for backward instead of five.
-- `linear_cross_entropy`: the head and the mean cross-entropy together, in chunks of rows, without ever holding the
+  elementwise ops OpenAI and transformers write; autograd keeps one tensor for backward instead of five. Rounded
+  differently from the op-for-op GELU.
+- `linear_cross_entropy`: the head and the cross-entropy together, in chunks of rows, without ever holding the
   (N, V) logits: each chunk's logits give its loss and, at once, its share of the gradients of the hidden states
-  and of the head's weight; backward only scales them. This is Liger-Kernel's fused linear cross-entropy, on CPU or
-  GPU in float32. It saves the logits, their log-softmax and their gradient: 3 x N x V x 4 bytes (620 MB at 4 x 256
-  tokens of GPT-2's vocabulary).
+  and of the head's weight; backward hands them over (Liger-Kernel's fused linear cross-entropy, here in float32 on
+  CPU or GPU). It saves the logits, their log-softmax and their gradient: 3 x N x V x 4 bytes (620 MB at 4 x 256
+  tokens of GPT-2's vocabulary). Each chunk runs torch's own log-softmax forward and backward kernels, in place in
+  one reused buffer, fed the incoming gradient nll_loss's backward would make: when the loss's own incoming
+  gradient is 1 (`loss.backward()`; gradient accumulation through `num_items_in_batch`), the logits' gradient is
+  the reference's bit for bit, and so are the hidden states' (their matmul runs row by row). The head weight's
+  gradient is summed over the chunks, so it is rounded differently; another incoming gradient scales the made
+  gradients afterwards (the reference scales before), also rounded differently.
 
-Both stay within 1e-5 of the reference arithmetic (the parity report `gpt2-port parity MODEL --backward --kernels
-fast` measures them against transformers and its own noise), but they are not bit-identical to transformers, so the
-model uses them only when asked (`GPT2.set_kernels("fast")`): the GELU when training, the fused loss in forwards
-given labels or targets (model.py).
+Neither is bit-identical to transformers; the parity report (`gpt2-port parity MODEL --backward --kernels fast`)
+measures them against transformers and against its own eager-vs-sdpa noise. The model uses them only when asked
+(`GPT2.set_kernels("fast")`): the GELU when training, the fused loss in forwards given labels or targets (model.py).
 """
 
 from __future__ import annotations
@@ -30,39 +35,63 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def nll_and_logit_grad(
+    logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, step: torch.Tensor, nll_grad: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of the mean cross-entropy, in place: (n, V) float32 logits -> the kept targets' summed NLL, and the
+    logits' gradient written over them (None when nll_grad is None: the loss only).
+
+    targets: (n,) in range (anything where not kept); keep: (n,) bool; step: () -1/divisor, the gradient nll_loss's
+    backward gives each kept target for an incoming gradient of 1; nll_grad: an (n, V) float32 buffer of zeros, left
+    zeroed. torch's log-softmax kernels themselves run, so each row equals the reference's (F.cross_entropy) bit for
+    bit however the rows are chunked.
+    """
+    lp = torch._log_softmax(logits, 1, False, out=logits)  # (n, V) log-probabilities
+    at = (torch.arange(len(targets), device=logits.device), targets)
+    nll = -(lp[at] * keep).sum()
+    if nll_grad is None:
+        return nll, None
+    nll_grad[at] = torch.where(keep, step, 0.0)  # (n, V): nll_loss's incoming gradient for the log-softmax
+    grad = torch._log_softmax_backward_data(nll_grad, lp, 1, torch.float32, out=lp)
+    nll_grad[at] = 0.0
+    return nll, grad
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx,  # noqa: ANN001
-        h: torch.Tensor,  # (N, C) final hidden states
+        h: torch.Tensor,  # (N, C) final hidden states, float32
         w: torch.Tensor,  # (V, C) the head's weight
         b: torch.Tensor | None,  # (V,) its bias (an untied head may have one)
         targets: torch.Tensor,  # (N,) int64, IGNORE_INDEX where nothing is predicted
         divisor: torch.Tensor,  # () float32: the number of kept targets (or the caller's num_items)
         grads: bool,  # autograd is recording: make the gradients (else the loss only, as for a validation loss)
     ) -> torch.Tensor:
+        N, V = h.shape[0], w.shape[0]
         keep = targets != IGNORE_INDEX  # (N,)
         safe = torch.where(keep, targets, 0)
         need = [grads and n for n in ctx.needs_input_grad[:3]]
         grad_h = torch.empty_like(h) if need[0] else None
         grad_w = torch.zeros_like(w) if need[1] else None
         grad_b = torch.zeros_like(b) if b is not None and need[2] else None
+        rows = min(N, CHUNK_ROWS)
+        buf = torch.empty((rows, V), dtype=torch.float32, device=h.device)  # logits -> log-probs -> gradient
+        nll_grad = torch.zeros_like(buf) if any(need) else None
+        step = -(1.0 / divisor)  # () float32, rounded as nll_loss's backward rounds it
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, h.shape[0], CHUNK_ROWS):
-            hc, tc, kc = h[s : s + CHUNK_ROWS], safe[s : s + CHUNK_ROWS], keep[s : s + CHUNK_ROWS]
-            logits = F.linear(hc, w, b).float()  # (n, V)
-            picked = logits.gather(1, tc[:, None])[:, 0]  # (n,)
-            top = logits.amax(dim=-1)  # (n,)
-            e = logits.sub_(top[:, None]).exp_()  # (n, V): exp(logit - max), in the logits' memory, made once
-            total_e = e.sum(dim=-1)  # (n,)
-            total += ((top + total_e.log() - picked) * kc).sum()  # log-sum-exp minus the target's logit
-            if not (need[0] or need[1] or need[2]):
+        for s in range(0, N, CHUNK_ROWS):
+            hc = h[s : s + CHUNK_ROWS]
+            logits = buf[: hc.shape[0]]
+            if b is None:
+                torch.mm(hc, w.t(), out=logits)  # (n, C) @ (C, V), as F.linear runs it
+            else:
+                torch.addmm(b, hc, w.t(), out=logits)
+            go = None if nll_grad is None else nll_grad[: hc.shape[0]]
+            nll, g = nll_and_logit_grad(logits, safe[s : s + CHUNK_ROWS], keep[s : s + CHUNK_ROWS], step, go)
+            total += nll
+            if g is None:
                 continue
-            # d(mean nll)/d(logits) = (softmax - onehot(target)) / divisor on kept rows, 0 on ignored ones
-            scale = (kc / divisor).to(e.dtype)  # (n,)
-            g = e.mul_((scale / total_e)[:, None])  # the softmax, scaled, from the same exponentials
-            g[torch.arange(len(tc), device=g.device), tc] -= scale
-            g = g.to(h.dtype)
             if grad_h is not None:
                 torch.mm(g, w, out=grad_h[s : s + CHUNK_ROWS])  # (n, V) @ (V, C)
             if grad_w is not None:

@@ -265,6 +265,7 @@ class GPT2(nn.Module):
         hidden_only: bool = False,
         labels: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor | CausalLMOutput:
         """(B, T) token ids -> (B, T, V) logits ((B, 1, V) with last_only; ln_f's (B, T|1, C) with hidden_only).
 
@@ -272,6 +273,8 @@ class GPT2(nn.Module):
         position_ids: (B, T); derived from attention_mask when it is given, else counted from the cache length.
         labels: (B, T) as transformers takes them (shifted inside, -100 ignored): returns CausalLMOutput(loss, logits).
         targets: (B, T) already aligned with the positions (nanoGPT's y windows, -100 ignored): the same output.
+        num_items_in_batch: with labels or targets, the loss is their summed NLL divided by this count instead of
+            their mean (transformers' kwarg: one divisor over the micro-batches of a gradient-accumulation step).
         """
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
@@ -284,6 +287,12 @@ class GPT2(nn.Module):
             raise UsageError(f"input_ids: token id {bad} is out of range (expected 0 <= id < {V})")
         if labels is not None and targets is not None:
             raise UsageError("pass labels (shifted inside) or targets (already aligned), not both")
+        if num_items_in_batch is not None:
+            if labels is None and targets is None:
+                raise UsageError("num_items_in_batch divides a loss: pass labels or targets with it")
+            n = num_items_in_batch
+            if not (torch.is_tensor(n) and n.device.type != "cpu") and not float(n) > 0:
+                raise UsageError(f"num_items_in_batch must be a positive count of targets, got {float(n):g}")
         for t in (labels, targets):
             if t is not None:
                 check_labels(t, input_ids, self.config.vocab_size, partial=last_only or hidden_only)
@@ -310,11 +319,11 @@ class GPT2(nn.Module):
             targets = shift_labels(labels)
         if targets is not None and self._fused_loss():
             bias = None if self.lm_head is None else self.lm_head.bias
-            return CausalLMOutput(linear_cross_entropy(x, self.head_weight, bias, targets), None)
+            return CausalLMOutput(linear_cross_entropy(x, self.head_weight, bias, targets, num_items_in_batch), None)
         logits = self.head(x)  # (B, T, V)
         self.taps("logits", logits)
         if targets is not None:
-            return CausalLMOutput(cross_entropy(logits, targets), logits)
+            return CausalLMOutput(cross_entropy(logits, targets, num_items=num_items_in_batch), logits)
         return logits
 
     def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -390,12 +390,14 @@ class Trainer:
             sync = contextlib.nullcontext() if (last or not d.enabled) else self.net.no_sync()  # type: ignore[operator]
             with sync:
                 with self._autocast():
-                    loss = self.net(x, targets=y).loss  # the mean over this micro-batch's B x T targets
-                scaled = loss / a.grad_accum
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                    # this micro-batch's summed NLL over the step's A x B x T targets (the windows ignore none):
+                    # the micro-batches' losses add up to the step's mean, and backward starts from a gradient of 1
+                    # (transformers' num_items_in_batch rule; the fast kernels' fused loss is exact for it)
+                    loss = self.net(x, targets=y, num_items_in_batch=a.grad_accum * y.numel()).loss
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             loss_sum += loss.detach().double().cpu()
-        total = d.all_reduce_sum(loss_sum.to(self.device)).cpu()  # sum of micro-batch means over all processes
-        train_loss = float(total) / (a.grad_accum * d.world_size)
+        total = d.all_reduce_sum(loss_sum.to(self.device)).cpu()  # sum of every process's mean
+        train_loss = float(total) / d.world_size
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         max_norm = a.clip if a.clip > 0 else float("inf")

@@ -59,6 +59,41 @@ def test_linear_cross_entropy_equals_the_head_then_the_loss(monkeypatch, bias: b
             assert _norm_rel(x, y) <= GRAD_NORM_REL
 
 
+@pytest.mark.parametrize("num_items", [None, 7])
+def test_the_logits_gradient_is_the_references_bit_for_bit_in_any_chunks(num_items) -> None:
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(23, 97, generator=g) * 4
+    t = torch.randint(0, 97, (23,), generator=g)
+    t[::4] = IGNORE_INDEX
+    leaf = logits.clone().requires_grad_(True)
+    want = cross_entropy(leaf, t, num_items=num_items)
+    want.backward()  # the reference: log-softmax and nll_loss, autograd's backward from a gradient of 1
+    keep = t != IGNORE_INDEX
+    divisor = torch.tensor(float(keep.sum() if num_items is None else num_items))
+    step = -(1.0 / divisor)
+    zeros = torch.zeros(5, 97)
+    nlls, grads = [], []
+    for s in range(0, 23, 5):  # chunks of 5 rows, the last one partial
+        n = len(t[s : s + 5])
+        nll, grad = fused.nll_and_logit_grad(
+            logits[s : s + 5].clone(), torch.where(keep, t, 0)[s : s + 5], keep[s : s + 5], step, zeros[:n]
+        )
+        nlls.append(nll)
+        grads.append(grad)
+    assert torch.equal(torch.cat(grads), leaf.grad)
+    assert torch.count_nonzero(zeros) == 0  # the incoming-gradient buffer is left zeroed for the next chunk
+    assert abs(float(sum(nlls) / divisor - want)) <= LOSS_REL * abs(float(want))
+
+
+def test_one_chunk_gives_the_references_gradients_bit_for_bit(monkeypatch) -> None:
+    monkeypatch.setattr(fused, "CHUNK_ROWS", 64)  # all 23 rows at once: the reference's matmuls, unsplit
+    h, w, b, t = _case(5, 23, 16, 97, True)
+    _, want_g = _grads(_reference, h, w, b, t)
+    _, got_g = _grads(fused.linear_cross_entropy, h, w, b, t)
+    for x, y in zip(got_g, want_g):
+        assert torch.equal(x, y)
+
+
 def test_linear_cross_entropy_scales_by_the_incoming_gradient() -> None:
     h, w, b, t = _case(1, 9, 8, 31, False)
     _, g1 = _grads(lambda *a: fused.linear_cross_entropy(*a), h, w, b, t)

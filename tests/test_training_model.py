@@ -82,6 +82,13 @@ def test_loss_equals_transformers_with_ignored_labels_and_padding(tiny_official:
     assert a.loss.dtype == torch.float32
     assert abs(a.loss.item() - b.loss.item()) <= LOSS_REL * abs(b.loss.item())
     assert torch.equal(a.logits, ours(ids, attention_mask=mask))  # the plain call still returns logits
+    # num_items_in_batch: the summed NLL over a count given by the caller (gradient accumulation), as transformers
+    with torch.no_grad():
+        c = ours(ids, attention_mask=mask, labels=labels, num_items_in_batch=100)
+        d = hf(ids, attention_mask=mask, labels=labels, use_cache=False, num_items_in_batch=100)
+    assert abs(c.loss.item() - d.loss.item()) <= LOSS_REL * abs(d.loss.item())
+    kept = int((labels[:, 1:] != -100).sum())  # 29 of 100: not the mean
+    assert abs(c.loss.item() * 100 / kept - a.loss.item()) <= LOSS_REL * a.loss.item()
 
 
 def test_dropout_masks_are_transformers_masks_in_train_mode(tiny_official: Path) -> None:
@@ -204,6 +211,10 @@ def test_labels_of_the_wrong_shape_or_range_are_usage_errors(tiny_official: Path
         m(ids, labels=bad)
     with pytest.raises(UsageError, match="integer token ids"):
         m(ids, labels=labels.float())
+    with pytest.raises(UsageError, match="num_items_in_batch must be a positive count of targets, got 0"):
+        m(ids, labels=labels, num_items_in_batch=0)
+    with pytest.raises(UsageError, match="num_items_in_batch divides a loss"):
+        m(ids, num_items_in_batch=4)
 
 
 def test_record_rejects_unknown_names(tiny_official: Path) -> None:
