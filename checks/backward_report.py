@@ -7,7 +7,7 @@ import math
 import os
 
 from .backward import BackwardReport, BackwardSweep, layer_of, layer_order
-from .noise import NOISE_MARGIN
+from .noise import NOISE_MARGIN, verdict
 from .render import Table, markdown_tables, num, text_document
 
 
@@ -59,13 +59,14 @@ def point_table(r: BackwardReport) -> Table:
 
 
 def steps_table(r: BackwardReport) -> Table:
-    t = Table(
-        f"{r.label}: AdamW steps, each step's loss before its update", ["step", "scratch", "reference", "rel", ""]
-    )
+    floor = any(s.noise_rel is not None for s in r.steps)
+    cols = ["step", "scratch", "reference", "rel"] + (["noise floor", "vs floor"] if floor else []) + [""]
+    t = Table(f"{r.label}: AdamW steps, each step's loss before its update", cols)
     for i, s in enumerate(r.steps):
-        t.rows.append(
-            [str(s.step), f"{s.loss_scratch:.9g}", f"{s.loss_reference:.9g}", num(s.rel), "OK" if s.passed else "FAIL"]
-        )
+        row = [str(s.step), f"{s.loss_scratch:.9g}", f"{s.loss_reference:.9g}", num(s.rel)]
+        if floor:
+            row += [num(s.noise_rel), verdict(s.rel, s.noise_rel).text if s.noise_rel is not None else ""]
+        t.rows.append(row + ["OK" if s.passed else "FAIL"])
         if not s.passed:
             t.bad.add(i)
     if r.train:
@@ -81,6 +82,15 @@ def steps_table(r: BackwardReport) -> Table:
         t.notes.append(
             f"weights after the last step: worst norm_rel {num(worst.norm_rel)} at {worst.name} "
             f"(tolerance {worst.tolerance:.0e}); " + (f"{len(bad)} above it, first {bad[0]}" if bad else "all within")
+        )
+    if floor:
+        ratios = sorted(p.noise_ratio for p in r.weights if p.noise_ratio is not None and not math.isnan(p.noise_ratio))
+        within = sum(1 for p in r.weights if p.within_noise)
+        t.notes.append(
+            "noise floor of the steps: transformers with its other attention taking the same steps, against the "
+            "reference (a step's floor: the largest loss drift up to it); the weights after them: "
+            f"{within} of {len(r.weights)} within {NOISE_MARGIN:g}x their floor"
+            + (f", median ratio {ratios[len(ratios) // 2]:.3g}" if ratios else "")
         )
     return t
 
@@ -117,6 +127,13 @@ def summary(s: BackwardSweep) -> list[str]:
             lines.append(
                 f"{r.label}: every gradient within the reference's own noise: "
                 + ("YES" if close else f"NO ({n_above} of {len(r.points)} above it)")
+            )
+        close = r.steps_as_close_as_reference
+        if close is not None:
+            above = sum(1 for x in r.steps if x.within_noise is False)
+            lines.append(
+                f"{r.label}: every step's loss within the reference's own drift over the steps: "
+                + ("YES" if close else f"NO ({above} of {len(r.steps)} above it)")
             )
     bad = s.first_failing
     lines.append("PASS" if s.passed else f"FAIL: first failure in {bad.label} at {bad.first_failure}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -59,6 +60,11 @@ def test_every_gradient_and_step_equals_transformers_on_the_official_layout(tied
     assert all(abs(s["loss_scratch"] - s["loss_reference"]) <= 1e-5 * s["loss_reference"] for s in steps)
     assert steps[-1]["loss_reference"] < steps[0]["loss_reference"]  # the steps really train
     assert len(d["weights"]) == len(grads) and all(p["norm_rel"] <= 1e-5 for p in d["weights"])
+    # the steps' noise floor: transformers' sdpa run taking the same steps, its drift as an envelope
+    floors = [s["noise_rel"] for s in steps]
+    assert all(f is not None for f in floors) and floors == sorted(floors) and floors[-1] > 0
+    assert all(s["within_noise"] for s in steps) and d["steps_as_close_as_reference"] is True
+    assert all(p["noise_norm_rel"] is not None for p in d["weights"])
     assert [g["layer"] for g in d["layers"]] == ["embed", "h.0", "h.1", "ln_f", "head"]
 
 
@@ -158,6 +164,29 @@ def test_a_wrong_optimizer_step_is_caught(
     assert all(p["passed"] for p in d["points"])  # the gradients before any step still agree
     assert d["first_failure"].startswith(("steps[", "weight."))
     assert any(not p["passed"] for p in d["weights"])
+    assert "steps_as_close_as_reference" not in d and d["steps"][0]["noise_rel"] is None  # --no-noise-floor
+
+
+def test_steps_that_drift_further_than_transformers_own_are_marked(
+    tiny_official: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our side taking a slightly different step (a learning rate 1% off) drifts further than transformers' own
+    eager and sdpa runs drift apart on the same steps: the steps' verdict says so."""
+    real = backward.train_steps
+
+    def off(model, *a, **k):  # noqa: ANN001, ANN202
+        if model.__class__.__module__.startswith("gpt2_port"):
+            tc = a[4]
+            a = (*a[:4], dataclasses.replace(tc, lr=tc.lr * 1.01), *a[5:])
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(backward, "train_steps", off)
+    js = tmp_path / "r.json"
+    main(["parity", str(tiny_official), "--train-steps", "3", *PROMPTS, "--json", str(js)])
+    d = json.loads(js.read_text())
+    assert d["steps_as_close_as_reference"] is False
+    assert d["steps"][0]["within_noise"] is True  # before any update the losses are the same
+    assert any(s["within_noise"] is False for s in d["steps"][1:])
 
 
 def test_reduced_dtype_sweep_against_one_float32_reference(tiny_official: Path, capsys, tmp_path: Path) -> None:
