@@ -19,6 +19,7 @@ import gc
 import itertools
 import math
 import platform
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -71,7 +72,8 @@ class GradTolerance:
 # loss and every weight 0.0 on 124M and 1.5B. Before that change the clip factor differed in its last bit: 774M steps
 # 3.0e-6, weights 3.1e-6; 1.5B steps up to 2.0e-4 by step 10. Fast kernels (--kernels fast, --train-steps 10): loss 0;
 # worst gradient 8.5e-7 / 1.05e-6 / 1.19e-6 (124M / 355M / 774M, all within the noise, at most 1.84x the floor),
-# worst step 5.0e-7 / 7.5e-6 / 2.1e-6, weights 5.1e-6 / 4.5e-6 / 3.1e-6.
+# worst step 5.0e-7 / 7.5e-6 / 2.1e-6, weights 5.1e-6 / 4.5e-6 / 3.1e-6. 1.5B: one gradient at 2.01x its floor, steps
+# drifting to 1.2e-3 by step 9 on an oscillating loss (FAIL from step 7), weights 3.2e-4.
 # bfloat16 against the float32 reference, 124M: worst beside each; every gradient within transformers' own bfloat16
 # noise (floor up to 1.6e-2).
 BACKWARD_TOLERANCES: dict[str, GradTolerance] = {
@@ -412,6 +414,13 @@ def moments_on_disk(opt: torch.optim.Optimizer, directory: Path) -> None:
     and evicts them under memory pressure, so weights + gradients + moments of 1.5B (25 GB in float32) run on a
     24 GiB machine. The arithmetic is torch's own; only where the moments live changes."""
     scalar = torch.get_default_dtype()  # torch.optim keeps `step` as a scalar tensor of the default dtype
+    need = 2 * sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
+    free = shutil.disk_usage(directory).free
+    if need > free:  # a mapping that cannot be backed by the disk dies with SIGBUS mid-step: refuse up front
+        raise UsageError(
+            f"AdamW's moments on disk need {need / 2**30:.1f} GiB in {directory}, {free / 2**30:.1f} GiB free: "
+            "free space there (or set TMPDIR to a larger disk)"
+        )
     k = 0
     for group in opt.param_groups:
         for p in group["params"]:
@@ -462,6 +471,8 @@ def train_steps(
         opt.step()
         losses.append(loss.item())
     del opt
+    if moments_dir is not None:  # this run's moments are done with: the next run's need the disk
+        shutil.rmtree(moments_dir, ignore_errors=True)
     model.zero_grad(set_to_none=True)
     return losses
 

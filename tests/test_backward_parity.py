@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from gpt2_port.cli import main
+from gpt2_port.errors import UsageError
 from gpt2_port.load import from_pretrained
 
 transformers = pytest.importorskip("transformers")
@@ -249,7 +251,7 @@ def test_moments_on_disk_and_spilled_weights_give_the_same_steps(tiny_official: 
     assert [(p.name, p.max_abs) for p in a.weights] == [(p.name, p.max_abs) for p in b.weights]
 
 
-def test_moments_on_disk_hold_adamws_state(tiny_official: Path, tmp_path: Path) -> None:
+def test_moments_on_disk_hold_adamws_state(tiny_official: Path, tmp_path: Path, monkeypatch) -> None:
     from gpt2_port.load import from_pretrained
 
     model, rep = from_pretrained(str(tiny_official))
@@ -257,11 +259,26 @@ def test_moments_on_disk_hold_adamws_state(tiny_official: Path, tmp_path: Path) 
     names = backward.hf_name_of_scratch(rep.config)
     ids = [torch.tensor([[464, 2444, 4721, 511]])]
     tc = backward.TrainConfig(steps=2)
-    backward.train_steps(model, names, rep.config, backward._scratch_loss, ids, tc, tmp_path)
-    files = sorted(tmp_path.glob("*.bin"))
-    assert len(files) == 2 * len(list(model.parameters()))
-    assert all(f.stat().st_size > 0 for f in files)
-    assert any(torch.from_file(str(f), size=f.stat().st_size // 4).abs().sum() > 0 for f in files)
+    seen = []
+
+    def inspect_then_remove(path, **kw):  # the moments as the steps left them
+        files = sorted(Path(path).glob("*.bin"))
+        seen.append(len(files) == 2 * len(list(model.parameters())) and all(f.stat().st_size > 0 for f in files))
+        seen.append(any(torch.from_file(str(f), size=f.stat().st_size // 4).abs().sum() > 0 for f in files))
+        real_rmtree(path, **kw)
+
+    real_rmtree = backward.shutil.rmtree
+    monkeypatch.setattr(backward.shutil, "rmtree", inspect_then_remove)
+    moments = tmp_path / "m"
+    moments.mkdir()
+    backward.train_steps(model, names, rep.config, backward._scratch_loss, ids, tc, moments)
+    assert seen == [True, True] and not moments.exists()  # written, then removed for the next run's moments
+    # not enough disk for them: refused before the first step, naming the directory
+    full = shutil.disk_usage(tmp_path)._replace(free=1024)
+    monkeypatch.setattr(backward.shutil, "disk_usage", lambda _p: full)
+    moments.mkdir()
+    with pytest.raises(UsageError, match=r"moments on disk need .* GiB in .*m, 0\.0 GiB free"):
+        backward.train_steps(model, names, rep.config, backward._scratch_loss, ids, tc, moments)
 
 
 def test_train_steps_clip_on_transformers_layout_so_steps_are_bit_identical(tiny_official: Path) -> None:
