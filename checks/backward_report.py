@@ -121,20 +121,13 @@ def summary(s: BackwardSweep) -> list[str]:
                 f"{r.label}: FAIL, first failure {r.first_failure}; first diverging layer "
                 f"{r.first_diverging_layer or 'none'}"
             )
-        close = r.as_close_as_reference
-        if close is not None:
-            n_above = sum(1 for p in r.points if p.within_noise is False)
-            lines.append(
-                f"{r.label}: every gradient within the reference's own noise: "
-                + ("YES" if close else f"NO ({n_above} of {len(r.points)} above it)")
-            )
-        close = r.steps_as_close_as_reference
-        if close is not None:
-            above = sum(1 for x in r.steps if x.within_noise is False)
-            lines.append(
-                f"{r.label}: every step's loss within the reference's own drift over the steps: "
-                + ("YES" if close else f"NO ({above} of {len(r.steps)} above it)")
-            )
+        for what, items, close in (
+            ("every gradient within the reference's own noise", r.points, r.as_close_as_reference),
+            ("every step's loss within the reference's own drift", r.steps, r.steps_as_close_as_reference),
+        ):
+            if close is not None:
+                above = sum(1 for x in items if x.within_noise is False)
+                lines.append(f"{r.label}: {what}: " + ("YES" if close else f"NO ({above} of {len(items)} above it)"))
     bad = s.first_failing
     lines.append("PASS" if s.passed else f"FAIL: first failure in {bad.label} at {bad.first_failure}")
     return lines
