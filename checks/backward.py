@@ -286,12 +286,12 @@ class Grads:
     acts: dict[str, torch.Tensor]  # point -> activation gradients of every prompt, flattened and concatenated
 
 
-def prompt_share(ids: torch.Tensor, n_prompts: int) -> int:
-    """num_items_in_batch for one (1, T) prompt of n_prompts: its summed NLL divided by n_prompts x its T - 1
-    targets. The prompts' losses then add up to the mean of their means, and each one's backward starts from a
-    gradient of exactly 1, as a training step's does (the fast kernels' fused loss makes its gradients in forward,
-    bit for bit the reference's for that incoming gradient; a mean over the prompts would hand it 1/n_prompts)."""
-    return n_prompts * (ids.numel() - ids.shape[0])
+def prompt_shares(ids_list: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """Each (1, T) prompt with its num_items_in_batch: its summed NLL is divided by n_prompts x its T - 1 targets.
+    The prompts' losses then add up to the mean of their means, and each one's backward starts from a gradient of
+    exactly 1, as a training step's does (the fast kernels' fused loss makes its gradients in forward, bit for bit
+    the reference's for that incoming gradient; a mean over the prompts would hand it 1/n_prompts)."""
+    return [(ids, len(ids_list) * (ids.numel() - ids.shape[0])) for ids in ids_list]
 
 
 def _reference_forward(
@@ -330,10 +330,10 @@ def _scratch_forward(
 
 
 def _batch_loss(forward: Callable, model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_layer: int):
-    """Mean of the prompts' losses (each prompt a batch of one; see prompt_share) and the act points of each."""
+    """Mean of the prompts' losses (each prompt a batch of one; see prompt_shares) and the act points of each."""
     losses, acts = [], []
-    for ids in ids_list:
-        loss, a = forward(model, ids, n_layer, prompt_share(ids, len(ids_list)))
+    for ids, share in prompt_shares(ids_list):
+        loss, a = forward(model, ids, n_layer, share)
         losses.append(loss)
         acts.append(a)
     return torch.stack(losses).sum(), acts
@@ -464,7 +464,7 @@ def train_steps(
     losses = []
     for _ in range(tc.steps):
         opt.zero_grad(set_to_none=True)
-        loss = torch.stack([forward(model, ids, prompt_share(ids, len(ids_list))) for ids in ids_list]).sum()
+        loss = torch.stack([forward(model, ids, share) for ids, share in prompt_shares(ids_list)]).sum()
         loss.backward()
         layout = clip_layout() if clip_layout is not None else (p.grad for p in params if p.grad is not None)
         clip_grad_norm(params, layout, tc.clip)
@@ -521,7 +521,7 @@ def _floor_of(ref: torch.nn.Module, impl: str, ids_list, n_layer: int, want: Gra
     g = reference_grads(ref, ids_list, n_layer)
     out = {f"grad.{n}": metrics(t, want.params[n]) for n, t in g.params.items()}
     out.update({f"act_grad.{n}": metrics(t, want.acts[n]) for n, t in g.acts.items()})
-    out["loss"] = (abs(g.loss - want.loss) / abs(want.loss),)
+    out["loss"] = (_rel(g.loss, want.loss),)
     return out
 
 

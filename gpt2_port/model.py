@@ -291,7 +291,8 @@ class GPT2(nn.Module):
             if labels is None and targets is None:
                 raise UsageError("num_items_in_batch divides a loss: pass labels or targets with it")
             n = num_items_in_batch
-            if not (torch.is_tensor(n) and n.device.type != "cpu") and not float(n) > 0:
+            on_host = not torch.is_tensor(n) or n.device.type == "cpu"  # checked without a device sync
+            if on_host and not float(n) > 0:
                 raise UsageError(f"num_items_in_batch must be a positive count of targets, got {float(n):g}")
         for t in (labels, targets):
             if t is not None:
