@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gpt2_port.config import PRESETS
 from gpt2_port.errors import UsageError
-from gpt2_port.util import check_writable, write_output
+from gpt2_port.files import check_writable, write_output
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
@@ -136,7 +136,7 @@ def ensure_checkpoint(size: str, weights_dir: Path) -> Path:
     d = weights_dir / size
     if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
         return d
-    from gpt2_port.demo import write_demo_checkpoint
+    from gpt2_port.io.demo import write_demo_checkpoint
 
     tok = REPO.parent / "shared" / "gpt2-tokenizer"
     print(f"writing random {size} checkpoint to {d} ...", file=sys.stderr)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpt2_port.decode import DecodePlan
 from gpt2_port.errors import UsageError
-from gpt2_port.kv_cache import KVCache
+from gpt2_port.generate.cache import KVCache
 from gpt2_port.model import GPT2
+from gpt2_port.model.decode import DecodePlan
 
 
 @torch.inference_mode()
@@ -47,7 +47,7 @@ class StaticDecoder:
     """One-token decode steps over fixed-size KV buffers: every tensor keeps its shape from step to step, and the
     position lives in a tensor, so a step can be captured once as a CUDA graph and replayed.
 
-    The block step is gpt2_port.decode's `LayerStep` (the one DecodePlan runs, checked bit for bit against
+    The block step is gpt2_port.model.decode's `LayerStep` (the one DecodePlan runs, checked bit for bit against
     `Block.forward`); only the attention differs: it stores k, v with index_copy_ at the position tensor and attends
     over all `max_len` slots with a mask of the filled ones. `step()` runs eagerly anywhere; `capture()` records it
     as a CUDA graph (CUDA only).

@@ -47,12 +47,12 @@ def _rss_mb() -> float:
 def speed(args: argparse.Namespace) -> dict:
     from transformers import GPT2LMHeadModel
 
-    from gpt2_port.demo import write_demo_checkpoint
-    from gpt2_port.evaluate import Scorer, batched, model_scorer, score_batch
-    from gpt2_port.load import from_pretrained
-    from gpt2_port.loss import token_nll
-    from gpt2_port.tokenizer import load_tokenizer
-    from gpt2_port.windows import rolling_requests
+    from gpt2_port.eval.score import Scorer, batched, model_scorer, score_batch
+    from gpt2_port.eval.windows import rolling_requests
+    from gpt2_port.io.demo import write_demo_checkpoint
+    from gpt2_port.io.tokenizer import load_tokenizer
+    from gpt2_port.model import from_pretrained
+    from gpt2_port.model.loss import token_nll
 
     torch.set_num_threads(args.threads) if args.threads else None
     tmp = None
@@ -129,10 +129,12 @@ def speed(args: argparse.Namespace) -> dict:
 
 def memory_one(mode: str, mb: float, ckpt: str) -> dict:
     """In this process: one (mode, size) run; peak RSS before and after the work."""
-    from gpt2_port.evaluate import batched, evaluate_text, model_scorer
-    from gpt2_port.load import from_pretrained
-    from gpt2_port.tokenizer import load_tokenizer
-    from gpt2_port.windows import read_text_pieces, rolling_requests, token_chunks
+    from gpt2_port.eval.perplexity import evaluate_text
+    from gpt2_port.eval.score import batched, model_scorer
+    from gpt2_port.eval.windows import rolling_requests, token_chunks
+    from gpt2_port.io.text import read_text_pieces
+    from gpt2_port.io.tokenizer import load_tokenizer
+    from gpt2_port.model import from_pretrained
 
     base = SHAKESPEARE.read_bytes()
     with tempfile.NamedTemporaryFile(suffix=".txt", delete=False) as f:
@@ -167,7 +169,7 @@ def memory_one(mode: str, mb: float, ckpt: str) -> dict:
 
 def memory(args: argparse.Namespace) -> dict:
     from gpt2_port.config import GPT2Config
-    from gpt2_port.demo import write_demo_checkpoint
+    from gpt2_port.io.demo import write_demo_checkpoint
 
     out = []
     with tempfile.TemporaryDirectory(prefix="evalmem-") as tmp:

@@ -1,4 +1,4 @@
-"""Which int8 matmul is fastest for batch-1 decode on this CPU? (How gpt2_port.quantize's kernel was chosen.)
+"""Which int8 matmul is fastest for batch-1 decode on this CPU? (How gpt2_port.generate.int8's kernel was chosen.)
 
 One pass over the 72 block Linears of gpt2 (124M) with one token, for each candidate: float32 F.linear, bfloat16
 F.linear, torch's weight-only `_weight_int8pack_mm`, `torch._int_mm` (int8 x int8, per-token activation scale),
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gpt2_port.quantize import Int8Linear, quantize_rows
+from gpt2_port.generate.int8 import Int8Linear, quantize_rows
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:

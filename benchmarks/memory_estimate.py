@@ -53,7 +53,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    from gpt2_port.demo import write_demo_checkpoint
+    from gpt2_port.io.demo import write_demo_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpt2port-memest-") as t:

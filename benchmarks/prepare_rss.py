@@ -28,7 +28,7 @@ SHARED = REPO.parent / "shared"
 
 NANOGPT_RECIPE = """
 import sys, numpy as np
-from gpt2_port.tokenizer import load_tokenizer
+from gpt2_port.io.tokenizer import load_tokenizer
 src, out, tok = sys.argv[1:4]
 enc = load_tokenizer(tok).enc
 with open(src, "r", encoding="utf-8") as f:

@@ -15,10 +15,10 @@ import sys
 
 import torch
 
-from gpt2_port.checkpoint import locate
-from gpt2_port.load import from_pretrained
-from gpt2_port.quantize import quantize_int8
-from gpt2_port.tokenizer import load_tokenizer
+from gpt2_port.generate.int8 import quantize_int8
+from gpt2_port.io.checkpoint import locate
+from gpt2_port.io.tokenizer import load_tokenizer
+from gpt2_port.model import from_pretrained
 from gpt2_port_checks.metrics import metrics, next_token
 from gpt2_port_checks.points import block_points, capture_scratch
 from gpt2_port_checks.prompts import DEFAULT_PROMPT_IDS, DEFAULT_PROMPTS
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     res = quant_parity(a.ckpt, [o for o in a.options.split(",") if o], a.prompt)
     text = json.dumps(res, indent=2)
     if a.json:
-        from gpt2_port.util import atomic_write_text
+        from gpt2_port.files import atomic_write_text
 
         atomic_write_text(a.json, text + "\n")
     else:

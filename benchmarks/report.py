@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from gpt2_port.util import STDOUT, target_of, write_output
+from gpt2_port.files import STDOUT, target_of, write_output
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -126,7 +126,7 @@ def render(res: dict) -> str:
             "",
             "### Low precision (gpt2_port decode, batch 1; against float32 transformers)",
             "",
-            "int8 = `gpt2_port.quantize.quantize_int8(model)`: per-output-row int8 weights for every block Linear "
+            "int8 = `gpt2_port.generate.int8.quantize_int8(model)`: per-output-row int8 weights for every block Linear "
             "and the head, fbgemm dynamic int8 matmul plus a second pass over the activations' quantization "
             "residual (the accuracy of weight-only int8); int8-fast = `quantize_int8(model, "
             "exact_activations=False)`: one pass, 7-bit activations. Parity is against transformers in "

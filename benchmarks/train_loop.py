@@ -40,8 +40,8 @@ LR, WD, BETAS, EPS, CLIP = 6e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 
 def prepare(work: Path) -> tuple[Path, Path]:
     """A random 124M checkpoint in the official layout and tiny shakespeare as train.bin (90% of the text)."""
-    from gpt2_port.demo import write_demo_checkpoint
-    from gpt2_port.tokenizer import load_tokenizer
+    from gpt2_port.io.demo import write_demo_checkpoint
+    from gpt2_port.io.tokenizer import load_tokenizer
 
     ck = work / "ck"
     if not (ck / "model.safetensors").exists():
@@ -59,9 +59,9 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
 class Ours:
     def __init__(self, ck: Path, data: Path, batch: int, block: int, steps: int) -> None:
-        from gpt2_port.data import TokenFile
-        from gpt2_port.load import from_pretrained
+        from gpt2_port.model import from_pretrained
         from gpt2_port.train import TrainArgs, Trainer, prepare_model
+        from gpt2_port.train.data import TokenFile
 
         args = TrainArgs(steps=steps, batch_size=batch, block_size=block, lr=LR, min_lr=LR, schedule="constant")
         args.weight_decay, args.clip, args.dropout, args.eval_every = WD, CLIP, 0.0, 0
@@ -80,7 +80,7 @@ class Theirs:
     def __init__(self, ck: Path, data: Path, batch: int, block: int, steps: int) -> None:
         import transformers
 
-        from gpt2_port.data import GlobalBatchSampler, TokenFile
+        from gpt2_port.train.data import GlobalBatchSampler, TokenFile
 
         self.model = transformers.GPT2LMHeadModel.from_pretrained(ck, attn_implementation="sdpa")
         for m in self.model.modules():

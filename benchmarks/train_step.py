@@ -52,7 +52,7 @@ def load(impl: str, ckpt: str):
             if isinstance(mod, torch.nn.Dropout):
                 mod.p = 0.0
         return m.train().requires_grad_(True)
-    from gpt2_port.load import from_pretrained
+    from gpt2_port.model import from_pretrained
 
     m, _ = from_pretrained(ckpt)
     m.set_attn_impl("sdpa")
@@ -211,7 +211,7 @@ def main() -> int:
         return 0
     ckpt = a.ckpt
     if ckpt is None:
-        from gpt2_port.demo import write_demo_checkpoint
+        from gpt2_port.io.demo import write_demo_checkpoint
 
         ckpt = str(Path(tempfile.gettempdir()) / "gpt2port-bench-124m")
         if not (Path(ckpt) / "model.safetensors").is_file():

@@ -75,11 +75,11 @@ def load(impl: str, spec: dict, dev, dtype_name: str):  # noqa: ANN001, ANN201
     one = torch.zeros(1, 1, dtype=torch.long, device=dev)
     t0 = time.perf_counter()
     if impl == "ours":
-        from gpt2_port.load import from_pretrained
+        from gpt2_port.model import from_pretrained
 
         model, _report = from_pretrained(spec["ckpt"], dtype=dt, device=dev)
         if dtype_name.startswith("int8"):  # int8: exact activations (weight-only accuracy); int8-fast: one pass
-            from gpt2_port.quantize import quantize_int8
+            from gpt2_port.generate.int8 import quantize_int8
 
             quantize_int8(model, exact_activations=dtype_name == "int8")
         with torch.inference_mode():
@@ -98,7 +98,7 @@ def load(impl: str, spec: dict, dev, dtype_name: str):  # noqa: ANN001, ANN201
     sync(dev)
     load_s = time.perf_counter() - t0
     if impl == "ours" and dtype_name.startswith("int8"):
-        from gpt2_port.quantize import Int8Linear
+        from gpt2_port.generate.int8 import Int8Linear
 
         q = [m for m in model.modules() if isinstance(m, Int8Linear)]
         rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "wte.weight")
@@ -114,7 +114,7 @@ def prefill_fn(impl: str, model, ids, dev):  # noqa: ANN001, ANN201
 
     B, T = ids.shape
     if impl == "ours":
-        from gpt2_port.kv_cache import KVCache
+        from gpt2_port.generate.cache import KVCache
 
         def fn():  # noqa: ANN202
             with torch.inference_mode():
@@ -182,7 +182,6 @@ def main(spec: dict) -> dict:
 
         transformers.logging.set_verbosity_error()
     import benchmarks.decode  # noqa: F401
-    from gpt2_port.load import from_pretrained  # noqa: F401
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpt2_port.checkpoint import locate
+from gpt2_port.io.checkpoint import locate
 
 from .plots import pyplot, save_png
 from .reference import load_reference

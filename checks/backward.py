@@ -28,14 +28,15 @@ from pathlib import Path
 
 import torch
 
-from gpt2_port import adapter
 from gpt2_port.config import GPT2Config
 from gpt2_port.devices import dtype_name, parse_device, parse_dtype
 from gpt2_port.errors import UsageError
-from gpt2_port.load import convert_checkpoint, from_pretrained
-from gpt2_port.memory import available_cpu_memory
-from gpt2_port.safetensors_io import SafetensorsFile, write_safetensors
-from gpt2_port.tokenizer import load_tokenizer
+from gpt2_port.io import adapter
+from gpt2_port.io.load import read_checkpoint
+from gpt2_port.io.safetensors_io import SafetensorsFile, write_safetensors
+from gpt2_port.io.tokenizer import load_tokenizer
+from gpt2_port.model import from_pretrained
+from gpt2_port.train.memory import available_cpu_memory
 
 from .forward import _as_inputs, _unique, parse_list
 from .metrics import metrics
@@ -590,7 +591,7 @@ def run_backward(
     tv = transformers.__version__
     versions = {"torch": torch.__version__, "transformers": tv, "python": platform.python_version()}
 
-    sd, rep = convert_checkpoint(model, revision)  # lazy: validates the checkpoint before transformers loads it
+    sd, rep = read_checkpoint(model, revision)  # lazy: validates the checkpoint before transformers loads it
     ckpt, cfg = rep.checkpoint, rep.config
     del sd, rep
     inputs = _as_inputs(prompts)  # the default prompts are stored token ids: no tokenizer needed for them

@@ -2,7 +2,7 @@
 transformers' GPT2LMHeadModel in the same run, and the differences reported against named tolerances.
 
 The reference is asked exactly as GPT2LMHeadModel.forward computes its logits: `transformer(ids).last_hidden_state`
-(after ln_f), then `lm_head` on the scored rows; the NLL comes from the same shared loss (`gpt2_port.loss`).
+(after ln_f), then `lm_head` on the scored rows; the NLL comes from the same shared loss (`gpt2_port.model.loss`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from gpt2_port.config import GPT2Config
-from gpt2_port.evaluate import ChoiceResult, LambadaResult, Scorer, TextResult
-from gpt2_port.load import Checkpoint
+from gpt2_port.eval.perplexity import TextResult
+from gpt2_port.eval.score import Scorer
+from gpt2_port.eval.tasks import ChoiceResult, LambadaResult
+from gpt2_port.io.load import Checkpoint
 
 from .reference import load_reference
 

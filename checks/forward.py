@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from gpt2_port.checkpoint import locate
 from gpt2_port.devices import parse_device, parse_dtype
 from gpt2_port.errors import UsageError
-from gpt2_port.load import from_pretrained, nonfinite_tensors
-from gpt2_port.model import GPT2
-from gpt2_port.tokenizer import Tokenizer, load_tokenizer
+from gpt2_port.io.checkpoint import locate
+from gpt2_port.io.load import nonfinite_tensors
+from gpt2_port.io.tokenizer import Tokenizer, load_tokenizer
+from gpt2_port.model import GPT2, from_pretrained
 
 from .metrics import metrics, next_token
 from .noise import verdict

@@ -10,7 +10,7 @@ import math
 import os
 
 from gpt2_port.errors import UsageError
-from gpt2_port.util import atomic_write_bytes
+from gpt2_port.files import atomic_write_bytes
 
 from .noise import NOISE_MARGIN
 from .points import is_head_point

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from gpt2_port.model import GPT2
-from gpt2_port.taps import BLOCK_POINTS
+from gpt2_port.model.taps import BLOCK_POINTS
 
 from .reference import capture_reference, reference_hooks
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from gpt2_port.checkpoint import Checkpoint
 from gpt2_port.config import GPT2Config
+from gpt2_port.io.checkpoint import Checkpoint
 
 
 def reference_dir(ckpt: Checkpoint, cfg: GPT2Config, tmp: Path) -> Path:

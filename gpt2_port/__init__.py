@@ -2,7 +2,7 @@
 
 from .config import PRESETS, GPT2Config
 from .errors import CheckpointError, ConfigError, GPT2PortError, HubError, UsageError
-from .kv_cache import KVCache
+from .generate.cache import KVCache
 from .model import GPT2
 
 __version__ = "0.1.0"

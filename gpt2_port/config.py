@@ -63,6 +63,15 @@ class GPT2Config:
         """The same config with every dropout rate set to p (fine-tunes often use 0.0)."""
         return dataclasses.replace(self, embd_pdrop=p, attn_pdrop=p, resid_pdrop=p)
 
+    def init_std(self, name: str) -> float:
+        """The std of the normal init of matrix or embedding `name` (a scratch or checkpoint name): GPT-2's rule,
+        initializer_range, with the residual projections `c_proj.weight` scaled by 1/sqrt(2 * n_layer) (the paper:
+        "we scale the weights of residual layers at initialization by a factor of 1/sqrt(N) where N is the number
+        of residual layers", two per block). Used by model/init.py and by io/demo.py's random checkpoints."""
+        if name.endswith("c_proj.weight"):
+            return self.initializer_range / math.sqrt(2 * self.n_layer)
+        return self.initializer_range
+
     def num_params(self) -> int:
         """Parameter count with the head tied to wte (counted once)."""
         e, L, m = self.n_embd, self.n_layer, self.d_mlp

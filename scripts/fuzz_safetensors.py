@@ -2,7 +2,7 @@
 
 Each case takes a tiny valid checkpoint (official layout or save_pretrained layout), applies 1-3 random mutations
 (header bytes, the 8-byte header length, data_offsets, dtypes, shapes, JSON structure, truncation or extension of
-the file), writes it to disk, and runs the whole load path (`convert_checkpoint`: locate, header validation, config,
+the file), writes it to disk, and runs the whole load path (`read_checkpoint`: locate, header validation, config,
 key/shape/mask validation in the adapter) and then reads every converted tensor. The only acceptable outcomes are a
 successful load or the project's own `GPT2PortError`. Anything else is a finding:
 
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from gpt2_port.adapter import hf_shapes
 from gpt2_port.config import GPT2Config
 from gpt2_port.errors import GPT2PortError
-from gpt2_port.safetensors_io import write_safetensors
+from gpt2_port.io.adapter import hf_shapes
+from gpt2_port.io.safetensors_io import write_safetensors
 
 FUZZ_CONFIG = GPT2Config(n_layer=1, n_embd=8, n_head=2, n_positions=8, vocab_size=16)
 DTYPE_NAMES = [
@@ -383,13 +383,13 @@ def prepare_dir(d: Path, cfg: GPT2Config = FUZZ_CONFIG) -> None:
 
 def run_case(d: Path, data: bytes, with_config: bool) -> str:
     """Load one mutated file. Returns "ok" or "error" (a GPT2PortError); anything else propagates."""
-    from gpt2_port.load import convert_checkpoint, nonfinite_tensors
+    from gpt2_port.io.load import nonfinite_tensors, read_checkpoint
 
     where = d if with_config else d / "noconfig"
     f = where / "model.safetensors"
     f.write_bytes(data)
     try:
-        _, rep = convert_checkpoint(where)
+        _, rep = read_checkpoint(where)
         for t in rep.conversion.state.values():  # read every byte that was mapped
             t.sum()
         nonfinite_tensors(rep.conversion.state)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpt2_port.config import GPT2Config
-from gpt2_port.demo import write_demo_checkpoint
+from gpt2_port.io.demo import write_demo_checkpoint
 from gpt2_port.model import GPT2
 
 REPO = Path(__file__).resolve().parents[1]

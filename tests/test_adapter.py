@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import save_file
 
 from gpt2_port import GPT2
-from gpt2_port.adapter import hf_shapes, hf_to_scratch, scratch_to_hf
 from gpt2_port.config import GPT2Config
 from gpt2_port.errors import CheckpointError, ConfigError
+from gpt2_port.io.adapter import hf_shapes, hf_to_scratch, scratch_to_hf
 
 CFG = GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=100)
 

@@ -46,7 +46,7 @@ def test_compare_matches_transformers(tiny_hf: Path, tmp_path: Path, capsys):
 
 def test_reference_probs_are_the_attention_probabilities(tiny_hf: Path):
     """The hook really captures probabilities: causal, rows summing to 1 (so a zero diff is not trivially zero)."""
-    from gpt2_port.load import from_pretrained
+    from gpt2_port.model import from_pretrained
     from gpt2_port_checks.attention_maps import reference_probs
 
     _, rep = from_pretrained(str(tiny_hf))

@@ -12,7 +12,7 @@ import torch
 
 from gpt2_port.cli import main
 from gpt2_port.errors import UsageError
-from gpt2_port.load import from_pretrained
+from gpt2_port.model import from_pretrained
 
 transformers = pytest.importorskip("transformers")
 
@@ -252,7 +252,7 @@ def test_moments_on_disk_and_spilled_weights_give_the_same_steps(tiny_official: 
 
 
 def test_moments_on_disk_hold_adamws_state(tiny_official: Path, tmp_path: Path, monkeypatch) -> None:
-    from gpt2_port.load import from_pretrained
+    from gpt2_port.model import from_pretrained
 
     model, rep = from_pretrained(str(tiny_official))
     model.train().requires_grad_(True)

@@ -22,8 +22,8 @@ import torch
 
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
-from gpt2_port.demo import write_demo_checkpoint
-from gpt2_port.safetensors_io import SafetensorsFile, write_safetensors
+from gpt2_port.io.demo import write_demo_checkpoint
+from gpt2_port.io.safetensors_io import SafetensorsFile, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CFG = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=1000)
@@ -864,7 +864,7 @@ def _text(tmp: Path, data: bytes = b"a a a a\nb b\n") -> Path:
 @case
 def c_eval_text_not_utf8(tmp: Path, base: Path) -> dict:
     f = _text(tmp, b"a a a\n\xff\xfe b")
-    return {"argv": ev(base, tmp, "--text", str(f)), "expect": ["--text", "in.txt", "not UTF-8", "at byte 6"]}
+    return {"argv": ev(base, tmp, "--text", str(f)), "expect": ["--text", "in.txt", "not UTF-8", "at byte offset 6"]}
 
 
 @case
@@ -1077,7 +1077,7 @@ def c_train_batch_size_zero(tmp: Path, base: Path) -> dict:
 
 @case
 def c_train_resume_from_another_model(tmp: Path, base: Path) -> dict:
-    from gpt2_port import trainer_state
+    from gpt2_port.train import state as trainer_state
 
     other = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32, vocab_size=1000)
     run = write_demo_checkpoint(tmp / "run", config=other, seed=1)
@@ -1190,12 +1190,12 @@ def test_internal_error_exit_3_with_hint(
     base: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An unexpected exception is not dressed up as bad input: exit 3, one line, a hint to report it."""
-    import gpt2_port.load as load
+    import gpt2_port.io.load as load
 
     def boom(*a, **k):  # type: ignore[no-untyped-def]
         raise ZeroDivisionError("simulated bug")
 
-    monkeypatch.setattr(load, "convert_checkpoint", boom)
+    monkeypatch.setattr(load, "read_checkpoint", boom)
     monkeypatch.delenv("GPT2_PORT_DEBUG", raising=False)
     rc = main(["inspect", str(base)])
     err = capsys.readouterr().err
@@ -1208,7 +1208,7 @@ def test_internal_error_exit_3_with_hint(
 
 def test_atomic_write_never_leaves_a_half_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write that fails half-way leaves the old file intact and no temporary file behind."""
-    from gpt2_port import util
+    from gpt2_port import files as util
 
     target = tmp_path / "out.json"
     target.write_text("old\n")
@@ -1239,7 +1239,7 @@ def test_atomic_write_never_leaves_a_half_file(tmp_path: Path, monkeypatch: pyte
 def test_generate_library_rejects_out_of_range_ids(base: Path) -> None:
     from gpt2_port.errors import UsageError
     from gpt2_port.generate import generate
-    from gpt2_port.load import from_pretrained
+    from gpt2_port.model import from_pretrained
 
     model, _ = from_pretrained(base)
     for ids, msg in (([[5, 1000]], "token id 1000"), ([[-1]], "token id -1"), ([[]], "empty prompt")):
@@ -1250,7 +1250,7 @@ def test_generate_library_rejects_out_of_range_ids(base: Path) -> None:
 def test_inspect_check_finite_names_all_and_loader_reports(base: Path, tmp_path: Path) -> None:
     """--check-finite finds every non-finite tensor (not just the first), and from_pretrained(check_finite=True)
     reports them by name without failing the load."""
-    from gpt2_port.load import from_pretrained
+    from gpt2_port.model import from_pretrained
 
     d = copy(base, tmp_path)
     st = SafetensorsFile(d / "model.safetensors")

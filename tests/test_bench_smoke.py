@@ -13,8 +13,8 @@ from benchmarks.__main__ import main as bench_main
 from benchmarks.decode import StaticDecoder, greedy_hf, greedy_ours, greedy_static
 from benchmarks.report import BEGIN, END, update_markdown
 from gpt2_port.errors import UsageError
-from gpt2_port.kv_cache import KVCache
-from gpt2_port.load import from_pretrained
+from gpt2_port.generate.cache import KVCache
+from gpt2_port.model import from_pretrained
 
 
 def test_static_step_matches_forward(tiny_official: Path) -> None:

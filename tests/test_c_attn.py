@@ -1,4 +1,4 @@
-"""c_attn's training projection (gpt2_port.c_attn.CAttn): correct gradients, Conv1D's arithmetic bit for bit, and no
+"""c_attn's training projection (gpt2_port.model.c_attn.CAttn): correct gradients, Conv1D's arithmetic bit for bit, and no
 copy of the fused weight kept for backward."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2_port.c_attn import CAttn, c_attn_view
-from gpt2_port.load import from_pretrained
+from gpt2_port.model import from_pretrained
+from gpt2_port.model.c_attn import CAttn, c_attn_view
 
 
 def _fused(C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:

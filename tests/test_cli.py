@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY
 
-from gpt2_port.cli import build_parser, main
-from gpt2_port.safetensors_io import SafetensorsFile
+from gpt2_port.cli import main
+from gpt2_port.cli.main import build_parser
+from gpt2_port.io.safetensors_io import SafetensorsFile
 
 
 def test_help_on_every_subcommand(capsys):
@@ -25,7 +26,7 @@ def test_help_on_every_subcommand(capsys):
 
 def test_demo_checkpoint_is_official_layout(tmp_path: Path, tokenizer_dir: Path, capsys):
     from gpt2_port.config import GPT2Config
-    from gpt2_port.demo import write_demo_checkpoint
+    from gpt2_port.io.demo import write_demo_checkpoint
 
     d = write_demo_checkpoint(tmp_path / "d", config=GPT2Config(n_layer=3, n_embd=64, n_head=2, n_positions=32), seed=7)
     f = SafetensorsFile(d / "model.safetensors")

@@ -75,7 +75,7 @@ def test_bad_values_named(tmp_path):
 
 
 def test_infer_from_shapes_both_layouts():
-    from gpt2_port.adapter import hf_shapes
+    from gpt2_port.io.adapter import hf_shapes
 
     for name, c in PRESETS.items():
         shapes = hf_shapes(c)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2_port import trainer_state
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
-from gpt2_port.demo import write_demo_checkpoint
-from gpt2_port.safetensors_io import SafetensorsFile
+from gpt2_port.io.demo import write_demo_checkpoint
+from gpt2_port.io.safetensors_io import SafetensorsFile
+from gpt2_port.train import state as trainer_state
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -31,7 +31,7 @@ WEIGHT_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> tuple[Path, Path]:
-    from gpt2_port.tokenizer import load_tokenizer
+    from gpt2_port.io.tokenizer import load_tokenizer
 
     d = tmp_path_factory.mktemp("ddp")
     enc = load_tokenizer(tokenizer_dir).enc
@@ -121,10 +121,9 @@ import json, sys
 from pathlib import Path
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from gpt2_port import distributed
-from gpt2_port.data import open_split
-from gpt2_port.load import from_pretrained
-from gpt2_port.train import Trainer, TrainArgs, prepare_model
+from gpt2_port.model import from_pretrained
+from gpt2_port.train import Trainer, TrainArgs, distributed, prepare_model
+from gpt2_port.train.data import open_split
 
 ck, data, out = sys.argv[1:4]
 d = distributed.from_env()
@@ -133,9 +132,9 @@ model, _ = from_pretrained(ck)
 args = TrainArgs(steps=2, batch_size=2, block_size=16, grad_accum=3, dropout=0.0, eval_every=0)
 prepare_model(model, args, torch.device("cpu"))
 t = Trainer(model, args, open_split(data, "train", model.config.vocab_size, 16), None, out, "cpu", d)
-micro = []  # the micro-step each batch window belongs to
-windows = t.train_data.windows
-t.train_data.windows = lambda *a: micro.append(len(micro)) or windows(*a)
+micro = []  # the micro-step each batch belongs to (its copy to the device is made before its forward)
+get = t.batches.get
+t.batches.get = lambda *a: micro.append(len(micro)) or get(*a)
 synced = []  # the micro-step during whose backward DDP all-reduced a gradient bucket
 
 def hook(state, bucket):

@@ -8,15 +8,14 @@ import pytest
 import torch
 from conftest import TINY, chaotic_model
 
-from gpt2_port.c_attn import fused_qkv
-from gpt2_port.decode import DecodePlan
 from gpt2_port.errors import UsageError
 from gpt2_port.generate import generate_full
-from gpt2_port.kv_cache import KVCache
-from gpt2_port.load import from_pretrained
-from gpt2_port.masks import build_mask
-from gpt2_port.model import GPT2
-from gpt2_port.quantize import quantize_int8
+from gpt2_port.generate.cache import KVCache
+from gpt2_port.generate.int8 import quantize_int8
+from gpt2_port.model import GPT2, from_pretrained
+from gpt2_port.model.c_attn import fused_qkv
+from gpt2_port.model.decode import DecodePlan
+from gpt2_port.model.masks import build_mask
 
 
 def _chaotic(seed: int = 3) -> GPT2:
@@ -131,7 +130,7 @@ def test_layer_step_is_bit_identical_to_block_forward(which: str, padded: bool, 
 def test_no_inference_shortcut_in_train_mode_or_with_gradients(official: GPT2) -> None:
     """DecodePlan and the fast greedy head run only in eval mode with no gradient wanted; generate then falls back to
     the forward, and a plan made earlier refuses to step."""
-    from gpt2_port.generate import FastGreedyHead
+    from gpt2_port.generate.loop import FastGreedyHead
 
     m, ids = official, torch.tensor([[3, 1, 4]])
     assert DecodePlan.for_model(m) is not None and FastGreedyHead.usable(m)

@@ -123,7 +123,7 @@ def test_check_on_lambada_and_choices(tiny_official: Path, lambada: Path, choice
 
 
 def test_official_id_prints_the_published_figures(tiny_official: Path, lambada: Path, capsys, monkeypatch) -> None:
-    import gpt2_port.load as load
+    import gpt2_port.model as load
 
     real = load.from_pretrained
     asked = []
@@ -143,8 +143,20 @@ def test_official_id_prints_the_published_figures(tiny_official: Path, lambada: 
     assert pub == {("perplexity", 8.63), ("accuracy", 0.6324), ("perplexity", 10.63)}
 
 
-def test_progress_bar_on_stderr_when_asked(tiny_official: Path, text: Path, capsys) -> None:
-    rc, _, err = run(capsys, str(tiny_official), "--text", str(text), "--progress", "--max-length", "32")
-    assert rc == 0 and "B/s" in err and "100%" in err and err.startswith("\rtext")
-    rc, _, err = run(capsys, str(tiny_official), "--text", str(text), "--max-length", "32")
-    assert "100%" not in err  # stderr is not a terminal here: no bar unless asked
+def test_progress_counts_the_scored_tokens(tiny_official: Path, text: Path, capsys, monkeypatch) -> None:
+    """The bar counts what takes the time (scored tokens, their total known before scoring starts), redrawn on a
+    terminal; in a log, plain lines (here one per batch, as if each took the whole interval); none with
+    --no-progress."""
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    rc, out, err = run(capsys, str(tiny_official), "--text", str(text), "--max-length", "32")
+    n = int(next(ln for ln in out.splitlines() if ln.strip().startswith("tokens")).split()[1])
+    assert rc == 0 and err.startswith("\reval [") and f"100% {n:,}/{n:,} tokens" in err and "tokens/s" in err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    monkeypatch.setenv("GPT2_PORT_PROGRESS_SECONDS", "0")
+    rc, _, err = run(capsys, str(tiny_official), "--text", str(text), "--max-length", "32", "--batch-size", "2")
+    lines = [ln for ln in err.splitlines() if ln.startswith("eval [")]
+    assert "\r" not in err and len(lines) > 2 and f"{n:,}/{n:,} tokens" in lines[-1]
+    rc, _, err = run(capsys, str(tiny_official), "--text", str(text), "--max-length", "32", "--no-progress")
+    assert "eval [" not in err

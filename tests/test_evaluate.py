@@ -14,22 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from gpt2_port.errors import UsageError
-from gpt2_port.evaluate import (
-    NonFiniteLogits,
-    Scorer,
-    choice_requests,
-    encode_pair,
-    evaluate_choices,
-    evaluate_lambada,
-    evaluate_text,
-    lambada_requests,
-    model_scorer,
-    read_jsonl,
-    score_batch,
-)
+from gpt2_port.eval.jsonl import read_jsonl
+from gpt2_port.eval.perplexity import evaluate_text
+from gpt2_port.eval.score import NonFiniteLogits, Scorer, model_scorer, score_batch
+from gpt2_port.eval.tasks import choice_requests, encode_pair, evaluate_choices, evaluate_lambada, lambada_requests
+from gpt2_port.eval.windows import Request, rolling_requests, strided_requests
+from gpt2_port.io.text import read_text_pieces, safe_cut
+from gpt2_port.io.tokenizer import load_tokenizer
 from gpt2_port.model import GPT2
-from gpt2_port.tokenizer import load_tokenizer
-from gpt2_port.windows import Request, read_text_pieces, rolling_requests, safe_cut, strided_requests
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 P = 99  # the prefix token in window tests
@@ -135,11 +127,12 @@ def test_stride_outside_1_to_max_length_is_refused(S: int) -> None:
 
 
 # -- streaming the text ----------------------------------------------------------------------------------------------
-def test_safe_cut_only_after_a_newline_between_non_spaces() -> None:
-    assert safe_cut("ab\ncd") == 3
-    assert safe_cut("ab \ncd") == 0  # " \n" is one whitespace piece: cutting would split it
-    assert safe_cut("ab\n\ncd") == 0 and safe_cut("ab\n cd") == 0 and safe_cut("abcd\n") == 0
-    assert safe_cut("a\nb c\nd ef") == 6
+def test_evaluation_cuts_its_text_with_prepares_rule() -> None:
+    """One cut rule for prepare and eval (io/text.py): before a whitespace run that follows a non-space."""
+    assert safe_cut("ab\ncd") == 2
+    assert safe_cut("ab \ncd") == 2  # the run " \n" stays whole, after the cut
+    assert safe_cut("ab\n\ncd") == 2 and safe_cut("  \n") == 0 and safe_cut("abcd") == 0
+    assert safe_cut("a\nb c\nd ef") == 7
 
 
 def test_streamed_pieces_encode_to_the_whole_texts_tokens(tokenizer_dir: Path, tmp_path: Path) -> None:
@@ -161,10 +154,10 @@ def test_not_utf8_names_the_byte(tmp_path: Path) -> None:
     f = tmp_path / "bad.txt"
     f.write_bytes(b"hello\nworld " * 10 + b"\xff rest")
     for block in (5, 1 << 20):
-        with pytest.raises(UsageError, match=r"bad.txt: not UTF-8 \(invalid start byte at byte 120\)"):
+        with pytest.raises(UsageError, match=r"bad.txt: not UTF-8 text: invalid byte 0xff at byte offset 120"):
             list(read_text_pieces(f, block=block))
     f.write_bytes(b"ok \xe2\x82")  # a character cut at the end of the file
-    with pytest.raises(UsageError, match="not UTF-8.*at byte 3"):
+    with pytest.raises(UsageError, match="not UTF-8.*at byte offset 3"):
         list(read_text_pieces(f, block=2))
 
 
@@ -248,12 +241,12 @@ def test_batch_size_and_block_do_not_change_the_scores(tok, ours: GPT2, tmp_path
 
 
 def test_check_scores_with_transformers_in_the_same_batches(tiny_official: Path, tok, ours: GPT2, tmp_path) -> None:
-    from gpt2_port.load import convert_checkpoint
+    from gpt2_port.io.load import read_checkpoint
     from gpt2_port_checks.evaluation import compare_text, reference_scorer
 
     f = tmp_path / "t.txt"
     f.write_text(SHAKESPEARE.read_text()[:2500])
-    _, report = convert_checkpoint(tiny_official)
+    _, report = read_checkpoint(tiny_official)
     ref = reference_scorer(report.checkpoint, report.config, torch.float32, torch.device("cpu"))
     res = evaluate_text([model_scorer(ours), ref], tok.encode, f, 128, tok.eot_id)
     parity = compare_text(res["gpt2_port"], res["transformers"], "float32")

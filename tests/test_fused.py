@@ -1,4 +1,4 @@
-"""The fast training kernels (gpt2_port.fused): the same loss and gradients as the reference arithmetic to rounding,
+"""The fast training kernels (gpt2_port.model.fused): the same loss and gradients as the reference arithmetic to rounding,
 used only when asked and only when training."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2_port import fused
 from gpt2_port.errors import UsageError
-from gpt2_port.load import from_pretrained
-from gpt2_port.loss import IGNORE_INDEX, cross_entropy, shift_labels
+from gpt2_port.model import from_pretrained, fused
+from gpt2_port.model.loss import IGNORE_INDEX, cross_entropy, shift_labels
 
 # float32 CPU, these shapes: loss rel worst seen 1.2e-7, gradients norm-rel worst seen 3.1e-7 (summation order only)
 LOSS_REL = 1e-6
@@ -116,7 +115,7 @@ def _ours(path: Path, kernels: str):
 
 @pytest.mark.parametrize("which", ["tiny_official", "tiny_hf_untied"])
 def test_fast_kernels_train_like_the_reference(which: str, request, monkeypatch) -> None:
-    import gpt2_port.model as model_mod
+    import gpt2_port.model.modules as model_mod
 
     calls = []
     monkeypatch.setattr(model_mod, "gelu_tanh", lambda x: calls.append(1) or fused.gelu_tanh(x))

@@ -11,13 +11,14 @@ import pytest
 import torch
 from conftest import chaotic_model
 
-from gpt2_port import adapter
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
 from gpt2_port.errors import UsageError
-from gpt2_port.generate import SamplingSettings, generate_full, process_logits, seen_tokens
+from gpt2_port.generate import SamplingSettings, generate_full
+from gpt2_port.generate.loop import process_logits, seen_tokens
+from gpt2_port.io import adapter
+from gpt2_port.io.tokenizer import load_tokenizer
 from gpt2_port.model import GPT2
-from gpt2_port.tokenizer import load_tokenizer
 
 # A tiny model whose random weights are large enough that greedy text keeps changing (GPT-2's 0.02 init, untrained,
 # repeats one token forever, which would make equality tests weak). Context 256 so 200 new tokens fit.
@@ -432,7 +433,7 @@ def test_cli_prompt_errors(tiny_official: Path, capsys: pytest.CaptureFixture[st
 
 def test_fused_qkv_view_is_bit_exact(tiny_official: Path) -> None:
     """An official checkpoint's q/k/v load as views of one c_attn, used as one matmul (as the reference computes it)."""
-    from gpt2_port.c_attn import fused_qkv
+    from gpt2_port.model.c_attn import fused_qkv
 
     m = GPT2.from_pretrained(str(tiny_official))
     a = m.h[0].attn
@@ -450,7 +451,7 @@ def test_fused_qkv_view_is_bit_exact(tiny_official: Path) -> None:
 
 def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytest.MonkeyPatch) -> None:
     """The transposed-head shortcut picks the same tokens as the exact logits; with no margin it falls back."""
-    from gpt2_port.generate import FastGreedyHead
+    from gpt2_port.generate.loop import FastGreedyHead
 
     ids, mask = _left_pad(PROMPTS)
     fast = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None)
@@ -468,7 +469,7 @@ def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytes
 
 def test_fast_greedy_head_is_cached_and_follows_the_weight(tiny_official: Path) -> None:
     """The transposed head copy is made once per model, and rebuilt when the head weight changes."""
-    from gpt2_port.generate import FastGreedyHead
+    from gpt2_port.generate.loop import FastGreedyHead
 
     m = GPT2.from_pretrained(str(tiny_official))
     first = FastGreedyHead.for_model(m)
@@ -517,7 +518,7 @@ def test_inf_in_the_head_weight_stops_generate() -> None:
 def test_fast_greedy_head_declines_overflowing_logits() -> None:
     """Finite weights and hidden state, one logit overflowing to +Inf: no fast answer, whatever its margin (the
     exact logits are then computed, and generate checks them). NaN and Inf in h or the weight: no answer either."""
-    from gpt2_port.generate import FastGreedyHead
+    from gpt2_port.generate.loop import FastGreedyHead
 
     w = torch.randn(10, 4) * 0.1
     w[0, :2] = 2e38  # finite
@@ -547,7 +548,7 @@ def test_cli_nan_weight_prints_no_text_and_exits_2(
 ) -> None:
     import shutil
 
-    from gpt2_port.safetensors_io import SafetensorsFile, write_safetensors
+    from gpt2_port.io.safetensors_io import SafetensorsFile, write_safetensors
 
     d = tmp_path / "nan"
     shutil.copytree(tiny_official, d)

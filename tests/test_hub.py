@@ -21,8 +21,8 @@ from fakehub import FakeHub, read_dir
 
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
-from gpt2_port.demo import write_demo_checkpoint
-from gpt2_port.safetensors_io import SafetensorsFile
+from gpt2_port.io.demo import write_demo_checkpoint
+from gpt2_port.io.safetensors_io import SafetensorsFile
 
 REPO = Path(__file__).resolve().parents[1]
 HUB_CFG = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=1000)
@@ -163,12 +163,12 @@ def test_alias_downloads_only_needed_files_then_works_offline(hub: FakeHub, tmp_
 def test_revision_pinning(
     hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, repo_files: dict[str, dict[str, bytes]]
 ) -> None:
-    from gpt2_port.load import convert_checkpoint
+    from gpt2_port.io.load import read_checkpoint
 
     cache = tmp_path / "cache"
     hub.patch(monkeypatch, cache)
     for rev in ("v1", hub.shas["v1"], None):
-        sd, rep = convert_checkpoint("openai-community/gpt2", revision=rev)
+        sd, rep = read_checkpoint("openai-community/gpt2", revision=rev)
         want = "v1" if rev else "main"
         assert rep.checkpoint.root == _snapshot(cache) / hub.shas[want]
         (tmp_path / "ref.safetensors").write_bytes(repo_files[want]["model.safetensors"])
@@ -248,12 +248,12 @@ def test_interrupted_download_leaves_no_valid_looking_file(
 def test_dropped_connection_resumes_to_identical_bytes(
     hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpt2_port.load import convert_checkpoint
+    from gpt2_port.io.load import read_checkpoint
 
     cache = tmp_path / "cache"
     hub.patch(monkeypatch, cache)
     hub.faults[("openai-community/gpt2", "model.safetensors")] = "drop_once"
-    _, rep = convert_checkpoint("gpt2")
+    _, rep = read_checkpoint("gpt2")
     sha = hub.shas["main"]
     full = hub.repos["openai-community/gpt2"].commits[sha]["model.safetensors"]
     assert rep.checkpoint.weight_files[0].read_bytes() == full
@@ -320,7 +320,7 @@ def test_finetune_with_only_pytorch_model_bin(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, finetune_files: dict[str, bytes]
 ) -> None:
     """The loader falls back to pytorch_model.bin and reads it with torch.load(weights_only=True)."""
-    from gpt2_port.load import from_pretrained
+    from gpt2_port.model import from_pretrained
 
     calls = []
     real_load = torch.load
@@ -398,7 +398,7 @@ def test_prefilled_cache_offline_and_shared_with_transformers(
 
     from transformers import GPT2LMHeadModel
 
-    from gpt2_port.load import from_pretrained
+    from gpt2_port.model import from_pretrained
 
     ref = GPT2LMHeadModel.from_pretrained("openai-community/gpt2", cache_dir=str(cache), local_files_only=True)
     ours, _ = from_pretrained("gpt2")

@@ -2,8 +2,8 @@
 benchmarks/ stays a tool of the checkout.
 
 Every import statement is read with ast (top level and inside functions) in gpt2_port/, checks/, benchmarks/ and
-scripts/. The layer table below is the one place the order lives; a new gpt2_port module fails the test until it is
-added to it.
+scripts/. The layer table below is the one place the order lives: it names gpt2_port's folders, so a file in a folder
+it does not know, or one that imports up the table or across into a sibling, fails the test.
 """
 
 from __future__ import annotations
@@ -20,37 +20,31 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# gpt2_port's layers, bottom first: a module imports only modules of its own layer or below (and no circles).
-# Modules not written yet are listed too, so that they land in the right room.
+# gpt2_port's folders, bottom first: a module imports only modules of its own folder (no circles) or of a folder
+# below it, never a sibling on its own layer, never one above, not even inside a function. The top files are the
+# leaves every folder may use; the package's __init__ (the public API) and __main__ sit above the library, the CLI
+# above all. A file in a folder or at the top that this table does not know fails the test: a newcomer learns here
+# where a new thing goes.
+TOP_FILES = {"errors", "config", "devices", "files"}
 LAYERS: list[tuple[str, set[str]]] = [
-    ("leaves", {"errors", "config", "devices", "util"}),
-    ("model pieces", {"taps", "kv_cache", "masks", "loss", "init", "c_attn", "fused"}),
-    ("model", {"model", "__init__"}),  # the package itself re-exports config, errors and model
-    ("files", {"adapter", "safetensors_io", "checkpoint", "hub", "tokenizer"}),
-    ("load", {"load"}),
-    (
-        "uses",
-        {"generate", "decode", "quantize", "demo", "prepare", "data", "train", "evaluate", "windows", "published"}
-        | {"schedule", "memory", "trainer_state", "distributed"},
-    ),
-    ("top", {"cli", "__main__", "commands"}),  # commands: gpt2_port/commands/*
+    ("top files", {f"top.{m}" for m in TOP_FILES}),
+    ("io", {"io"}),  # files in and out: never the model (it reads and writes state dicts)
+    ("generate", {"generate"}),  # written against the model's interface (generate/protocol.py), as GenerationMixin
+    ("model", {"model"}),
+    ("uses", {"train", "eval"}),  # siblings: neither imports the other
+    ("package", {"__init__"}),  # the public API: from gpt2_port import GPT2, GPT2Config
+    ("cli", {"cli"}),
+    ("entry", {"__main__"}),  # python -m gpt2_port (torchrun runs it)
 ]
-LAYER_OF = {mod: k for k, (_, mods) in enumerate(LAYERS) for mod in mods}
-
-# Upward edges that exist today, allowed only inside a function (imported on call, so no circle at import time):
-# GPT2's convenience methods that mirror transformers' API. Each names its reason; an entry no longer used fails
-# the test, so the table only shrinks.
-LAZY_UPWARD = {
-    ("model", "load"): "GPT2.from_pretrained and GPT2.save_pretrained call load's functions",
-    ("model", "generate"): "GPT2.generate calls generate.generate",
-}
+LAYER_OF = {room: k for k, (_, rooms) in enumerate(LAYERS) for room in rooms}
 
 # The one sanctioned upward edge: these commands call into the checker.
 MAY_IMPORT_CHECKS = {
-    "gpt2_port.commands.parity",
-    "gpt2_port.commands.parity_backward",
-    "gpt2_port.commands.attention",
-    "gpt2_port.commands.eval",
+    "gpt2_port.cli.parity",
+    "gpt2_port.cli.parity_backward",
+    "gpt2_port.cli.parity_io",
+    "gpt2_port.cli.attention",
+    "gpt2_port.cli.eval",
 }
 
 # checks/ (installed as gpt2_port_checks): the base never imports the top.
@@ -62,7 +56,7 @@ SCANNED = {"gpt2_port": "gpt2_port", "checks": CHECKS_PKG, "benchmarks": "benchm
 
 
 def module_name(path: Path) -> str:
-    """gpt2_port/commands/parity.py -> gpt2_port.commands.parity; checks/x.py -> gpt2_port_checks.x."""
+    """gpt2_port/cli/parity.py -> gpt2_port.cli.parity; checks/x.py -> gpt2_port_checks.x."""
     rel = path.relative_to(REPO).with_suffix("")
     parts = [SCANNED[rel.parts[0]], *rel.parts[1:]]
     return ".".join(parts)
@@ -102,31 +96,50 @@ def edits_sys_path(source: str) -> list[int]:
     return lines
 
 
-def gpt2_port_module(target: str, known: set[str]) -> str | None:
-    """gpt2_port.load.from_pretrained -> load; gpt2_port.commands.x -> commands; gpt2_port (itself) -> __init__."""
-    parts = target.split(".")
+def room_of(module: str, known: set[str]) -> str | None:
+    """gpt2_port.io.load -> io; gpt2_port.config -> top.config; gpt2_port (itself) -> __init__; None outside the
+    package; "?name" for a module no folder or top file of the table holds."""
+    parts = module.split(".")
     if parts[0] != "gpt2_port":
         return None
-    if len(parts) == 1 or parts[1] not in known:
-        return "__init__"  # a name defined in the package's __init__
-    return parts[1]
+    if len(parts) == 1:
+        return "__init__"
+    if parts[1] == "__main__":
+        return "__main__"
+    if parts[1] in TOP_FILES:
+        return f"top.{parts[1]}"
+    if parts[1] in LAYER_OF:
+        return parts[1]
+    if len(parts) == 2 and module not in known:
+        return "__init__"  # a name the package's __init__ defines (from gpt2_port import GPT2)
+    return f"?{parts[1]}"
+
+
+def resolve(target: str, known: set[str]) -> str:
+    """The module an import runs: the longest known module that prefixes `target` (a module or a name in one)."""
+    parts = target.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in known:
+            return ".".join(parts[:n])
+    return target
 
 
 def violations(files: dict[str, str], packages: Iterable[str] = ()) -> list[str]:
     """Every broken rule in `files` (module name -> source); `packages` names the modules that are __init__ files."""
     packages = set(packages)
-    known = {n.split(".")[1] for n in files if n.startswith("gpt2_port.") and n.count(".") >= 1}
-    known |= set(LAYER_OF)
+    known = set(files)
     bad: list[str] = []
     graph: dict[str, set[str]] = {}
-    lazy_used: set[tuple[str, str]] = set()
     for name, source in sorted(files.items()):
         area = name.split(".")[0]
         short = name.split(".")[1] if "." in name else "__init__"
-        if area == "gpt2_port" and short not in LAYER_OF:
+        room = room_of(name, known) if area == "gpt2_port" else None
+        if room is not None and room not in LAYER_OF:
+            where = "a top-level file" if name.count(".") == 1 else "a folder"
             bad.append(
-                f"{name}: not in the layer table; add {short!r} to LAYERS in tests/test_layout.py "
-                "(in the layer whose modules it may import)"
+                f"{name}: {where} the layer table does not know; put it in one of gpt2_port's folders "
+                f"({', '.join(sorted(r for r in LAYER_OF if '.' not in r and not r.startswith('__')))}) or add "
+                "it to TOP_FILES / LAYERS in tests/test_layout.py"
             )
             continue
         if area == CHECKS_PKG and short not in CHECKS_BASE | CHECKS_TOP:
@@ -136,7 +149,7 @@ def violations(files: dict[str, str], packages: Iterable[str] = ()) -> list[str]
             continue
         if area in ("gpt2_port", CHECKS_PKG) and (lines := edits_sys_path(source)):
             bad.append(f"{name}: sys.path used at line {lines[0]} (import through the installed packages instead)")
-        for target, line, lazy in imports(name, source, name in packages):
+        for target, line, _lazy in imports(name, source, name in packages):
             top = target.split(".")[0]
             where = f"{name} line {line} imports {target}"
             if top == "transformers" and area not in (CHECKS_PKG, "benchmarks"):
@@ -152,30 +165,25 @@ def violations(files: dict[str, str], packages: Iterable[str] = ()) -> list[str]
                 if short in CHECKS_BASE and t in CHECKS_TOP:
                     bad.append(f"{where}: the checker's base ({short}) imports its top ({t})")
                 graph.setdefault(name, set()).add(f"{CHECKS_PKG}.{t}")
-            mod = gpt2_port_module(target, known)
-            if mod is None:
+            if top != "gpt2_port":
                 continue
+            mod = resolve(target, known)
+            to = room_of(mod, known)
             if area != "gpt2_port":
-                if mod in ("cli", "__main__", "commands"):
-                    bad.append(f"{where}: only the CLI itself reaches gpt2_port's cli and commands")
+                if to in ("cli", "__main__"):
+                    bad.append(f"{where}: only the CLI itself reaches gpt2_port's cli")
                 continue
-            if mod not in LAYER_OF:
-                bad.append(f"{where}: {mod!r} is not in the layer table; add it to LAYERS in tests/test_layout.py")
+            if to not in LAYER_OF:
+                bad.append(f"{where}: {mod} is in no folder of the layer table (tests/test_layout.py)")
                 continue
-            if LAYER_OF[mod] > LAYER_OF[short] and lazy and (short, mod) in LAZY_UPWARD:
-                lazy_used.add((short, mod))
-                continue
-            if LAYER_OF[mod] > LAYER_OF[short]:
+            up, same = LAYER_OF[to] > LAYER_OF[room], LAYER_OF[to] == LAYER_OF[room] and to != room
+            if up or (same and not room.startswith("top.")):
+                how = "up into" if up else "across into its sibling"
                 bad.append(
-                    f"{where}: {short} ({LAYERS[LAYER_OF[short]][0]}) imports up into "
-                    f"{mod} ({LAYERS[LAYER_OF[mod]][0]})"
+                    f"{where}: {room} ({LAYERS[LAYER_OF[room]][0]}) imports {how} {to} ({LAYERS[LAYER_OF[to]][0]})"
                 )
-            if mod != short and mod != "__init__":
-                graph.setdefault(f"gpt2_port.{short}", set()).add(f"gpt2_port.{mod}")
-    if "gpt2_port.model" in files:
-        bad += [
-            f"LAZY_UPWARD lists {e}, which no longer happens: remove it" for e in sorted(set(LAZY_UPWARD) - lazy_used)
-        ]
+            if mod != name:
+                graph.setdefault(name, set()).add(mod)
     bad += [f"import circle: {' -> '.join(c)}" for c in cycles(graph)]
     return bad
 
@@ -213,29 +221,45 @@ def repo_sources() -> tuple[dict[str, str], set[str]]:
 
 def test_imports_point_down_the_layers():
     files, packages = repo_sources()
-    assert "gpt2_port.commands.parity" in files and f"{CHECKS_PKG}.forward" in files and "benchmarks.bench" in files
+    assert "gpt2_port.cli.parity" in files and f"{CHECKS_PKG}.forward" in files and "benchmarks.bench" in files
     assert violations(files, packages) == []
+
+
+def test_every_folder_of_the_package_is_in_the_layer_table():
+    """The table and the tree agree: each folder of gpt2_port/ is a room of the table and each room exists."""
+    on_disk = {p.parent.name for p in (REPO / "gpt2_port").glob("*/__init__.py")}
+    rooms = {r for r in LAYER_OF if "." not in r and not r.startswith("__")}
+    assert on_disk == rooms
+    assert {p.stem for p in (REPO / "gpt2_port").glob("*.py")} == TOP_FILES | {"__init__", "__main__"}
 
 
 @pytest.mark.parametrize(
     ("name", "source", "expect"),
     [
-        ("gpt2_port.config", "def f():\n    from .load import locate\n", "config (leaves) imports up into load"),
-        ("gpt2_port.model", "from gpt2_port.generate import generate\n", "imports up into generate"),
-        ("gpt2_port.model", "def f():\n    from .quantize import quantize_int8\n", "imports up into quantize"),
         (
-            "gpt2_port.model",
-            "def f():\n    from .load import from_pretrained\n",
-            "LAZY_UPWARD lists ('model', 'generate')",
+            "gpt2_port.config",
+            "def f():\n    from .io.load import read_state\n",
+            "top.config (top files) imports up into io",
         ),
-        ("gpt2_port.load", "import transformers\n", "only checks/, benchmarks/ and tests import transformers"),
-        ("gpt2_port.commands.generate", "from gpt2_port_checks import render\n", "may call into the checker"),
-        ("gpt2_port.commands.parity", "import benchmarks.bench\n", "tool of the checkout"),
+        ("gpt2_port.io.load", "def f():\n    from ..model import GPT2\n", "io (io) imports up into model"),
+        ("gpt2_port.generate.loop", "from gpt2_port.model.modules import wants_grad\n", "imports up into model"),
+        ("gpt2_port.model.gpt2", "def f():\n    from ..train import Trainer\n", "imports up into train"),
+        ("gpt2_port.train.loop", "from ..eval.score import Scorer\n", "across into its sibling eval"),
+        ("gpt2_port.eval.score", "def f():\n    from gpt2_port.train.data import TokenFile\n", "sibling train"),
+        ("gpt2_port.model.gpt2", "from gpt2_port import GPT2\n", "imports up into __init__"),
+        ("gpt2_port.io.load", "import transformers\n", "only checks/, benchmarks/ and tests import transformers"),
+        ("gpt2_port.cli.generate", "from gpt2_port_checks import render\n", "may call into the checker"),
+        ("gpt2_port.cli.parity", "import benchmarks.bench\n", "tool of the checkout"),
         ("gpt2_port_checks.metrics", "from .forward import run_detailed\n", "base (metrics) imports its top"),
         ("gpt2_port_checks.forward", "from gpt2_port.cli import main\n", "only the CLI itself"),
         ("gpt2_port_checks.plots", "from checks.results import Sweep\n", "import it by that name"),
         ("gpt2_port_checks.render", "import sys\nsys.path.insert(0, '.')\n", "sys.path used"),
-        ("gpt2_port.newthing", "import torch\n", "add 'newthing' to LAYERS"),
+        ("gpt2_port.newthing", "import torch\n", "gpt2_port.newthing: a top-level file the layer table does not know"),
+        (
+            "gpt2_port.kernels.flash",
+            "import torch\n",
+            "gpt2_port.kernels.flash: a folder the layer table does not know",
+        ),
         ("gpt2_port_checks.newrunner", "", "add 'newrunner' to CHECKS_BASE or CHECKS_TOP"),
         ("scripts.tool", "from transformers import GPT2LMHeadModel\n", "only checks/, benchmarks/ and tests"),
     ],
@@ -248,11 +272,23 @@ def test_a_planted_wrong_import_is_caught(name: str, source: str, expect: str):
     assert any(expect in v for v in found), found
 
 
-def test_a_circle_inside_a_layer_is_caught():
+def test_a_circle_inside_a_folder_is_caught():
     files, packages = repo_sources()
-    files["gpt2_port.adapter"] += "\nfrom . import tokenizer\n"
-    files["gpt2_port.tokenizer"] += "\ndef f():\n    from .adapter import hf_shapes\n"
-    assert any(v.startswith("import circle:") and "gpt2_port.adapter" in v for v in violations(files, packages))
+    files["gpt2_port.io.adapter"] += "\nfrom . import tokenizer\n"
+    files["gpt2_port.io.tokenizer"] += "\ndef f():\n    from .adapter import hf_shapes\n"
+    assert any(v.startswith("import circle:") and "gpt2_port.io.adapter" in v for v in violations(files, packages))
+
+
+def test_the_model_offers_from_pretrained_save_pretrained_and_generate_without_importing_their_users():
+    """GPT2 keeps transformers' spelling of the three, yet io/ and generate/ never import the model: the edges
+    model -> io and model -> generate are the only ones, so no circle hides behind the convenience methods."""
+    files, packages = repo_sources()
+    from gpt2_port import GPT2
+
+    assert all(callable(getattr(GPT2, m)) for m in ("from_pretrained", "save_pretrained", "generate"))
+    for name, source in files.items():
+        if name.startswith(("gpt2_port.io", "gpt2_port.generate")):
+            assert not [t for t, _, _ in imports(name, source, name in packages) if t.startswith("gpt2_port.model")]
 
 
 def test_pyproject_packages_cover_the_tree_and_map_checks():
@@ -275,7 +311,9 @@ def test_wheel_installs_no_generic_checks_package(tmp_path: Path):
     for name in ("pyproject.toml", "README.md"):
         (src / name).write_bytes((REPO / name).read_bytes())
     for d in ("gpt2_port", "checks"):
-        for p in (REPO / d).rglob("*.py"):
+        for p in (REPO / d).rglob("*"):
+            if not p.is_file() or "__pycache__" in p.parts:
+                continue
             dst = src / p.relative_to(REPO)
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(p.read_bytes())
@@ -293,12 +331,13 @@ def test_wheel_installs_no_generic_checks_package(tmp_path: Path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"gpt2_port", CHECKS_PKG, next(t for t in tops if t.endswith(".dist-info"))}
     assert f"{CHECKS_PKG}/forward.py" in names and f"{CHECKS_PKG}/metrics.py" in names
-    assert "gpt2_port/commands/parity.py" in names and "gpt2_port/commands/bench.py" not in names
+    assert "gpt2_port/cli/parity.py" in names and "gpt2_port/cli/bench.py" not in names
+    assert "gpt2_port/io/gpt2_bpe/encoder.json" in names
 
 
 def test_the_cli_has_no_bench_command():
     """The benchmark runs from the checkout (`python -m benchmarks`), not through the installed command."""
-    from gpt2_port.cli import COMMAND_MODULES
+    from gpt2_port.cli.main import COMMAND_MODULES
 
     assert not any(m.endswith(".bench") for m in COMMAND_MODULES)
     r = subprocess.run(

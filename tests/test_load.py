@@ -10,10 +10,11 @@ import torch
 from conftest import TINY, save_hf
 
 from gpt2_port import GPT2
-from gpt2_port.checkpoint import locate
 from gpt2_port.devices import parse_device, parse_dtype
 from gpt2_port.errors import CheckpointError, UsageError
-from gpt2_port.load import convert_checkpoint, from_pretrained
+from gpt2_port.io.checkpoint import locate
+from gpt2_port.io.load import read_checkpoint
+from gpt2_port.model import from_pretrained
 
 IDS = torch.tensor([[464, 2444, 4721, 511, 3835], [464, 3797, 26172, 262, 10211]])
 
@@ -42,7 +43,7 @@ def test_both_layouts_same_logits(tiny_official: Path, tiny_hf: Path, tmp_path: 
     """The official layout and save_pretrained's layout of the same weights load to the same model."""
     from safetensors.torch import save_file
 
-    from gpt2_port.adapter import scratch_to_hf
+    from gpt2_port.io.adapter import scratch_to_hf
 
     model = GPT2.from_pretrained(str(tiny_official))
     save_file(scratch_to_hf(model.state_dict(), TINY), tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -57,7 +58,7 @@ def test_single_file_and_no_config(tiny_official: Path, tmp_path: Path):
     # no config.json beside it: inferred from the shapes (head count from head_dim 64 -> needs n_embd multiple of 64)
     ck = locate(f)
     assert ck.config_file is None and ck.weight_files == [f.resolve()]
-    _, rep = convert_checkpoint(f)
+    _, rep = read_checkpoint(f)
     assert (rep.config.n_layer, rep.config.n_embd, rep.config.n_positions) == (2, 64, 128)
     assert rep.config.n_head == 1  # 64 / 64: inference is a guess; a config.json beside the file wins
     shutil.copy(tiny_official / "config.json", tmp_path / "config.json")
@@ -142,7 +143,7 @@ _FILE_RSS = """
 import sys
 from pathlib import Path
 import torch
-from gpt2_port.load import from_pretrained
+from gpt2_port.model import from_pretrained
 
 def file_rss_kb(path):
     total, mine = 0, False
@@ -188,7 +189,7 @@ def test_resident_fraction_and_prefetch(tiny_official: Path, tmp_path: Path):
     ahead advice when not; either way the loaded model is the same."""
     import os
 
-    from gpt2_port.safetensors_io import SafetensorsFile
+    from gpt2_port.io.safetensors_io import SafetensorsFile
 
     f = tmp_path / "model.safetensors"
     shutil.copy(tiny_official / "model.safetensors", f)

@@ -13,7 +13,7 @@ import pytest
 
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
-from gpt2_port.demo import write_demo_checkpoint
+from gpt2_port.io.demo import write_demo_checkpoint
 
 CFG = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64)
 
@@ -67,7 +67,7 @@ def test_attention_offline_without_tokenizer_files(
 def test_explicit_tokenizer_without_files_fails_before_the_load(
     command: str, no_tok: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import gpt2_port.load as load
+    import gpt2_port.model as load
 
     def no_load(*a, **k):  # type: ignore[no-untyped-def]
         raise AssertionError("loaded the model before checking --tokenizer")

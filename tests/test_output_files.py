@@ -17,7 +17,7 @@ import pytest
 
 from gpt2_port.cli import main
 from gpt2_port.errors import UsageError
-from gpt2_port.util import atomic_write_text, check_dir_writable, check_writable, write_output
+from gpt2_port.files import atomic_write_text, check_dir_writable, check_writable, write_output
 
 needs_dev_full = pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full is Linux only")
 
@@ -142,7 +142,7 @@ def test_socket_and_block_device_refused_early(tmp_path: Path) -> None:
 
 def test_failed_write_leaves_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kept_dir: Path) -> None:
     """The rename never happens when the data could not be written; the old file stays, no temp file is left."""
-    from gpt2_port import util
+    from gpt2_port import files as util
 
     p = tmp_path / "out.json"
     p.write_text("old\n")
@@ -221,7 +221,7 @@ def test_generate_json_dev_full(tiny_official: Path, kept_dir: Path, capsys: pyt
 def test_generate_json_proc_fails_before_the_load(
     tiny_official: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import gpt2_port.load as load
+    import gpt2_port.model as load
 
     def no_load(*a, **k):  # type: ignore[no-untyped-def]
         raise AssertionError("the model was loaded before the output path was checked")
@@ -267,7 +267,7 @@ def test_demo_checkpoint_late_write_failure(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A disk that fills while the checkpoint is written: exit 2, one line, no partial file left."""
-    from gpt2_port import util
+    from gpt2_port import files as util
 
     real_fdopen = os.fdopen
 

@@ -45,7 +45,7 @@ def test_reference_sdpa(tiny_official: Path):
 
 def test_erf_gelu_is_caught_at_block_0(tiny_official: Path, monkeypatch, tmp_path: Path, capsys):
     """The classic porting bug (erf GELU instead of tanh) fails at the first block, with exit code 1."""
-    import gpt2_port.model as model_mod
+    import gpt2_port.model.modules as model_mod
 
     monkeypatch.setattr(model_mod, "gelu_new", lambda x: torch.nn.functional.gelu(x))
     out = tmp_path / "r.json"
@@ -66,7 +66,7 @@ def test_wrong_layernorm_eps_is_caught(tiny_official: Path, tmp_path: Path):
     shutil.copytree(tiny_official, d)
     r = run_parity(str(d), DEFAULT_PROMPTS)
     assert r.passed
-    from gpt2_port.model import LayerNorm
+    from gpt2_port.model.modules import LayerNorm
 
     orig = LayerNorm.forward
 

@@ -49,7 +49,7 @@ def test_scratch_sdpa_is_within_the_reference_noise(tiny_hf: Path):
 
 def _break_mlp_of_block_1(monkeypatch: pytest.MonkeyPatch) -> None:
     """A porting bug inside block 1's MLP (erf GELU instead of tanh GELU, in that block only)."""
-    import gpt2_port.model as model_mod
+    import gpt2_port.model.modules as model_mod
 
     orig = model_mod.MLP.forward
 

@@ -12,9 +12,9 @@ import torch
 
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
-from gpt2_port.demo import write_demo_checkpoint
-from gpt2_port.safetensors_io import SafetensorsFile, write_safetensors
-from gpt2_port.tokenizer import load_tokenizer
+from gpt2_port.io.demo import write_demo_checkpoint
+from gpt2_port.io.safetensors_io import SafetensorsFile, write_safetensors
+from gpt2_port.io.tokenizer import load_tokenizer
 from gpt2_port_checks import render
 from gpt2_port_checks.plots import tolerance_marks
 from gpt2_port_checks.points import point_names

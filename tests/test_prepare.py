@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from gpt2_port.cli import main
-from gpt2_port.commands.progress import ByteBar
 from gpt2_port.errors import UsageError
-from gpt2_port.prepare import StreamEncoder, encode_stream, prepare, safe_cut
-from gpt2_port.tokenizer import EOT_ID, Tokenizer, load_tokenizer
+from gpt2_port.io.text import safe_cut
+from gpt2_port.io.tokenizer import EOT_ID, Tokenizer, load_tokenizer
+from gpt2_port.train.prepare import StreamEncoder, encode_stream, prepare
 
 # nanoGPT's data/shakespeare/readme.md (and the comment closing its prepare.py), for this exact input.txt
 NANOGPT_TRAIN_TOKENS = 301_966
@@ -301,27 +301,21 @@ def test_progress_reports_scan_then_encode_up_to_the_total(shakespeare: Path, to
     assert all(t == total for _, _, t in seen)
 
 
-def test_progress_bar_shows_bytes_rate_and_eta() -> None:
-    s = io.StringIO()
-    bar = ByteBar(stream=s, interval=0.0)
-    bar.update("encode", 0, 3_000_000)
-    bar.update("encode", 1_500_000, 3_000_000)
-    bar.update("encode", 3_000_000, 3_000_000)
-    bar.close()
-    lines = s.getvalue().split("\r")
-    assert "50%" in lines[2] and "1.5 MB/3.0 MB" in lines[2] and "/s ETA 0:0" in lines[2]
-    assert "100%" in lines[3] and " in 0:00" in lines[3] and s.getvalue().endswith("\n")
-
-
-def test_cli_shows_the_bar_only_on_a_terminal_or_when_asked(
-    shakespeare: Path, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_cli_shows_progress_as_plain_lines_when_stderr_is_not_a_terminal(
+    shakespeare: Path, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
     argv = ["prepare", str(shakespeare), "--out", str(tmp_path / "o"), "--tokenizer", str(tokenizer_dir)]
     assert main(argv) == 0
-    assert capsys.readouterr().err == ""  # pytest's stderr is not a terminal
-    assert main([*argv, "--progress"]) == 0
+    assert capsys.readouterr().err == ""  # a second's work writes no progress line to a log
+    monkeypatch.setenv("GPT2_PORT_PROGRESS_SECONDS", "0")  # as if every read took the interval
+    assert main([*argv, "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(argv) == 0  # pytest's stderr is not a terminal: whole lines, no carriage returns
     err = capsys.readouterr().err
-    assert "scan" in err and "encode" in err and "100%" in err and "1.1 MB/1.1 MB" in err
+    assert "\r" not in err and err.endswith("\n")
+    lines = err.splitlines()
+    assert any(ln.startswith("scan") and "100%" in ln for ln in lines)
+    assert any(ln.startswith("encode") and "100%" in ln and "1.1 MB/1.1 MB" in ln for ln in lines)
 
 
 def test_cli_shows_the_bar_when_stderr_is_a_terminal(

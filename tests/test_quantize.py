@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from gpt2_port.errors import UsageError
-from gpt2_port.kv_cache import KVCache
-from gpt2_port.load import from_pretrained
-from gpt2_port.quantize import Int8Linear, check_trainable, is_quantized, quantize_int8, quantize_rows
+from gpt2_port.generate.cache import KVCache
+from gpt2_port.generate.int8 import Int8Linear, check_trainable, is_quantized, quantize_int8, quantize_rows
+from gpt2_port.model import from_pretrained
 
 
 def test_quantize_rows_roundtrip() -> None:

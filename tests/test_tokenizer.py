@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpt2_port.errors import CheckpointError, UsageError
-from gpt2_port.tokenizer import (
+from gpt2_port.io.tokenizer import (
     EOT_ID,
     SHIPPED_DIR,
     SHIPPED_SHA256,
@@ -183,7 +183,7 @@ def test_ranks_and_encodings_identical_to_tiktokens_loader(
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-    from gpt2_port.tokenizer import _gpt2_pattern
+    from gpt2_port.io.tokenizer import _gpt2_pattern
 
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))  # its cache stays in the test's directory
     ref_ranks = data_gym_to_mergeable_bpe_ranks(str(tokenizer_dir / "vocab.bpe"), str(tokenizer_dir / "encoder.json"))
@@ -220,7 +220,7 @@ def test_explicit_directory_without_files_is_an_error(tmp_path: Path) -> None:
 
 
 def test_damaged_shipped_copy_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpt2_port.tokenizer as tokenizer
+    import gpt2_port.io.tokenizer as tokenizer
 
     for name in SHIPPED_SHA256:
         shutil.copyfile(SHIPPED_DIR / name, tmp_path / name)

@@ -15,18 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2_port import memory, trainer_state
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config, preset
-from gpt2_port.data import GlobalBatchSampler, TokenFile, open_split
-from gpt2_port.demo import write_demo_checkpoint
 from gpt2_port.errors import UsageError
-from gpt2_port.load import from_pretrained
-from gpt2_port.model import GPT2
-from gpt2_port.safetensors_io import SafetensorsFile
-from gpt2_port.schedule import lr_at, param_groups
-from gpt2_port.tokenizer import load_tokenizer
-from gpt2_port.train import NonFiniteError, TrainArgs, Trainer, prepare_model
+from gpt2_port.io.demo import write_demo_checkpoint
+from gpt2_port.io.safetensors_io import SafetensorsFile
+from gpt2_port.io.tokenizer import load_tokenizer
+from gpt2_port.model import GPT2, from_pretrained
+from gpt2_port.train import NonFiniteError, TrainArgs, Trainer, memory, prepare_model
+from gpt2_port.train import state as trainer_state
+from gpt2_port.train.data import GlobalBatchSampler, TokenFile, open_split
+from gpt2_port.train.schedule import lr_at, param_groups
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"

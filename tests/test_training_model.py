@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2_port import adapter
 from gpt2_port.config import GPT2Config
 from gpt2_port.errors import UsageError
-from gpt2_port.load import from_pretrained, save_pretrained
-from gpt2_port.model import GPT2
+from gpt2_port.io import adapter
+from gpt2_port.model import GPT2, from_pretrained
 
 transformers = pytest.importorskip("transformers")
 
@@ -176,12 +175,12 @@ def test_save_pretrained_writes_the_official_layout(which: str, request, tmp_pat
     with torch.no_grad():
         m.h[0].attn.k_proj.bias.add_(1.0)  # a change that must survive the round trip through c_attn
     m.set_dropout(0.0)
-    out = save_pretrained(m, tmp_path / "saved", tokenizer_dir=tokenizer_dir)
+    out = m.save_pretrained(tmp_path / "saved", tokenizer_dir=tokenizer_dir)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["attn_pdrop"] == cfg["embd_pdrop"] == cfg["resid_pdrop"] == 0.0 and cfg["initializer_range"] == 0.02
     assert (out / "vocab.json").read_bytes() == (tokenizer_dir / "encoder.json").read_bytes()
     assert (out / "merges.txt").read_bytes() == (tokenizer_dir / "vocab.bpe").read_bytes()
-    from gpt2_port.safetensors_io import SafetensorsFile
+    from gpt2_port.io.safetensors_io import SafetensorsFile
 
     keys = set(SafetensorsFile(out / "model.safetensors").keys())
     if m.config.tie_word_embeddings:

@@ -1,0 +1,285 @@
+"""`gpt2-port eval MODEL`: zero-shot perplexity / bits per byte of a text or a prepared split, LAMBADA accuracy,
+multiple choice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
+
+EPILOG = """\
+--text FILE: rolling windows by default, exactly lm-evaluation-harness's loglikelihood_rolling (disjoint windows of
+--max-length tokens; the first token conditioned on <|endoftext|>, later windows on the token before them, the last
+partial window on as much context as fits). --stride S: the transformers docs' sliding window on <|endoftext|> + text
+(windows every S tokens, each scoring only tokens no earlier window scored). Every token is scored exactly once.
+JSON keys: tokens, nll (nats), perplexity (per token), bytes, bits_per_byte, byte_perplexity, words, word_perplexity.
+
+--lambada FILE.jsonl: lambada_openai's format ({"text": ...} per line); the target is the last word with its leading
+space. JSON keys: accuracy (every target token is the argmax), perplexity (exp of the mean word NLL), n.
+
+--choices FILE.jsonl: {"ctx": ..., "endings": [...], "label": k} per line; each ending scored after one space.
+JSON keys: acc, acc_norm (log-likelihood divided by the ending's length in characters, lm-eval's), n.
+
+--data DIR: the .bin split `gpt2-port prepare` wrote (--split val by default): its tokens scored like a text's
+(rolling or strided windows, every token once, the first conditioned on <|endoftext|>; between the documents of a
+split, the <|endoftext|> prepare put there is scored as a token). bytes and words come from DIR/meta.json (prepare
+records them), so bits_per_byte and word_perplexity need no text; a meta.json without them leaves those keys null.
+
+--check: score the same windows with transformers' GPT2LMHeadModel in the same run and report the differences
+(exit 1 if any is over its tolerance).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="zero-shot evaluation: perplexity, bits per byte, LAMBADA, multiple choice",
+        description="Score a text, LAMBADA or multiple-choice file with MODEL, with lm-evaluation-harness's "
+        "methods; --check scores the same windows with transformers in the same run.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_arg(p)
+    task = p.add_mutually_exclusive_group(required=True)
+    task.add_argument("--text", metavar="FILE", help="a UTF-8 text: its log-likelihood, perplexity and bits per byte")
+    task.add_argument("--lambada", metavar="FILE", help="LAMBADA in lambada_openai's JSONL format")
+    task.add_argument("--choices", metavar="FILE", help="multiple choice, HellaSwag's shape, as JSONL")
+    task.add_argument("--data", metavar="DIR", help="a split gpt2-port prepare wrote (DIR/val.bin by default)")
+    p.add_argument("--split", choices=["val", "train"], default="val", help="--data: which .bin to score (val)")
+    p.add_argument("--max-length", type=int, default=None, metavar="N", help="tokens per window (default: n_positions)")
+    p.add_argument("--stride", type=int, default=None, metavar="S", help="--text: strided windows every S tokens")
+    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="windows per forward pass (default 8)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
+    p.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
+    add_revision_arg(p)
+    add_tokenizer_arg(p)
+    p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON (- for stdout)")
+    p.add_argument("--markdown", metavar="PATH", default=None, help="write the results as a Markdown table")
+    p.add_argument("--check", action="store_true", help="also score with transformers and report the differences")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="scored tokens on stderr: redrawn on a terminal, a plain line every 10 s otherwise (on)",
+    )
+    p.set_defaults(func=run)
+
+
+def _rows(task: str, res: dict) -> list[tuple[str, str]]:
+    keys = {
+        "text": [
+            "tokens",
+            "nll",
+            "perplexity",
+            "bytes",
+            "bits_per_byte",
+            "byte_perplexity",
+            "words",
+            "word_perplexity",
+        ],
+        "lambada": ["n", "accuracy", "perplexity", "accuracy_last_token", "target_tokens"],
+        "choices": ["n", "acc", "acc_norm"],
+    }["text" if task == "data" else task]
+    return [
+        (k, f"{res[k]:.6g}" if isinstance(res[k], float) else "n/a" if res[k] is None else str(res[k])) for k in keys
+    ]
+
+
+def _task(args: argparse.Namespace) -> str:
+    return "text" if args.text else "lambada" if args.lambada else "choices" if args.choices else "data"
+
+
+def _published_lines(model: str, task: str, res: dict, markdown: bool) -> list[str]:
+    from ..eval.published import published
+
+    figs = published(model, task)
+    if not figs:
+        return []
+    out = ["", "Published figures (other data and methods: compare with care):"]
+    if markdown:
+        out = ["", "| dataset | metric | published | this run | source |", "|---|---|---:|---:|---|"]
+    for f in figs:
+        mine = f"{res[f.metric]:.4g}" if res.get(f.metric) is not None else "-"
+        if markdown:
+            out.append(f"| {f.dataset} | {f.metric} | {f.value:g} | {mine} | {f.source} |")
+        else:
+            out.append(f"  {f.dataset:<20} {f.metric:<16} {f.value:>9g}   (this run: {mine})  -- {f.source}")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..devices import dtype_name as name_of
+    from ..devices import parse_device, parse_dtype
+    from ..errors import UsageError
+    from ..eval.jsonl import read_jsonl
+    from ..eval.perplexity import (
+        check_text_file,
+        check_window_args,
+        count_text_tokens,
+        evaluate_split,
+        evaluate_text,
+        open_split_for_eval,
+    )
+    from ..eval.published import published
+    from ..eval.score import check_batch_size, model_scorer
+    from ..eval.tasks import (
+        check_choice_docs,
+        choice_requests,
+        evaluate_choices,
+        evaluate_lambada,
+        lambada_requests,
+        scored_tokens,
+    )
+    from ..files import atomic_write_text, check_writable
+    from ..io.tokenizer import load_tokenizer
+    from ..model import from_pretrained
+    from .progress import Progress
+
+    # every argument and input file is checked before the (slow) load
+    task = _task(args)
+    if args.stride is not None and task not in ("text", "data"):
+        raise UsageError("--stride applies to --text only (and --data, a prepared text)")
+    if args.stride is not None and args.stride <= 0:
+        raise UsageError(f"--stride must be a positive integer, got {args.stride}")
+    if args.max_length is not None and args.max_length <= 0:
+        raise UsageError(f"--max-length must be a positive integer, got {args.max_length}")
+    if args.stride is not None and args.max_length is not None and args.stride > args.max_length:
+        raise UsageError(f"--stride {args.stride} is larger than --max-length {args.max_length} (expected <=)")
+    check_batch_size(args.batch_size)
+    dtype, device = parse_dtype(args.dtype), parse_device(args.device)
+    for path, what in ((args.json, "--json"), (args.markdown, "--markdown")):
+        if path and path != "-":
+            check_writable(path, what)
+    docs = None
+    if task == "text":
+        check_text_file(args.text)
+    elif task == "lambada":
+        docs = read_jsonl(args.lambada, "--lambada", {"text": str})
+    elif task == "choices":
+        docs = read_jsonl(args.choices, "--choices", {"ctx": str, "endings": list, "label": int})
+        check_choice_docs(docs, "--choices " + args.choices)
+
+    model, report = from_pretrained(args.model, dtype=dtype, device=device, revision=args.revision)
+    n_pos = model.config.n_positions
+    max_length = args.max_length if args.max_length is not None else n_pos
+    check_window_args(max_length, args.stride, n_pos)
+    tok = load_tokenizer(args.tokenizer if args.tokenizer else report.checkpoint.root)
+    if tok.eot_id >= model.config.vocab_size:
+        raise UsageError(
+            f"{args.model}: the model's vocabulary of {model.config.vocab_size} tokens has no <|endoftext|> "
+            f"({tok.eot_id}), which the evaluation needs as the first token's context"
+        )
+    split = None
+    if task == "data":
+        split = open_split_for_eval(args.data, args.split, model.config.vocab_size)
+    scorers = [model_scorer(model)]
+    dt = name_of(dtype)
+    if args.check:
+        from gpt2_port_checks.evaluation import NLL_RTOL, reference_scorer
+
+        if dt not in NLL_RTOL:
+            raise UsageError(f"--check: no tolerance for dtype {dt} (expected one of {', '.join(NLL_RTOL)})")
+        scorers.append(reference_scorer(report.checkpoint, report.config, dtype, device))
+
+    # the work to count: the tokens scored (known before scoring: a text is encoded once more to count them)
+    reqs = qs = None
+    if task == "text":
+        total = count_text_tokens(args.text, tok.encode)
+    elif task == "data":
+        total = len(split[0])  # type: ignore[index]
+    elif task == "lambada":
+        reqs = lambada_requests(docs, tok.encode, tok.eot_id, "--lambada " + args.lambada)  # type: ignore[arg-type]
+        total = scored_tokens(reqs)
+    else:
+        qs = choice_requests(docs, tok.encode, tok.eot_id, "--choices " + args.choices)  # type: ignore[arg-type]
+        total = scored_tokens([r for q in qs for r in q[0]])
+    bar = Progress("eval", total, "tokens") if args.progress else None
+    update = bar.update if bar is not None else None
+    t0 = time.perf_counter()
+    try:
+        if task == "text":
+            results = evaluate_text(
+                scorers, tok.encode, args.text, max_length, tok.eot_id, args.stride, args.batch_size, update
+            )
+        elif task == "data":
+            results = evaluate_split(
+                scorers,
+                *split,
+                args.split,
+                max_length,
+                tok.eot_id,
+                args.stride,
+                args.batch_size,
+                update,  # type: ignore[misc]
+            )
+        elif task == "lambada":
+            results = evaluate_lambada(scorers, reqs, max_length, tok.eot_id, args.batch_size, update)  # type: ignore[arg-type]
+        else:
+            results = evaluate_choices(scorers, qs, max_length, tok.eot_id, args.batch_size, update)  # type: ignore[arg-type]
+    except BaseException:
+        if bar is not None:
+            bar.abandon()
+        raise
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t0
+    windowed = "rolling (lm-eval loglikelihood_rolling)" if args.stride is None else f"strided (stride {args.stride})"
+    method = {
+        "text": windowed,
+        "data": f"{windowed} over {Path(args.data or '') / (args.split + '.bin')}",
+        "lambada": "lambada_openai (lm-eval): last word, greedy over all its tokens",
+        "choices": "multiple choice (lm-eval): ending after one space; acc_norm per character",
+    }[task]
+
+    res = results["gpt2_port"].to_json()
+    parity = None
+    if args.check:
+        from gpt2_port_checks import evaluation as ev
+
+        compare = {"text": ev.compare_text, "data": ev.compare_text, "lambada": ev.compare_lambada}
+        parity = compare.get(task, ev.compare_choices)(results["gpt2_port"], results["transformers"], dt)
+
+    header = f"{args.model} | {task}: {method} | max-length {max_length} | {device} {dt}"
+    lines = [header] + [f"  {k:<20} {v}" for k, v in _rows(task, res)]
+    lines += _published_lines(args.model, task, res, markdown=False)
+    if task == "data" and res["bytes"] is None:
+        lines.append(f"  (no byte or word counts in {args.data}/meta.json: rerun gpt2-port prepare to record them)")
+    if parity is not None:
+        lines += ["", parity.format()]
+    if args.json != "-" and args.markdown != "-":
+        print("\n".join(lines))
+    rate = total / elapsed if elapsed > 0 else 0.0
+    print(
+        f"scored in {elapsed:.2f}s: {total:,} tokens, {rate:,.0f} tokens/s (load {report.load_s:.2f}s)", file=sys.stderr
+    )
+
+    data = {
+        "model": args.model,
+        "task": task,
+        "method": method,
+        "max_length": max_length,
+        "stride": args.stride,
+        "batch_size": args.batch_size,
+        "device": str(device),
+        "dtype": dt,
+        **res,
+        "published": [
+            {"dataset": f.dataset, "metric": f.metric, "value": f.value, "source": f.source}
+            for f in published(args.model, task)
+        ],
+    }
+    if parity is not None:
+        data["check"] = parity.to_json()
+    if args.json:
+        text = json.dumps(data, indent=2) + "\n"
+        sys.stdout.write(text) if args.json == "-" else atomic_write_text(args.json, text)
+    if args.markdown:
+        md = [f"**{header}**", "", "| metric | value |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in _rows(task, res)]
+        md += _published_lines(args.model, task, res, markdown=True)
+        text = "\n".join(md) + "\n"
+        sys.stdout.write(text) if args.markdown == "-" else atomic_write_text(args.markdown, text)
+    return 0 if parity is None or parity.passed else 1

@@ -1,0 +1,89 @@
+"""`gpt2-port`: one console command with subcommands. The only place that prints (the library logs).
+
+Exit codes: 0 success, 1 a check failed (parity), 2 bad input (usage, arguments, files), 3 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from ..errors import GPT2PortError
+
+# Each module defines register(subparsers) and sets `func` on its parser; kept in the order `--help` shows them.
+COMMAND_MODULES = [
+    "gpt2_port.cli.generate",
+    "gpt2_port.cli.parity",
+    "gpt2_port.cli.attention",
+    "gpt2_port.cli.inspect",
+    "gpt2_port.cli.demo",
+    "gpt2_port.cli.prepare",
+    "gpt2_port.cli.train",
+    "gpt2_port.cli.eval",
+]
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line ("gpt2-port parity: error: ...") and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
+def build_parser() -> ArgParser:
+    from .. import __version__
+
+    p = ArgParser(
+        prog="gpt2-port",
+        description="A from-scratch GPT-2 that loads the official weights, proves "
+        "layer by layer that it matches Hugging Face transformers, and generates text.",
+    )
+    p.add_argument("--version", action="version", version=f"gpt2-port {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the library does (to stderr)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgParser)
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except GPT2PortError as e:
+        msg = " ".join(str(e).split("\n"))
+        sys.stderr.write(f"gpt2-port {args.command}: error: {msg}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # an internal error: still one line unless asked for the traceback
+        if os.environ.get("GPT2_PORT_DEBUG"):
+            raise
+        sys.stderr.write(
+            f"gpt2-port {args.command}: internal error: {e.__class__.__name__}: {e} -- this is a bug; "
+            f"please report it (rerun with GPT2_PORT_DEBUG=1 for the traceback)\n"
+        )
+        return 3
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,88 @@
+"""The parity command's inputs (prompts as text or token ids) and outputs (JSON, Markdown, PNG), shared by its
+forward (parity.py) and backward (parity_backward.py) runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from ..errors import UsageError
+from ..files import atomic_write_text, check_writable
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{what} {path}: cannot read ({e.__class__.__name__}: {e})") from None
+
+
+def read_inputs(args: argparse.Namespace):  # -> gpt2_port_checks.prompts.Inputs (imported lazily)
+    """The prompts in the order given: --prompt, --prompt-file, --ids, --ids-file; the defaults when none."""
+    from gpt2_port_checks.prompts import Inputs, default_inputs, parse_ids
+
+    inputs = Inputs([], [])
+    for p in args.prompt or []:
+        if not p:
+            raise UsageError("--prompt: empty prompt (give at least one character)")
+        inputs.add_text(p)
+    if args.prompt_file:
+        lines = [ln for ln in _read_text(args.prompt_file, "--prompt-file").splitlines() if ln.strip()]
+        if not lines:
+            raise UsageError(f"--prompt-file {args.prompt_file}: no non-empty lines")
+        for ln in lines:
+            inputs.add_text(ln)
+    for s in args.ids or []:
+        inputs.add_ids(parse_ids(s, f"--ids {s!r}"))
+    if args.ids_file:
+        lines = _read_text(args.ids_file, "--ids-file").splitlines()
+        n = 0
+        for k, ln in enumerate(lines, 1):
+            if ln.strip():
+                inputs.add_ids(parse_ids(ln, f"--ids-file {args.ids_file} line {k}"))
+                n += 1
+        if not n:
+            raise UsageError(f"--ids-file {args.ids_file}: no non-empty lines")
+    return inputs if inputs.texts else default_inputs()
+
+
+def checked_outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(option, path) of every output asked for, checked before any work: '-' (stdout) for at most one of
+    --json/--markdown, never for the PNG; every file path writable."""
+    outs = [(o, p) for o, p in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)) if p]
+    to_stdout = [o for o, p in outs if p == "-"]
+    if "--plot" in to_stdout:
+        raise UsageError("--plot -: a PNG does not go to stdout; give a file path")
+    if len(to_stdout) > 1:
+        raise UsageError(f"{' and '.join(to_stdout)} both ask for stdout ('-'); give one of them a file path")
+    for o, p in outs:
+        if p != "-":
+            check_writable(p, o)
+    return outs
+
+
+def write_outputs(
+    outs: list[tuple[str, str]],
+    human: TextIO,
+    json_text: Callable[[], str],
+    markdown_text: Callable[[], str],
+    plot: Callable[[str], None],
+) -> None:
+    """Write each asked-for output ('-': stdout; files atomically), then one `wrote PATH (kind)` line per file."""
+    wrote = []
+    for opt, path in outs:
+        if opt == "--plot":
+            plot(path)
+        else:
+            text = json_text() if opt == "--json" else markdown_text()
+            if path == "-":
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                continue
+            atomic_write_text(path, text)
+        wrote.append(f"wrote {path} ({opt.removeprefix('--')})")
+    if wrote:
+        human.write("\n".join(wrote) + "\n")

@@ -1,0 +1,499 @@
+"""`gpt2-port train --init MODEL --data DIR --out DIR`: fine-tune a checkpoint or train from scratch;
+`gpt2-port train --resume DIR` continues a saved run with its saved settings.
+
+Runs as one process, or data-parallel under torchrun (`torchrun --nproc_per_node N -m gpt2_port train ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+EPILOG = """\
+batches: random windows x = data[i:i+T], y = data[i+1:i+1+T] from DIR/train.bin (uint16 token ids, as
+`gpt2-port prepare` and nanoGPT write them). One seeded generator draws the whole global batch of a step:
+--batch-size x --grad-accum x processes windows. The same --seed gives the same run.
+
+counting: --steps is the total from the start of training: `--resume OUT --steps 20` continues a 10-step run to 20.
+
+resume: `--resume OUT` alone continues the saved run with every setting it was started with (data directory, batch
+and block size, accumulation, optimizer, learning rate and schedule, dtype, kernels, dropout, evaluation and save
+cadence, seed, --steps). A flag given again overrides its saved value, and each override that makes the run differ
+from an uninterrupted one is named on stderr with its old and new value. A moved data directory is an error that
+names the saved path; --data DIR points to where it is now.
+
+output (--out): the last saved step in the official layout (transformers and gpt2-port load OUT directly) with
+trainer_state.json + trainer_state.safetensors for --resume; OUT/best: the step with the lowest val loss;
+OUT/log.jsonl: one JSON object per step (step, train_loss, lr, grad_norm, tokens_per_s, mfu, elapsed_s, and val_loss
+on evaluated steps); OUT/loss.png: the curves. A 124M run directory holds about 1.5 GB (model 0.5, AdamW state 1.0,
+best/ 0.5).
+
+Ctrl-C (or SIGTERM) is acknowledged at once: the run stops after the current step (an evaluation in progress is cut
+short), saves a resumable state and exits with status 130; a second Ctrl-C stops at once without saving.
+
+data-parallel: torchrun --nproc_per_node N -m gpt2_port train ... (gloo on CPU, nccl on CUDA); multi-node:
+torchrun --nnodes M --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:29500 --nproc_per_node N -m gpt2_port train
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ..train.args import DTYPE_CHOICES, KERNEL_CHOICES, TrainArgs
+
+    d = TrainArgs()
+    p = sub.add_parser(
+        "train",
+        help="fine-tune GPT-2 or train it from scratch on .bin token files (resumable, DDP via torchrun)",
+        description="Train MODEL on DIR/train.bin with AdamW, evaluate on DIR/val.bin, save in the official layout; "
+        "or continue a saved run with --resume OUT.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bool_flag = argparse.BooleanOptionalAction
+    g = p.add_argument_group("model and data")
+    g.add_argument(
+        "--init",
+        metavar="MODEL",
+        help="checkpoint dir, .safetensors or Hub id; with --from-scratch: "
+        "a size preset (gpt2, gpt2-medium, ...) or a config.json",
+    )
+    g.add_argument("--from-scratch", action="store_true", help="build a new model from --init's config (GPT-2 init)")
+    g.add_argument(
+        "--data", metavar="DIR", help="directory with train.bin (and val.bin); a resume reuses the saved one"
+    )
+    g.add_argument("--out", metavar="DIR", help="output directory (default: the --resume directory)")
+    g.add_argument("--resume", metavar="DIR", help="continue the run saved in DIR with its saved settings")
+    g.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="vocab.json + merges.txt to save beside the model and for samples (default: the checkpoint's)",
+    )
+    g = p.add_argument_group("length and batch")
+    g.add_argument("--steps", type=int, help=f"total optimizer steps from the start ({d.steps})")
+    g.add_argument("--batch-size", type=int, help=f"micro-batch per process ({d.batch_size})")
+    g.add_argument("--block-size", type=int, help="window length, at most n_positions (n_positions)")
+    g.add_argument("--grad-accum", type=int, help=f"micro-steps per step ({d.grad_accum})")
+    g.add_argument(
+        "--stop-at",
+        type=int,
+        metavar="N",
+        help="stop after step N with a resumable state; the schedule still spans --steps",
+    )
+    g = p.add_argument_group("schedule and optimizer")
+    g.add_argument("--lr", type=float, help=f"peak learning rate ({d.lr})")
+    g.add_argument("--min-lr", type=float, help="learning rate at the last step (lr / 10)")
+    g.add_argument("--warmup", type=int, help=f"linear warmup steps ({d.warmup})")
+    g.add_argument("--schedule", choices=("cosine", "constant"), help=f"after warmup ({d.schedule})")
+    g.add_argument("--beta1", type=float, help=f"AdamW beta1 ({d.beta1})")
+    g.add_argument("--beta2", type=float, help=f"AdamW beta2 ({d.beta2})")
+    g.add_argument("--eps", type=float, help=f"AdamW eps ({d.eps})")
+    g.add_argument("--weight-decay", type=float, help=f"on weights of 2+ dims only ({d.weight_decay})")
+    g.add_argument("--clip", type=float, help=f"gradient norm clip, 0 for none ({d.clip})")
+    g = p.add_argument_group("model options")
+    g.add_argument("--dropout", type=float, help="every dropout rate (default: the checkpoint's)")
+    g.add_argument("--grad-checkpointing", action=bool_flag, help="recompute blocks in backward: less memory (off)")
+    g.add_argument(
+        "--kernels",
+        choices=KERNEL_CHOICES,
+        help="reference: transformers' arithmetic op for op (bit-identical gradients); fast: one-kernel GELU and "
+        "the head fused with the loss (less time and memory, gradients within transformers' own noise); auto "
+        "(default): reference in float32, fast under bf16/fp16 (docs/training.md)",
+    )
+    g.add_argument(
+        "--compile", action=bool_flag, help="torch.compile the training and evaluation forward (one graph; off)"
+    )
+    g = p.add_argument_group("evaluation and saving")
+    g.add_argument("--eval-every", type=int, help=f"steps between val losses ({d.eval_every})")
+    g.add_argument("--eval-batches", type=int, help=f"batches per val loss ({d.eval_batches})")
+    g.add_argument("--save-every", type=int, help="steps between checkpoints (0: at the end)")
+    g.add_argument("--sample-every", type=int, help="steps between samples in the log (0)")
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, help=f"seed of the batches, dropout and init ({d.seed})")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    g.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, help="float32 (default); bf16 (autocast); fp16 (autocast + grad scaler, CUDA)"
+    )
+    g.add_argument("--tf32", action=bool_flag, help="CUDA: float32 matmuls on TF32 tensor cores (on; --no-tf32: off)")
+    g.add_argument(
+        "--skip-nonfinite", action=bool_flag, help="skip a step whose loss or gradients are NaN/Inf (default: stop)"
+    )
+    g.add_argument("--json", metavar="PATH", help="write the run's summary as JSON")
+    g.add_argument(
+        "--progress",
+        action=bool_flag,
+        default=True,
+        help="progress on stderr: redrawn on a terminal, a plain line every 10 s otherwise (on)",
+    )
+    g.add_argument("--no-plot", action="store_true", help="do not write OUT/loss.png (which needs matplotlib)")
+    g.add_argument("--no-memory-check", action="store_true", help="start even if the memory check says it won't fit")
+    p.set_defaults(func=run)
+
+
+def require_matplotlib() -> None:
+    from ..errors import UsageError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            "OUT/loss.png needs matplotlib, which is not installed: pip install 'gpt2-port[plot]' (or pass --no-plot)"
+        ) from None
+
+
+def plot_loss(records: list[dict], path: Path) -> None:
+    """Train loss per step and val loss where evaluated, written atomically."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..files import atomic_write_bytes
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    pts = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
+    if pts:
+        ax.plot(*zip(*pts), label="train loss", lw=1)
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if val:
+        ax.plot(*zip(*val), "o-", label="val loss", ms=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def given_settings(a: argparse.Namespace) -> dict[str, Any]:
+    """The TrainArgs fields set by flags on this command line. The flags' defaults are None, so a resume can tell a
+    flag given again (an override) from one left out (the saved value stands); TrainArgs holds the real defaults."""
+    from ..train.args import TrainArgs
+
+    names = [f.name for f in dataclasses.fields(TrainArgs)]
+    return {k: getattr(a, k) for k in names if getattr(a, k, None) is not None}
+
+
+def _scratch_config(init: str):  # noqa: ANN202
+    from ..config import preset, read_config_json
+    from ..errors import UsageError
+
+    p = Path(init)
+    if p.is_file():
+        return read_config_json(p)
+    if p.is_dir() and (p / "config.json").is_file():
+        return read_config_json(p / "config.json")
+    try:
+        return preset(init)
+    except Exception:
+        raise UsageError(
+            f"--init {init!r} with --from-scratch: expected a size preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl) "
+            "or a config.json"
+        ) from None
+
+
+def _init_config(init: str):  # noqa: ANN202
+    """The config of --init without loading its weights (for the resume check), or None when only a load tells."""
+    from ..config import read_config_json
+
+    p = Path(init)
+    if p.is_dir() and (p / "config.json").is_file():
+        return read_config_json(p / "config.json")
+    return None
+
+
+def _load(path: str):  # noqa: ANN202
+    """A checkpoint for training; its load report kept, so save_pretrained copies its tokenizer files along."""
+    from ..errors import UsageError
+    from ..model import from_pretrained
+
+    if Path(path).is_file() and path.endswith(".json"):
+        raise UsageError(
+            f"--init {path}: a config.json is not a checkpoint; add --from-scratch to train a new model of that shape"
+        )
+    model, _ = from_pretrained(path)
+    return model
+
+
+def _settings(args: argparse.Namespace, state, dist, warn) -> Any:  # noqa: ANN001, ANN401
+    """The run's TrainArgs: the defaults with the flags given (a new run), or the saved settings with the flags given
+    again (a resume), each override that changes the run named through `warn`."""
+    from ..errors import UsageError
+    from ..train.args import TrainArgs, resume_changes
+    from ..train.state import STATE_JSON
+
+    given = given_settings(args)
+    if state is None:
+        targs = TrainArgs(**given)
+    else:
+        saved = TrainArgs.from_saved(state.args, f"{args.resume}/{STATE_JSON}")
+        targs = dataclasses.replace(saved, **given)
+        for line in resume_changes(saved, targs, state.world_size, dist.world_size):
+            warn(line)
+        if "data" not in given and saved.data is not None and not Path(saved.data).is_dir():
+            raise UsageError(
+                f"--resume {args.resume}: the run's data directory {saved.data} is gone (moved or deleted); pass "
+                "--data DIR where it is now"
+            )
+        if "data" in given and saved.data is not None and Path(saved.data).resolve() != Path(given["data"]).resolve():
+            saved_tokens, now_tokens = state.train_tokens, _train_tokens(given["data"])
+            if saved_tokens is not None and now_tokens is not None and saved_tokens != now_tokens:
+                warn(
+                    f"resuming with --data {given['data']} ({now_tokens:,} train tokens) where the saved run used "
+                    f"{saved.data} ({saved_tokens:,}): other data, so the run is no longer the one an uninterrupted "
+                    "run would have been"
+                )
+    targs.validate()
+    if targs.data is None:
+        raise UsageError("--data DIR is required (the output of gpt2-port prepare: train.bin, val.bin)")
+    targs.data = str(targs.data)
+    return targs
+
+
+def _train_tokens(data: str) -> int | None:
+    f = Path(data) / "train.bin"
+    return f.stat().st_size // 2 if f.is_file() else None
+
+
+def _summary_line(result, targs, out: Path) -> str:  # noqa: ANN001
+    val = "" if result.val_loss is None else f", val loss {result.val_loss:.4f}"
+    best = "" if result.best_step is None else f" (best {result.best_val_loss:.4f} at step {result.best_step})"
+    tl = "n/a" if result.train_loss is None else f"{result.train_loss:.4f}"
+    took = f"in {result.elapsed_s:.1f}s"
+    if result.start_step:
+        took += f" ({result.total_elapsed_s:.1f}s since step 0)"
+    rate = f"{result.tokens_per_s:,.0f} tok/s mean, {result.last_tokens_per_s:,.0f} the last step"
+    if result.mfu is not None:
+        rate += f", MFU {100 * result.mfu:.1f}%"
+    where = f"model in {out}" + (f", best in {out / 'best'}" if result.best_step else "")
+    return f"trained steps {result.start_step}->{result.step} {took}: train loss {tl}{val}{best}; {rate}; {where}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..devices import parse_device
+    from ..errors import UsageError
+    from ..files import atomic_write_text, check_dir_writable, check_writable
+    from ..model import GPT2
+    from ..train import Callbacks, Trainer, distributed, prepare_model
+    from ..train import state as trainer_state
+    from ..train.data import open_split
+    from ..train.loop import same_model
+    from ..train.memory import check_memory
+    from ..train.run_dir import LOG_FILE, read_log
+    from .progress import Progress
+
+    if args.resume is None and args.init is None:
+        raise UsageError("--init MODEL is required (or --resume DIR to continue a run)")
+    if args.from_scratch and args.init is None:
+        raise UsageError("--from-scratch needs --init: a size preset (gpt2, ...) or a config.json")
+    if args.out is None and args.resume is None:
+        raise UsageError("--out DIR is required (it receives the model, the trainer state and log.jsonl)")
+    out = Path(args.out if args.out is not None else args.resume)
+    dist = distributed.from_env()
+    device = distributed.device_for(dist, parse_device(args.device))
+
+    def warn(msg: str) -> None:
+        if dist.is_main:
+            sys.stderr.write(f"WARNING resume: {msg}\n")
+
+    state = trainer_state.load(args.resume) if args.resume is not None else None
+    if state is not None and args.init is not None:
+        cfg = _scratch_config(args.init) if args.from_scratch else _init_config(args.init)
+        if cfg is not None:
+            same_model(cfg, state.model_config, f"--resume {args.resume}")
+    targs = _settings(args, state, dist, warn)
+    if dist.is_main:
+        check_dir_writable(out, "--out")
+        if args.json:
+            check_writable(args.json)
+        if not args.no_plot:
+            require_matplotlib()
+    if args.resume is None and (out / trainer_state.STATE_JSON).exists():
+        raise UsageError(
+            f"--out {out}: holds a training run already; continue it with --resume {out}, or choose another --out"
+        )
+    if state is not None:
+        model = _load(args.resume)
+    elif args.from_scratch:
+        model = GPT2(_scratch_config(args.init)).init_weights(targs.seed)
+    else:
+        model = _load(args.init)
+    cfg = model.config
+    block = targs.block_size or cfg.n_positions
+    if block > cfg.n_positions:
+        raise UsageError(f"--block-size {block} is larger than the model's context n_positions={cfg.n_positions}")
+    train_data = open_split(targs.data, "train", cfg.vocab_size, block)
+    val_data = None
+    if (Path(targs.data) / "val.bin").is_file():
+        val_data = open_split(targs.data, "val", cfg.vocab_size, block)
+    elif dist.is_main:
+        sys.stderr.write(f"note: {targs.data} has no val.bin: no validation loss, no OUT/best\n")
+    mem = None
+    if not args.no_memory_check and device.type != "cuda":
+        mem = check_memory(cfg, targs, block, device, dist)
+    tokenizer = None
+    if targs.sample_every:
+        from ..io.tokenizer import load_tokenizer
+
+        init_dir = args.init if args.init is not None and Path(args.init).is_dir() else None
+        tokenizer = load_tokenizer(args.tokenizer or args.resume or init_dir)
+    distributed.init(dist, device)
+    bar: Progress | None = None
+    trainer: Trainer | None = None
+    try:
+        prepare_model(model, targs, device)
+        show = dist.is_main and args.progress
+
+        def on_start(info: dict) -> None:
+            nonlocal bar
+            sys.stderr.write(
+                f"run: {info['params'] / 1e6:.1f}M parameters on {device}, {info['dtype']}, kernels "
+                f"{info['kernels']}, attention {info['attention']}, compile {'on' if info['compile'] else 'off'}; "
+                f"global batch {info['global_batch']} x {info['block_size']} tokens on {info['world_size']} "
+                f"process(es); MFU against {info['peak']}\n"
+            )
+            if show:
+                bar = Progress("train", targs.steps, "steps", start=info["start_step"])
+
+        def on_step(r: dict) -> None:
+            if bar is not None:
+                loss = "nan" if r["train_loss"] is None else f"{r['train_loss']:.4f}"
+                val = f" val {r['val_loss']:.4f}" if "val_loss" in r else ""
+                m = f" MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
+                bar.update(r["step"], f"loss {loss}{val} lr {r['lr']:.2e} {r['tokens_per_s']:,.0f} tok/s{m}")
+            if "sample" in r:
+                sys.stderr.write(f"\nsample at step {r['step']}: {r['sample']!r}\n")
+
+        def on_eval(done: int, total: int) -> None:
+            if bar is not None and bar.tty:
+                bar.update(bar.done, f"{bar.note.split(' | ')[0]} | evaluating {done}/{total}")
+
+        trainer = Trainer(
+            model,
+            targs,
+            train_data,
+            val_data,
+            out,
+            device=device,
+            dist=dist,
+            resume=state,
+            resume_dir=args.resume,
+            tokenizer=tokenizer,
+            tokenizer_dir=args.tokenizer,
+            callbacks=Callbacks(on_step=on_step, on_start=on_start, on_eval=on_eval),
+        )
+        if not args.no_memory_check and device.type == "cuda":
+            mem = trainer.check_cuda_memory()
+        if dist.is_main and mem is not None:
+            sys.stderr.write(
+                f"memory: {mem['method']} {mem['detail']} of {mem['available_bytes'] / 2**30:.1f} GiB available "
+                f"({mem['source']})\n"
+            )
+
+        def on_signal(signum: int, frame: object) -> None:
+            if trainer is not None and trainer._stop:
+                raise KeyboardInterrupt
+            trainer.request_stop()  # type: ignore[union-attr]
+            if dist.is_main:
+                if bar is not None:
+                    bar.abandon()
+                sys.stderr.write(
+                    "stopping after this step (a resumable state is saved); Ctrl-C again to stop now without saving\n"
+                )
+                sys.stderr.flush()
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        try:
+            result = trainer.run()
+        except KeyboardInterrupt:
+            if bar is not None:
+                bar.abandon()
+            saved = trainer.last_saved
+            where = f"the last saved state in {out} is step {saved}" if saved else f"nothing was saved in {out}"
+            sys.stderr.write(f"stopped at once (second Ctrl-C) without saving: {where}\n")
+            return 130
+        except BaseException:
+            if bar is not None:
+                bar.abandon()
+            raise
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if bar is not None:
+            bar.close()
+    finally:
+        distributed.shutdown(dist)
+    if not dist.is_main:
+        return 130 if result.interrupted else 0
+    if not args.no_plot:
+        plot_loss(read_log(out / LOG_FILE, result.step), out / "loss.png")
+    summary = {
+        "out": str(out),
+        "start_step": result.start_step,
+        "step": result.step,
+        "steps": targs.steps,
+        "interrupted": result.interrupted,
+        "stopped_at": result.stopped_at,
+        "train_loss": result.train_loss,
+        "val_loss": result.val_loss,
+        "best_val_loss": result.best_val_loss,
+        "best_step": result.best_step,
+        "elapsed_s": result.elapsed_s,
+        "total_elapsed_s": result.total_elapsed_s,
+        "tokens_per_s": result.tokens_per_s,
+        "last_tokens_per_s": result.last_tokens_per_s,
+        "mfu": result.mfu,
+        "global_batch": trainer.global_batch,
+        "block_size": block,
+        "world_size": dist.world_size,
+        "kernels": targs.resolved_kernels,
+        "dtype": targs.dtype,
+        "compile": targs.compile,
+        "device": str(device),
+        "skipped_steps": result.skipped_steps,
+        "peak_rss_mb": _peak_rss_mb(),
+        "peak_device_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "memory_estimate_mb": mem["estimate_bytes"] / 2**20 if mem is not None else None,
+        "memory_method": mem["method"] if mem is not None else None,
+    }
+    if args.json:
+        atomic_write_text(args.json, json.dumps(summary, indent=2) + "\n")
+    if result.stopped_at:
+        print(f"stopped at step {result.step}/{targs.steps} (--stop-at): state saved in {out}; continue with")
+        print(f"gpt2-port train --resume {out}")
+        return 0
+    if result.interrupted:
+        if result.step >= targs.steps:
+            skipped = " (its final evaluation skipped)" if result.eval_skipped else ""
+            done = f"interrupted at step {result.step}/{targs.steps}, the last: the run is complete{skipped}"
+            print(f"{done}; saved in {out}")
+        else:
+            print(f"interrupted at step {result.step}/{targs.steps}: state saved in {out}; continue with")
+            print(f"gpt2-port train --resume {out}")
+        return 130
+    print(_summary_line(result, targs, out))
+    return 0
+
+
+def _peak_rss_mb() -> float:
+    """VmHWM: the peak RSS of this program (ru_maxrss would carry over the peak of a parent that forked it)."""
+    import resource
+
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,1 +1,0 @@
-"""Subcommands of `gpt2-port`, one module each (see cli.COMMAND_MODULES)."""

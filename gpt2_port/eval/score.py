@@ -1,0 +1,123 @@
+"""The one batched scorer of zero-shot evaluation: requests in, summed NLL and greedy hits out.
+
+Every quantity the evaluator reports is a sum of per-token negative log-likelihoods from the shared loss
+(model/loss.py's `token_nll`) over `windows.Request`s, batched (padded on the right: with a causal mask, real tokens
+never see the padding, and their positions stay 0..T-1). perplexity.py (texts) and tasks.py (LAMBADA, multiple
+choice) build the requests and the metrics.
+
+A `Scorer` is how a model is asked: (B, T) ids -> (B, T, C) final hidden states, and (N, C) -> (N, V) logits for the
+scored rows only. `checks/evaluation.py` passes transformers' model through the same interface, so both score the
+same windows in the same batches in one run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CheckpointError, UsageError
+from ..io.load import nonfinite_tensors
+from ..model.loss import token_nll
+from .windows import Request
+
+HEAD_ROWS = 1024  # scored rows sent through the head at a time: (1024, 50257) float32 logits = 206 MB at most
+DEFAULT_BATCH_SIZE = 8
+
+
+@dataclass
+class Scorer:
+    """A model as the evaluator calls it (see the module docstring)."""
+
+    name: str
+    hidden: Callable[[torch.Tensor], torch.Tensor]  # (B, T) ids -> (B, T, C) after ln_f
+    head: Callable[[torch.Tensor], torch.Tensor]  # (N, C) -> (N, V)
+    device: torch.device
+    nonfinite_hint: Callable[[], str] = lambda: ""
+
+
+def model_scorer(model, name: str = "gpt2_port") -> Scorer:  # noqa: ANN001 (a GPT2; imported lazily elsewhere)
+    def hint() -> str:
+        bad = nonfinite_tensors(dict(model.state_dict()))
+        if bad:
+            return f"the weights hold NaN/Inf in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+        return f"no weight is NaN/Inf: the activations overflowed in {str(model.dtype).removeprefix('torch.')}"
+
+    return Scorer(name, lambda ids: model(ids, hidden_only=True), model.head, model.device, hint)
+
+
+class NonFiniteLogits(CheckpointError):
+    """The model produced NaN/Inf logits on a scored position: evaluating further would report garbage."""
+
+
+# -- batched scoring ---------------------------------------------------------------------------------------------
+def score_batch(
+    scorer: Scorer,
+    reqs: Sequence[Request],
+    max_length: int,
+    pad_id: int,
+    what: str = "window",
+    first: int = 0,
+    want_greedy: bool = True,
+) -> tuple[list[float], list[bool], list[bool]]:
+    """Per request: the summed NLL of its continuation (float64 sum of float32 token NLLs), whether every
+    continuation token is the argmax, and whether the last one is (both False without `want_greedy`, which saves a
+    pass over the logits). `first`: the index of reqs[0] in the whole run (for error messages)."""
+    inputs = [r.model_input(max_length) for r in reqs]
+    B, T = len(inputs), max(len(x) for x in inputs)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)  # right padding: causal attention never looks right
+    rows_b: list[int] = []
+    rows_t: list[int] = []
+    targets: list[int] = []
+    for i, (r, x) in enumerate(zip(reqs, inputs)):
+        ids[i, : len(x)] = torch.tensor(x)
+        n = len(r.continuation)
+        if n > len(x):
+            raise UsageError(f"{what} {first + i}: {n} tokens to score do not fit a window of {max_length} tokens")
+        rows_b += [i] * n
+        rows_t += range(len(x) - n, len(x))  # position p predicts the token at p + 1
+        targets += r.continuation
+    with torch.inference_mode():
+        h = scorer.hidden(ids.to(scorer.device))  # (B, T, C)
+        hs = h[torch.tensor(rows_b), torch.tensor(rows_t)]  # (N, C): the scored positions only
+        tgt = torch.tensor(targets, device=hs.device)  # (N,)
+        nll = torch.empty(len(targets), dtype=torch.float32, device=hs.device)
+        hit = torch.zeros(len(targets), dtype=torch.bool, device=hs.device)
+        for s in range(0, len(targets), HEAD_ROWS):
+            logits = scorer.head(hs[s : s + HEAD_ROWS])  # (R, V)
+            part = token_nll(logits, tgt[s : s + HEAD_ROWS])  # (R,)
+            # A NaN or +Inf logit anywhere in a row makes that row's NLL NaN/Inf (log-sum-exp), so checking the R
+            # NLLs catches every non-finite logit that could change a score, without another pass over R x V.
+            if not bool(torch.isfinite(part).all()):
+                row = s + int((~torch.isfinite(part)).nonzero()[0, 0])
+                hint = scorer.nonfinite_hint()
+                raise NonFiniteLogits(
+                    f"{scorer.name}: non-finite logits (NaN/Inf) at {what} {first + rows_b[row]}, position "
+                    f"{rows_t[row]}: the scores would be garbage{'; ' + hint if hint else ''}"
+                )
+            nll[s : s + HEAD_ROWS] = part
+            if want_greedy:
+                hit[s : s + HEAD_ROWS] = logits.argmax(-1) == tgt[s : s + HEAD_ROWS]
+        owner = torch.tensor(rows_b, device=hs.device)
+        sums = torch.zeros(B, dtype=torch.float64, device=hs.device).index_add_(0, owner, nll.double())
+        misses = torch.zeros(B, dtype=torch.long, device=hs.device).index_add_(0, owner, (~hit).long())
+    ends = torch.tensor([len(r.continuation) for r in reqs]).cumsum(0) - 1
+    last_hit = hit.cpu()[ends]
+    return sums.tolist(), (misses == 0).tolist(), last_hit.tolist()
+
+
+def batched(items: Iterable[Request], size: int) -> Iterator[list[Request]]:
+    batch: list[Request] = []
+    for r in items:
+        batch.append(r)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def check_batch_size(batch_size: int) -> None:
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be a positive integer, got {batch_size}")

@@ -1,0 +1,316 @@
+"""Text generation: greedy or sampled decoding with a static KV cache, left-padded batches, stop strings, streaming.
+
+The decoding rules follow transformers' `generate` so that results can be compared token for token:
+
+- next-token logits are taken in float32; the repetition penalty applies first (also when greedy), then, when sampling,
+  temperature, top-k and top-p, each written as transformers' logits processors write it; sampling draws with
+  `torch.multinomial` from the softmax (from `torch.Generator` seeded with `seed`, so a seed repeats its output);
+- a row that has produced `eos_token_id` (or a stop string) is finished; its later positions hold `pad_token_id`
+  (default: the EOS id) and generation ends when every row is finished or `max_new_tokens` are made;
+- left-padded prompts carry an `attention_mask`; position ids come from the mask (first real token at 0), so each row
+  gives what that prompt gives alone. The repetition penalty counts a row's real tokens only, never its padding
+  (transformers also counts the pad ids of a padded row).
+
+The context: a prompt must be shorter than the model's context (`n_positions`, 1024 for GPT-2), else UsageError.
+Generation never slides the window: when prompt + new tokens would pass the context, it stops at the context with
+`stop_reason == "context"` and a logged warning (the CLI prints the message). Every token is then exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UsageError
+from ..io.load import nonfinite_tensors
+from ..io.tokenizer import EOT_ID, Tokenizer
+from .cache import KVCache
+from .greedy_head import FastGreedyHead
+from .protocol import CausalLM
+from .sampling import SamplingSettings, process_logits, seen_tokens
+from .stopping import Rows, TextCallback
+
+log = logging.getLogger(__name__)
+
+
+class NextToken:
+    """Chooses each row's next token from the last position's final hidden state: through `FastGreedyHead` when it
+    applies, else the head's float32 logits, processed (`process_logits`), then argmax or a draw from the softmax.
+
+    Logits that hold NaN or Inf stop generation with a UsageError naming the step (and the model's non-finite
+    weights, if any): their argmax would be an arbitrary token and text made of it silent garbage.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        settings: SamplingSettings,
+        seen: torch.Tensor | None,
+        generator: torch.Generator | None,
+        fast_head: bool,
+    ) -> None:
+        self.model, self.settings, self.seen, self.generator = model, settings, seen, generator
+        greedy = not settings.do_sample and settings.repetition_penalty == 1.0
+        usable = fast_head and greedy and FastGreedyHead.usable(model)
+        self.fast_head = FastGreedyHead.for_model(model) if usable else None
+        self.exact_steps = 0  # steps where the fast head could not prove its argmax
+
+    def __call__(self, h: torch.Tensor, step: int) -> torch.Tensor:
+        """(B, 1, C) ln_f output of the last position -> (B,) token ids. step: 0 for the first new token."""
+        if self.fast_head is not None:
+            nxt = self.fast_head.argmax(h[:, -1])
+            if nxt is not None:
+                return nxt
+            self.exact_steps += 1
+        logits = self.model.head(h)[:, -1].float()  # (B, V)
+        if not bool(torch.isfinite(logits).all()):
+            raise UsageError(nonfinite_message(self.model, step))
+        if self.fast_head is not None:
+            return torch.argmax(logits, dim=-1)
+        scores = process_logits(logits, self.seen, self.settings)
+        if self.settings.do_sample:
+            probs = F.softmax(scores, dim=-1)
+            return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)  # (B,)
+        return torch.argmax(scores, dim=-1)
+
+
+def nonfinite_message(model: CausalLM, step: int) -> str:
+    """One line: the step whose logits are not finite, and the weights that are not (checked now, once)."""
+    bad = nonfinite_tensors(dict(model.named_parameters()) | dict(model.named_buffers()))
+    if bad:
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        cause = f"non-finite weights: {', '.join(bad[:8])}{more} (expected finite values; check the checkpoint)"
+    else:
+        cause = f"the weights are all finite, so an activation overflowed in {str(model.dtype).removeprefix('torch.')}"
+    return f"generate: the logits of step {step + 1} (new token {step + 1}) hold NaN or Inf; {cause}"
+
+
+# ---------------------------------------------------------------------------------------------- the steps
+def prefill(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
+    """The prompt (B, T) through the forward, filling the cache -> (B, 1, C) the last position's ln_f output."""
+    return model(ids, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)
+
+
+def decode_one_token(
+    model: CausalLM, plan, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None
+) -> torch.Tensor:
+    """seq (B, S) so far -> (B, 1, C) ln_f output at its last token: one cached step (through the plan when there is
+    one), or, without a cache, the whole sequence again."""
+    if cache is None:
+        return model(seq, attention_mask=mask, last_only=True, hidden_only=True)
+    x = seq[:, -1:]  # (B, 1)
+    if plan is not None:  # the forward's ops without module dispatch (bit-identical)
+        return plan.step(x, cache, mask)
+    return model(x, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+@dataclass
+class Generation:
+    """What `generate_full` produced.
+
+    sequences: (B, T + steps) prompt (as given, padding included) + new tokens; finished rows hold pad_token_id.
+    new_ids: per row, the new tokens up to and including its EOS / stop-string token (no padding after it).
+    texts: per row, the new text (with a tokenizer): EOS not included, cut just after a stop string.
+    stop_reasons: per row "eos", "stop" (a stop string), "length" (max_new_tokens) or "context" (n_positions reached).
+    prefill_s: the prompt's forward pass and the choice of the first token; decode_s: all later steps.
+    decode_tokens: tokens made by the later steps (all rows; a finished row's padding not counted).
+    """
+
+    sequences: torch.Tensor
+    new_ids: list[list[int]]
+    texts: list[str] | None
+    stop_reasons: list[str]
+    prompt_len: int
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    context_limited: bool = False
+    max_new_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def _check_prompt(model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    cfg = model.config
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        raise UsageError(
+            f"input_ids must be a (batch, tokens) integer tensor, got {tuple(input_ids.shape)} {input_ids.dtype}"
+        )
+    B, T = input_ids.shape
+    if B == 0 or T == 0:
+        raise UsageError("empty prompt: input_ids holds no tokens (expected at least one token per row)")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise UsageError(f"input_ids: token id {bad} is out of range (expected 0 <= id < {cfg.vocab_size})")
+    if T >= cfg.n_positions:
+        raise UsageError(
+            f"prompt is {T} tokens; the model's context is {cfg.n_positions} tokens, so the prompt must "
+            f"be at most {cfg.n_positions - 1} to leave room for a new token"
+        )
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise UsageError(
+                f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                f"{tuple(attention_mask.shape)}"
+            )
+        m = attention_mask.bool()
+        if not bool(m.any(dim=1).all()):
+            raise UsageError("empty prompt: a row of attention_mask is all zeros (expected at least one real token)")
+        # left padding only: once a row's real tokens start, they run to the end
+        if not bool((m.long().cummax(dim=1).values == m.long()).all()):
+            raise UsageError("attention_mask must be left-padded (zeros first, then ones) in every row")
+
+
+def _prepare(
+    model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, num_return_sequences: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Checked (B * num_return_sequences, T) ids and mask on the model's device.
+
+    The mask is None when nothing is padded."""
+    dev = model.device
+    if not isinstance(input_ids, torch.Tensor):
+        input_ids = torch.tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    _check_prompt(model, input_ids, attention_mask)
+    input_ids = input_ids.to(device=dev, dtype=torch.long)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device=dev, dtype=torch.long)
+        if bool(attention_mask.all()):
+            attention_mask = None  # no padding: plain causal attention, positions counted from 0
+    if num_return_sequences > 1:  # each prompt's samples side by side, as transformers orders them
+        input_ids = input_ids.repeat_interleave(num_return_sequences, dim=0)
+        if attention_mask is not None:
+            attention_mask = attention_mask.repeat_interleave(num_return_sequences, dim=0)
+    return input_ids, attention_mask
+
+
+def _check_options(max_new_tokens: int, num_return_sequences: int, stops: list[str], needs_tokenizer: bool) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(num_return_sequences, int) or num_return_sequences < 1:
+        raise UsageError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}")
+    if any(not s for s in stops):
+        raise UsageError("stop strings must be non-empty")
+    if needs_tokenizer:
+        raise UsageError("stop strings and on_text need a tokenizer (pass tokenizer=...)")
+
+
+@torch.no_grad()  # not inference_mode: callers get ordinary tensors back
+def generate_full(
+    model: CausalLM,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    seed: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    eos_token_id: int | None = EOT_ID,
+    pad_token_id: int | None = None,
+    num_return_sequences: int = 1,
+    stop_strings: Sequence[str] | str | None = None,
+    tokenizer: Tokenizer | None = None,
+    on_text: TextCallback | None = None,
+    use_cache: bool = True,
+    fast_head: bool = True,
+    fast_step: bool = True,
+    **sampling: object,
+) -> Generation:
+    """Generate up to `max_new_tokens` per row; see the module docstring for the rules. Returns a `Generation`.
+
+    sampling: `SamplingSettings`' fields by keyword (do_sample, temperature, top_k, top_p, repetition_penalty).
+    fast_head: for greedy float32 on CPU without a repetition penalty, pick tokens through `FastGreedyHead` (the
+    same tokens, proven per step; falls back to the exact logits when it cannot prove it).
+    fast_step: run the decode steps through `DecodePlan` (the forward's ops without module dispatch; bit-identical
+    hidden states) when the model allows it; False: `model.forward` every step.
+    Neither shortcut runs in train mode (generation then runs the forward, dropout included).
+    """
+    settings = SamplingSettings.from_options(sampling)
+    stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
+    _check_options(
+        max_new_tokens, num_return_sequences, stops, (bool(stops) or on_text is not None) and tokenizer is None
+    )
+    input_ids, attention_mask = _prepare(model, input_ids, attention_mask, num_return_sequences)
+    B, T = input_ids.shape
+    dev, cfg = model.device, model.config
+    steps_max = min(max_new_tokens, cfg.n_positions - T)
+    context_limited = steps_max < max_new_tokens
+    if context_limited:
+        log.info(
+            "prompt (%d tokens) + %d new tokens would pass the context of %d tokens: generation stops at "
+            "the context after %d new tokens",
+            T,
+            max_new_tokens,
+            cfg.n_positions,
+            steps_max,
+        )
+    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+    gen = None if seed is None else torch.Generator(device=dev).manual_seed(seed)
+
+    L = T + steps_max
+    seq = torch.full((B, L), pad, dtype=torch.long, device=dev)  # (B, L): the prompt, then the new tokens
+    seq[:, :T] = input_ids
+    full_mask = None
+    if attention_mask is not None:
+        full_mask = torch.ones(B, L, dtype=torch.long, device=dev)
+        full_mask[:, :T] = attention_mask
+    seen = seen_tokens(input_ids, cfg.vocab_size, attention_mask) if settings.repetition_penalty != 1.0 else None
+    cache = KVCache(cfg, B, L, model.dtype, dev) if use_cache else None
+    choose = NextToken(model, settings, seen, gen, fast_head)
+    plan = model.decode_plan() if cache is not None and fast_step else None
+    rows = Rows(B, dev, eos_token_id, stops, tokenizer, on_text)
+
+    t0 = time.perf_counter()
+    prefill_s, decode_tokens, S = 0.0, 0, T  # S: tokens in the sequence so far
+    for step in range(steps_max):
+        mask = full_mask[:, :S] if full_mask is not None else None
+        if step == 0:
+            h = prefill(model, seq[:, :T], mask, cache)  # (B, 1, C)
+        else:
+            h = decode_one_token(model, plan, seq[:, :S], mask, cache)
+        nxt = torch.where(rows.unfinished, choose(h, step), pad)  # (B,): finished rows get padding
+        seq[:, S] = nxt
+        S += 1
+        if seen is not None:
+            seen[torch.arange(B, device=dev), nxt] |= rows.unfinished
+        taken = rows.accept(nxt.tolist(), rows.unfinished.tolist())  # one host sync per step (to stream, to stop)
+        if step == 0:
+            prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+        else:
+            decode_tokens += taken
+        if not bool(rows.unfinished.any()):
+            break
+    decode_s = time.perf_counter() - t0 if S - T > 1 else 0.0
+    rows.close(context_limited)
+    return Generation(
+        sequences=seq[:, :S].clone(),
+        new_ids=rows.new_ids,
+        texts=rows.texts if rows.decoders is not None else None,
+        stop_reasons=rows.reasons,
+        prompt_len=T,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_tokens=decode_tokens,
+        context_limited=context_limited,
+        max_new_tokens=max_new_tokens,
+        extra={
+            "fast_head": choose.fast_head is not None,
+            "exact_head_steps": choose.exact_steps,
+            "fast_step": plan is not None,
+        },
+    )
+
+
+def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int, **options: object) -> torch.Tensor:
+    """Like transformers' `generate`: LongTensor (B * num_return_sequences, T + new). Options: `generate_full`."""
+    return generate_full(model, input_ids, max_new_tokens, **options).sequences

@@ -1,0 +1,99 @@
+"""Reading a checkpoint into what the model is built from: its config and its tensors in the scratch layout.
+
+`read_checkpoint` locates the files (checkpoint.py, hub.py), reads the config and converts every tensor through the
+adapter without copying (memory-mapped views); `read_state` then brings the tensors to the dtype and device asked
+for, each checkpoint tensor once, so that q, k and v stay views of one c_attn tensor wherever they land (one matmul
+where transformers runs one, on any device). Building the module itself (meta device + `assign=True`) is
+`GPT2.from_pretrained`'s job; nothing here imports the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import GPT2Config, check_against_shapes, infer_from_shapes, read_config_json
+from ..devices import parse_device, parse_dtype
+from ..errors import CheckpointError, ConfigError
+from . import adapter
+from .checkpoint import Checkpoint, LazyStateDict, locate
+
+log = logging.getLogger(__name__)
+
+
+def read_config(ckpt: Checkpoint, sd: LazyStateDict) -> GPT2Config:
+    if ckpt.config_file is not None:
+        return read_config_json(ckpt.config_file)
+    log.info("%s: no config.json; inferring the config from tensor shapes", ckpt.source)
+    return infer_from_shapes(sd.shapes())
+
+
+@dataclass
+class LoadReport:
+    """What a load did: for `inspect`, the CLI's timing line, and the checker."""
+
+    checkpoint: Checkpoint
+    config: GPT2Config
+    conversion: adapter.Conversion
+    file_bytes: int
+    load_s: float = 0.0
+    nonfinite: list[str] = field(default_factory=list)
+
+
+def read_checkpoint(model: str | os.PathLike[str], revision: str | None = None) -> tuple[LazyStateDict, LoadReport]:
+    """Locate, read and convert a checkpoint (memory-mapped views, nothing copied): what `inspect` shows."""
+    ckpt = locate(model, revision)
+    sd = LazyStateDict(ckpt)
+    cfg = read_config(ckpt, sd)
+    if ckpt.config_file is not None:  # names the config.json key the weights contradict (and bounds n_layer)
+        check_against_shapes(cfg, sd.shapes(), source=str(ckpt.config_file))
+    try:
+        conv = adapter.hf_to_scratch(sd, cfg)
+    except (CheckpointError, ConfigError) as e:
+        where = ckpt.weight_files[0] if len(ckpt.weight_files) == 1 else ckpt.root
+        hint = ""
+        if ckpt.config_file is not None and "expected shape" in str(e):
+            hint = (
+                f" (shapes expected from {ckpt.config_file.name}: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, "
+                f"n_positions={cfg.n_positions}, vocab_size={cfg.vocab_size})"
+            )
+        raise type(e)(f"{where}: {e}{hint}") from None
+    return sd, LoadReport(ckpt, cfg, conv, sd.nbytes())
+
+
+def nonfinite_tensors(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of tensors holding NaN or Inf (one host sync per tensor: for error messages and checks, not hot loops)."""
+    return [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def read_state(
+    model: str | os.PathLike[str],
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    revision: str | None = None,
+    check_finite: bool = False,
+) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """The scratch state dict of a checkpoint in `dtype` on `device`, and the report of the load.
+
+    On the CPU in the file's dtype the tensors are views of the memory-mapped file (a float32 load peaks at about one
+    copy of the weights). Otherwise each checkpoint tensor is converted once and the adapter's views are taken of the
+    result, so the three projections split from c_attn still share its storage.
+    """
+    dt, dev = parse_dtype(dtype), parse_device(device)
+    sd, report = read_checkpoint(model, revision)
+    conv = report.conversion
+    sd.release(conv.dropped)  # checked and discarded (mask buffers): out of the RSS, 4 MB per layer
+    sd.prefetch(k for k in sd if k not in conv.dropped)  # cold cache: one sequential read, not page faults
+    if check_finite:
+        report.nonfinite = nonfinite_tensors(conv.state)
+    state = conv.state
+    if dev.type != "cpu" or any(t.dtype != dt for t in state.values()):
+        state = adapter.convert_sources(conv, sd, report.config, lambda t: t.to(device=dev, dtype=dt))
+    # The model will hold the tensors. The report keeps no reference to them, or the file's mapping would outlive
+    # parameters replaced later (a training run gives each its own memory): a second copy of the weights in the RSS.
+    conv.state = {}
+    return state, report

@@ -1,0 +1,42 @@
+"""Which kernel `F.scaled_dot_product_attention` dispatched to: flash, memory-efficient, cuDNN, math, or torch's CPU
+flash kernel. SDPA picks one per call from the device, dtype, shapes, mask and dropout; the name says whether a run
+got the kernel it was tuned for. Found by watching the aten ops of one forward (a TorchDispatchMode), on any device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# aten op -> the kernel's name
+SDPA_OPS = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU)",
+    "_scaled_dot_product_efficient_attention": "memory-efficient",
+    "_scaled_dot_product_cudnn_attention": "cuDNN",
+    "_scaled_dot_product_attention_math": "math",
+    "_scaled_dot_product_attention_math_for_mps": "math (MPS)",
+    "_scaled_dot_product_fused_attention_overrideable": "fused (device override)",
+}
+
+
+class _Watch(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        name = func._schema.name.removeprefix("aten::")
+        if name in SDPA_OPS and SDPA_OPS[name] not in self.seen:
+            self.seen.append(SDPA_OPS[name])
+        return func(*args, **(kwargs or {}))
+
+
+def attention_kernels(run: Callable[[], object], device: torch.device) -> list[str]:
+    """The SDPA kernels `run()` dispatched to, in order of first use ([] when no SDPA call ran: the hand-written
+    attention). The random generators are left as they were, so a probe inside a run does not change it."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), _Watch() as watch:
+        run()
+    return watch.seen

@@ -1,0 +1,178 @@
+"""One-token decode steps without module dispatch: the forward pass's own ops, gathered once per `generate` call.
+
+A decode step of GPT-2 124M on a 2-core CPU spends ~20 ms reading weights and, through `GPT2.forward`, another ~2 ms
+in Python: module calls, the recorder checks, the q/k/v fusion test, cache indexing, mask and position building,
+about 25 module and 40 op dispatches per block. Here all of that is looked up once (the weights as tensors, the fused
+c_attn view, per-layer cache views) and the same aten ops run on the same tensors in the same order:
+
+    ln_1 -> one c_attn matmul, split -> attend (cache write, SDPA) -> c_proj -> residual add
+    -> ln_2 -> c_fc -> gelu_new (op for op) -> mlp c_proj -> residual add;  ln_f at the end
+
+`LayerStep` is that block step, written once. How a step attends is passed in: `DecodePlan.step` writes the
+`KVCache` at its fill length and attends over the filled keys, so its hidden state is bit-identical to
+`model(tok, cache=..., hidden_only=True)` (tests/test_decode.py checks it bitwise, per block against `Block.forward` and
+for whole steps against the forward, with and without padding); benchmarks/decode.py's `StaticDecoder` attends over
+fixed-size buffers so that a CUDA graph can replay the step. Neither carries logic of its own: no dropout, no taps.
+
+Inference only: `for_model` gives no plan (and `step` refuses) in train mode or when a parameter needs a gradient, and
+none while activations are recorded or the attention is the manual one; those go through `GPT2.forward`. Linears that
+are not plain `nn.Linear` (e.g. int8) are called as modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UsageError
+from ..generate.cache import KVCache
+from .c_attn import fused_qkv
+from .masks import build_mask, positions_from_mask
+from .modules import Block, gelu_new, wants_grad
+
+Linear = Callable[[torch.Tensor], torch.Tensor]  # (..., in) -> (..., out)
+# attend(layer, q, k, v): q, k, v (B, nh, 1, hs) of this token -> (B, nh, 1, hs); stores k and v wherever it keeps them
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _linear(m: nn.Module) -> Linear:
+    """A plain Linear as F.linear over its own weight and bias (the module's forward, less the module call)."""
+    if type(m) is nn.Linear:
+        w, b = m.weight, m.bias
+        return lambda x: F.linear(x, w, b)
+    return m
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """One block's tensors and callables, looked up once; calling it runs `Block.forward` on one token per row."""
+
+    layer: int
+    ln_1: tuple[torch.Tensor, torch.Tensor]
+    qkv: Linear | None  # one (B, 1, C) -> (B, 1, 3C) matmul over the checkpoint's c_attn, when q/k/v are views of it
+    q: Linear
+    k: Linear
+    v: Linear
+    c_proj: Linear
+    ln_2: tuple[torch.Tensor, torch.Tensor]
+    c_fc: Linear
+    mlp_proj: Linear
+    eps: float
+    n_head: int
+
+    @staticmethod
+    def of(block: Block) -> LayerStep:
+        a = block.attn
+        fused = fused_qkv(a.q_proj, a.k_proj, a.v_proj)
+        return LayerStep(
+            layer=a.layer,
+            ln_1=(block.ln_1.weight, block.ln_1.bias),
+            qkv=None if fused is None else (lambda x, w=fused[0], b=fused[1]: F.linear(x, w, b)),
+            q=_linear(a.q_proj),
+            k=_linear(a.k_proj),
+            v=_linear(a.v_proj),
+            c_proj=_linear(a.c_proj),
+            ln_2=(block.ln_2.weight, block.ln_2.bias),
+            c_fc=_linear(block.mlp.c_fc),
+            mlp_proj=_linear(block.mlp.c_proj),
+            eps=block.ln_1.eps,
+            n_head=a.n_head,
+        )
+
+    def __call__(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """(B, 1, C) residual stream -> (B, 1, C), as `Block.forward` computes it in eval mode."""
+        B, _, C = x.shape
+        nh = self.n_head
+        h = F.layer_norm(x, (C,), *self.ln_1, self.eps)  # (B, 1, C)
+        if self.qkv is not None:
+            q, k, v = self.qkv(h).split(C, dim=-1)  # 3 x (B, 1, C)
+        else:
+            q, k, v = self.q(h), self.k(h), self.v(h)
+        q, k, v = (t.view(B, 1, nh, C // nh).transpose(1, 2) for t in (q, k, v))  # (B, nh, 1, hs)
+        y = attend(self.layer, q, k, v)  # (B, nh, 1, hs)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(B, 1, C))  # heads side by side
+        h = F.layer_norm(x, (C,), *self.ln_2, self.eps)
+        return x + self.mlp_proj(gelu_new(self.c_fc(h)))
+
+
+class DecodePlan:
+    """Every layer's `LayerStep`, the embeddings and ln_f, looked up once; `step` runs one token per row."""
+
+    def __init__(self, model: nn.Module) -> None:
+        cfg = model.config
+        self.model = model
+        self.C, self.eps, self.scale = cfg.n_embd, cfg.layer_norm_epsilon, cfg.head_dim**-0.5
+        self.layers = [LayerStep.of(block) for block in model.h]
+        self.wte, self.wpe = model.wte.weight, model.wpe.weight
+        self.ln_f = (model.ln_f.weight, model.ln_f.bias)
+        self._views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @staticmethod
+    def for_model(model: nn.Module) -> DecodePlan | None:
+        """A plan, or None when the forward pass must run instead: train mode or gradients wanted, the manual
+        attention, or activations being recorded."""
+        if wants_grad(model) or model.taps.rec is not None or any(b.attn.impl != "sdpa" for b in model.h):
+            return None
+        return DecodePlan(model)
+
+    def embed(self, input_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(B, 1) ids and their positions ((B|1, 1) or (1,)) -> (B, 1, C) token + position embeddings."""
+        return F.embedding(input_ids, self.wte) + F.embedding(pos, self.wpe)
+
+    def run(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """(B, 1, C) embeddings -> (B, 1, C) ln_f output, every block attending through `attend`."""
+        for layer in self.layers:
+            x = layer(x, attend)
+        return F.layer_norm(x, (self.C,), *self.ln_f, self.eps)
+
+    def attention(self, cache: KVCache, mask: torch.Tensor | None) -> Attend:
+        """Attend as `GPT2.forward` does with `cache`: store k, v at the fill length, SDPA over the filled keys.
+
+        mask: (B, 1, 1, S) from `build_mask` (left padding), or None (every key visible). Does not advance the cache.
+        """
+        ks, vs = self._cache_views(cache)
+        past, S, scale = cache.length, cache.length + 1, self.scale
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            ks[i].narrow(2, past, 1).copy_(k)
+            vs[i].narrow(2, past, 1).copy_(v)
+            keys, values = ks[i].narrow(2, 0, S), vs[i].narrow(2, 0, S)  # (B, nh, S, hs)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+        return attend
+
+    def _cache_views(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer (B, nh, max_len, hs) views of the cache, made once per cache."""
+        key = id(cache.k)
+        if self._views is None or self._views[0] != key:
+            n = len(self.layers)
+            self._views = (key, [cache.k[i] for i in range(n)], [cache.v[i] for i in range(n)])
+        return self._views[1], self._views[2]
+
+    def step(self, input_ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, 1) ids at position cache.length -> (B, 1, C) ln_f output, as `model(..., hidden_only=True)` gives.
+
+        attention_mask: (B, S) over past + this token (left padding), or None when no row is padded.
+        """
+        if wants_grad(self.model):
+            raise UsageError(
+                "DecodePlan runs inference only: the model is in train mode or a parameter needs a gradient "
+                "(call model.eval() and run under torch.no_grad(), or use model(...))"
+            )
+        past = cache.length
+        S = past + 1
+        if S > self.model.config.n_positions:
+            raise UsageError(f"sequence of {S} tokens exceeds the context of {self.model.config.n_positions}")
+        if attention_mask is not None:
+            pos = positions_from_mask(attention_mask)[:, past:]  # (B, 1)
+            mask = build_mask(attention_mask, 1, S, input_ids.device)  # (B, 1, 1, S)
+        else:
+            pos = torch.arange(past, S, device=input_ids.device)[None]  # (1, 1)
+            mask = None
+        h = self.run(self.embed(input_ids, pos), self.attention(cache, mask))
+        cache.length = S
+        return h  # (B, 1, C)

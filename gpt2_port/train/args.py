@@ -1,0 +1,158 @@
+"""A training run's settings: defined once, validated, saved with every checkpoint, and restored by a resume.
+
+`TrainArgs` is what `trainer_state.json` keeps under "args". A resume starts from the saved settings; a setting the
+user gives again on the command line overrides its saved value, and every override that makes the run differ from
+the one an uninterrupted run would have been is named with its old and new value (`resume_changes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UsageError
+from .schedule import lr_at
+
+DTYPE_CHOICES = ("float32", "bf16", "fp16")
+KERNEL_CHOICES = ("auto", "reference", "fast")
+SCHEDULES = ("cosine", "constant")
+
+
+@dataclass
+class TrainArgs:
+    data: str | None = None  # the directory with train.bin (and val.bin); saved, so a resume finds it
+    steps: int = 100  # total optimizer steps from the start of training (a resume continues to it)
+    batch_size: int = 8  # micro-batch of one process
+    block_size: int | None = None  # window length; None: the model's n_positions
+    grad_accum: int = 1
+    lr: float = 6e-4
+    min_lr: float | None = None  # None: lr / 10
+    warmup: int = 0
+    schedule: str = "cosine"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip: float = 1.0  # 0: no clipping (the norm is still measured)
+    dropout: float | None = None  # None: keep the checkpoint's config
+    grad_checkpointing: bool = False
+    # "auto": reference in float32 (bit-identical to transformers), fast under bf16/fp16 autocast (its error is far
+    # inside transformers' own bf16 noise there); see `resolved_kernels` and docs/training.md
+    kernels: str = "auto"
+    eval_every: int = 50  # 0: never (the last step still evaluates when val.bin is given)
+    eval_batches: int = 20
+    save_every: int = 0  # 0: only at the end (and on Ctrl-C)
+    sample_every: int = 0  # 0: never
+    seed: int = 1337
+    dtype: str = "float32"
+    skip_nonfinite: bool = False
+    compile: bool = False  # torch.compile the training and evaluation forward (fullgraph)
+    tf32: bool = True  # CUDA only: float32 matmuls on TF32 tensor cores
+    stop_at: int | None = None  # this invocation only: stop after this step with a resumable state
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        for name in ("warmup", "eval_every", "save_every", "sample_every", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be a non-negative integer, got {v!r}")
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
+            raise UsageError(f"--block-size must be a positive integer, got {self.block_size!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UsageError(f"--lr must be a positive number, got {self.lr!r}")
+        if self.min_lr is not None and not (0 <= self.min_lr <= self.lr):
+            raise UsageError(f"--min-lr must be in [0, --lr={self.lr}], got {self.min_lr!r}")
+        if self.schedule not in SCHEDULES:
+            raise UsageError(f"--schedule must be 'cosine' or 'constant', got {self.schedule!r}")
+        for name in ("beta1", "beta2"):
+            if not (0 <= getattr(self, name) < 1):
+                raise UsageError(f"--{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if not self.eps > 0:
+            raise UsageError(f"--eps must be positive, got {self.eps!r}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay!r}")
+        if not (self.clip >= 0 and math.isfinite(self.clip)):
+            raise UsageError(f"--clip must be >= 0 (0: no clipping), got {self.clip!r}")
+        if self.dropout is not None and not (0 <= self.dropout < 1):
+            raise UsageError(f"--dropout must be in [0, 1), got {self.dropout!r}")
+        if self.stop_at is not None and not (isinstance(self.stop_at, int) and 1 <= self.stop_at):
+            raise UsageError(f"--stop-at must be a positive integer, got {self.stop_at!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise UsageError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+
+    @property
+    def final_min_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    @property
+    def resolved_kernels(self) -> str:
+        """The kernel set that runs: "auto" is the reference arithmetic in float32 and the fast kernels under
+        mixed precision."""
+        if self.kernels != "auto":
+            return self.kernels
+        return "reference" if self.dtype == "float32" else "fast"
+
+    def lr_at(self, step: int) -> float:
+        return lr_at(step, self.lr, self.final_min_lr, self.warmup, self.steps, self.schedule)  # type: ignore[arg-type]
+
+    def saved(self) -> dict[str, Any]:
+        """What trainer_state.json keeps: every setting but the per-invocation ones."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in PER_INVOCATION}
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any], source: str) -> TrainArgs:
+        """The settings of a saved run; keys this version does not know are refused, missing ones take defaults
+        (a state written before they existed)."""
+        known = {f.name for f in dataclasses.fields(cls)} - PER_INVOCATION
+        unknown = sorted(set(saved) - known - PER_INVOCATION)
+        if unknown:
+            raise UsageError(
+                f"{source}: unknown training setting(s) {', '.join(unknown)} (written by a newer gpt2-port?)"
+            )
+        return cls(**{k: v for k, v in saved.items() if k in known})
+
+
+PER_INVOCATION = {"stop_at"}
+
+# What a changed setting does to a resumed run, by setting (the rest change the trained weights).
+_LOG_ONLY = {"eval_every", "eval_batches", "save_every", "sample_every"}  # what is evaluated, saved and logged
+_NEUTRAL = {"data", "grad_checkpointing", "compile", "skip_nonfinite"}  # the same weights (data: checked apart)
+
+
+def resume_changes(saved: TrainArgs, now: TrainArgs, saved_world: int, world: int) -> list[str]:
+    """One line per setting of `now` that differs from the saved run's and makes this run differ from the one an
+    uninterrupted run would have been: the setting as a flag, its old and new value, and what it changes."""
+    out = []
+    for f in dataclasses.fields(TrainArgs):
+        name = f.name
+        if name in PER_INVOCATION | _NEUTRAL:
+            continue
+        old, new = getattr(saved, name), getattr(now, name)
+        if old == new:
+            continue
+        if name == "steps" and now.schedule == "constant" and now.warmup < min(old, new):
+            continue  # a constant schedule after warmup does not depend on the length of the run
+        if name == "kernels" and saved.resolved_kernels == now.resolved_kernels:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name in _LOG_ONLY:
+            effect = "evaluations, samples and checkpoints follow the new value from here on"
+        elif name == "steps":
+            effect = f"the {now.schedule} schedule now spans {new} steps, so the learning rates differ from here on"
+        else:
+            effect = "the run is no longer the one an uninterrupted run would have been"
+        out.append(f"resuming with {flag} {new!r} where the saved run used {old!r}: {effect}")
+    before, after = saved.batch_size * saved.grad_accum * saved_world, now.batch_size * now.grad_accum * world
+    if saved_world != world and before != after:
+        out.append(
+            f"resuming on {world} process(es) where the saved run used {saved_world}: the global batch is now "
+            f"{after} windows instead of {before}: the run is no longer the one an uninterrupted run would have been"
+        )
+    return out

@@ -1,0 +1,64 @@
+"""The random windows the training loop draws from a `.bin` token file (io/tokens.py reads and checks the file).
+
+A batch is `batch` random windows, as the tutorials draw them: x = data[i:i+T], y = data[i+1:i+1+T], gathered on the
+host and copied to the device from pinned memory without waiting (`Batches`).
+
+One seeded `torch.Generator` draws the whole global batch of a step (micro-batches x processes x batch size offsets);
+process r takes the slices that belong to it. The same seed therefore gives the same windows whatever the number of
+processes and however the global batch is split into micro-steps, and the generator's state is the data position a
+resume restores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UsageError
+from ..io.tokens import TokenFile, open_split
+
+__all__ = ["Batches", "GlobalBatchSampler", "TokenFile", "open_split"]
+
+
+class Batches:
+    """Windows of a TokenFile on the training device: gathered on the host into pinned memory (CUDA) and copied with
+    `non_blocking`, so the copy overlaps the work already queued on the device."""
+
+    def __init__(self, data: TokenFile, block_size: int, device: torch.device) -> None:
+        self.data, self.block_size, self.device = data, block_size, device
+        self.pin = device.type == "cuda"
+
+    def get(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N,) offsets -> x, y (N, T) int64 on the device."""
+        w = self.data.rows(offsets, self.block_size)  # (N, T+1)
+        if self.pin:
+            w = w.pin_memory()
+        w = w.to(self.device, non_blocking=True)
+        return w[:, :-1], w[:, 1:]
+
+
+class GlobalBatchSampler:
+    """Random window offsets for one step: one generator draws the global batch, each process takes its share.
+
+    The global batch is `grad_accum * world_size * batch_size` windows, drawn as one (grad_accum, world_size,
+    batch_size) block: micro-step m of process r takes block[m, r]. 1 process with grad_accum 2 and 2 processes with
+    grad_accum 1 thus see the same windows in the same global positions.
+    """
+
+    def __init__(self, n_tokens: int, block_size: int, batch_size: int, grad_accum: int, world_size: int, seed: int):
+        if n_tokens < block_size + 1:
+            raise UsageError(f"{n_tokens} tokens cannot hold one window of {block_size} + 1")
+        self.high = n_tokens - block_size  # offsets in [0, n - T): the target window ends inside the data
+        self.batch_size, self.grad_accum, self.world_size = batch_size, grad_accum, world_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.batches_drawn = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.grad_accum * self.world_size
+
+    def next_step(self, rank: int) -> torch.Tensor:
+        """(grad_accum, batch_size) offsets this process uses for the next step (the others' are drawn too)."""
+        shape = (self.grad_accum, self.world_size, self.batch_size)
+        offsets = torch.randint(self.high, shape, generator=self.generator)  # (A, W, B)
+        self.batches_drawn += 1
+        return offsets[:, rank]  # (A, B)

@@ -1,0 +1,88 @@
+"""Data-parallel context from torchrun's environment: gloo on CPU, nccl on CUDA; a single process otherwise.
+
+torchrun (and its multi-node flags) sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE; without them the run is
+one process and nothing here touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    if not v.isdigit():
+        raise UsageError(f"environment variable {name}={v!r}: expected a non-negative integer (set by torchrun)")
+    return int(v)
+
+
+def from_env() -> Dist:
+    """The process group torchrun describes (not yet joined): world size 1 when not under torchrun."""
+    world = _env_int("WORLD_SIZE", 1)
+    if world <= 1:
+        return Dist()
+    return Dist(
+        rank=_env_int("RANK", 0),
+        world_size=world,
+        local_rank=_env_int("LOCAL_RANK", 0),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+    )
+
+
+def device_for(d: Dist, requested: torch.device) -> torch.device:
+    """Each process of a multi-GPU run takes the GPU of its local rank."""
+    if d.enabled and requested.type == "cuda":
+        return torch.device("cuda", d.local_rank)
+    return requested
+
+
+def init(d: Dist, device: torch.device) -> None:
+    """Join the process group: nccl for CUDA, gloo for CPU (DDP that does not demand a GPU)."""
+    if not d.enabled or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+
+
+def shutdown(d: Dist) -> None:
+    if d.enabled and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,501 @@
+"""The training loop as a library: random windows, AdamW steps, evaluation, checkpoints, exact resume. No printing.
+
+One step: the sampler draws the global batch's window offsets from one seeded generator; this process runs its
+`grad_accum` micro-batches (forward, the summed NLL over the step's targets, backward), DDP synchronising gradients
+on the last micro-step only; the gradients are clipped to `clip`; a non-finite loss or gradient stops the run (or
+skips the step with `skip_nonfinite`); AdamW steps at the schedule's learning rate. Dropout is seeded per micro-batch
+from (seed, step, global micro-batch index), so its masks do not depend on how the global batch is split across
+processes and micro-steps, or on where a run was resumed.
+
+On an accelerator a step waits for the device once: the step's loss and gradient norm come back together, after
+the backward pass and before the optimizer step, so the non-finite stop is exact (a bad step is never applied). The
+loss accumulates on the device, batches come from pinned memory without waiting, and the next micro-batch is copied
+while the current one computes. With `compile`, torch.compile runs the forward and backward (one graph, no break)
+and the evaluation forward.
+
+Outputs go through run_dir.RunDir (the process of rank 0 writes); progress reaches the caller through `Callbacks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import GPT2Config
+from ..errors import CheckpointError, GPT2PortError, UsageError
+from ..generate import generate
+from ..generate.int8 import check_trainable
+from ..model import GPT2
+from ..model.attention_kernel import attention_kernels
+from . import state as trainer_state
+from .args import TrainArgs
+from .data import Batches, GlobalBatchSampler, TokenFile
+from .distributed import Dist
+from .memory import check_measured
+from .run_dir import LOG_FILE, RunDir, read_log
+from .schedule import make_optimizer
+from .throughput import flops_per_token, mfu, peak_flops
+
+log = logging.getLogger(__name__)
+
+# The config fields that make two models the same model for a resume (dropout and init fields may change).
+ARCH_KEYS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "tie_word_embeddings")
+SAMPLE_TOKENS = 32  # length of the sample written to the log every --sample-every steps
+
+
+class NonFiniteError(GPT2PortError):
+    """The loss or the gradients became NaN or Inf: the run stops instead of training on."""
+
+
+@dataclass
+class Callbacks:
+    """Hooks the caller passes in; each is optional. Only the process of rank 0 calls them."""
+
+    on_step: Callable[[dict[str, Any]], None] | None = None  # the step's log record, after it is written
+    on_save: Callable[[str, Path, int], None] | None = None  # ("last" | "best", directory, step)
+    on_start: Callable[[dict[str, Any]], None] | None = None  # the run's settings, before the first step
+    on_eval: Callable[[int, int], None] | None = None  # (batches done, batches) while a validation loss is measured
+
+
+@dataclass
+class TrainResult:
+    start_step: int
+    step: int  # steps completed when the run ended
+    interrupted: bool  # stopped before --steps, or during the last step, by request_stop (Ctrl-C, SIGTERM)
+    stopped_at: bool  # stopped at --stop-at
+    train_loss: float | None
+    val_loss: float | None
+    best_val_loss: float | None
+    best_step: int | None
+    elapsed_s: float  # this invocation's time in the loop
+    total_elapsed_s: float  # with the earlier runs this one resumed
+    tokens_per_s: float  # this invocation's mean over its steps (the first, which warms up, left out of a longer run)
+    last_tokens_per_s: float
+    mfu: float | None
+    skipped_steps: list[int] = field(default_factory=list)
+    eval_skipped: bool = False  # a stop request came during or before the last step's evaluation
+
+
+def same_model(a: GPT2Config, b: dict[str, Any], source: str) -> None:
+    """Refuse a resume whose saved model differs from this one in any architectural field."""
+    ours = a.to_hf_dict()
+    diff = [f"{k}={b.get(k)!r} there, {ours.get(k)!r} here" for k in ARCH_KEYS if ours.get(k) != b.get(k)]
+    if diff:
+        raise CheckpointError(f"{source}: trained another model ({'; '.join(diff)}): cannot resume it into this one")
+
+
+def prepare_model(model: GPT2, args: TrainArgs, device: torch.device) -> GPT2:
+    """Make `model` trainable in place: every parameter its own contiguous float32 tensor on `device`, dropout,
+    gradient checkpointing and kernels as asked, train mode, gradients on.
+
+    A loaded checkpoint's q/k/v are views into one c_attn tensor, backed by a copy-on-write map of the file; the
+    optimizer updates parameters in place, so each gets its own memory (and contiguous tensors reduce the same way
+    in a fresh run and in a resumed one, which bit-identical resume needs).
+    """
+    check_trainable(model)
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:  # a tied head has no tensor of its own (it is wte.weight): nothing to re-tie
+                t = p.detach().to(device=device, dtype=torch.float32).contiguous().clone()
+                mod._parameters[name] = nn.Parameter(t)
+    if args.dropout is not None:
+        model.set_dropout(args.dropout)
+    model.gradient_checkpointing = args.grad_checkpointing
+    model.set_kernels(args.resolved_kernels)  # type: ignore[arg-type]
+    return model.train().requires_grad_(True)
+
+
+def set_tf32(device: torch.device, on: bool) -> None:
+    """float32 matmuls and convolutions on TF32 tensor cores (CUDA; `train` only, never the parity checker)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: GPT2,
+        args: TrainArgs,
+        train_data: TokenFile,
+        val_data: TokenFile | None,
+        out_dir: str | Path,
+        device: torch.device | str = "cpu",
+        dist: Dist | None = None,
+        resume: trainer_state.TrainerState | None = None,
+        resume_dir: str | Path | None = None,
+        tokenizer: Any = None,
+        tokenizer_dir: str | Path | None = None,
+        callbacks: Callbacks | None = None,
+    ) -> None:
+        args.validate()
+        self.args, self.dist = args, dist or Dist()
+        self.device = torch.device(device)
+        self.model = model
+        cfg = model.config
+        self.block_size = args.block_size or cfg.n_positions
+        if self.block_size > cfg.n_positions:
+            raise UsageError(
+                f"--block-size {self.block_size} is larger than the model's context n_positions={cfg.n_positions}"
+            )
+        if args.dtype == "fp16" and self.device.type != "cuda":
+            raise UsageError("--dtype fp16 needs a CUDA device (it trains with a grad scaler); use bf16 or float32")
+        self.train_data, self.val_data = train_data, val_data
+        self.run_dir = RunDir(out_dir, writes=self.dist.is_main)
+        self.out = self.run_dir.out
+        self.tokenizer, self.tokenizer_dir = tokenizer, tokenizer_dir
+        self.cb = callbacks or Callbacks()
+        self._stop = False
+        d = self.dist
+        self.sampler = GlobalBatchSampler(
+            len(train_data), self.block_size, args.batch_size, args.grad_accum, d.world_size, args.seed
+        )
+        self.batches = Batches(train_data, self.block_size, self.device)
+        self.optimizer = make_optimizer(
+            model, args.lr, args.weight_decay, (args.beta1, args.beta2), args.eps, fused=self.device.type == "cuda"
+        )
+        self.scaler = torch.amp.GradScaler("cuda") if args.dtype == "fp16" else None
+        self.start_step, self.best_val, self.best_step, self.elapsed0, self.tokens0 = 0, None, None, 0.0, 0
+        self.last_saved: int | None = None
+        self.records: list[dict] = []
+        if resume is not None:
+            self._restore(resume, Path(resume_dir or self.out))
+            self.last_saved = resume.step
+        set_tf32(self.device, args.tf32)
+        self.flops_per_token = flops_per_token(cfg, self.block_size)
+        self.peak, self.peak_source = peak_flops(self.device, args.dtype, args.tf32)
+        self.net: nn.Module = model
+        if d.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.net = DDP(model, device_ids=[self.device] if self.device.type == "cuda" else None)
+        self.train_forward: Callable[..., Any] = self.net
+        self.eval_forward: Callable[..., Any] = model
+        if args.compile:
+            # One graph per mode (train with gradients, eval without); DDP's bucketing splits the graph, so fullgraph
+            # is asked of a single process only.
+            self.train_forward = torch.compile(self.net, fullgraph=not d.enabled)
+            self.eval_forward = torch.compile(model, fullgraph=True)
+
+    # control
+    def request_stop(self) -> None:
+        """Ask the loop to save a resumable state after the current step (an evaluation in progress is cut short)
+        and return (the CLI's Ctrl-C handler)."""
+        self._stop = True
+
+    def _stop_requested(self) -> bool:
+        """The stop request, agreed by every process (a DDP run votes: one all-reduce, at step boundaries only)."""
+        if not self.dist.enabled:
+            return self._stop
+        flag = torch.tensor(1.0 if self._stop else 0.0, device=self.device)
+        return bool(self.dist.all_reduce_max(flag))
+
+    @property
+    def global_batch(self) -> int:
+        return self.sampler.global_batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.block_size
+
+    def _restore(self, st: trainer_state.TrainerState, source: Path) -> None:
+        same_model(self.model.config, st.model_config, str(source / trainer_state.STATE_JSON))
+        if st.step > self.args.steps:
+            raise UsageError(f"--steps {self.args.steps}: the run in {source} is already at step {st.step}")
+        trainer_state.load_optimizer_tensors(self.model, self.optimizer, st.tensors, source)
+        trainer_state.restore_rng(st.tensors, self.sampler.generator)
+        self.sampler.batches_drawn = st.batches_drawn
+        if self.scaler is not None and st.scaler:
+            self.scaler.load_state_dict(st.scaler)
+        self.start_step, self.best_val, self.best_step = st.step, st.best_val_loss, st.best_step
+        self.elapsed0, self.tokens0 = st.elapsed_s, st.tokens_seen
+        self.records = read_log(source / LOG_FILE, st.step)
+
+    # one step
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.args.dtype == "float32":
+            return contextlib.nullcontext()
+        dt = torch.bfloat16 if self.args.dtype == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dt)
+
+    def _dropout_seed(self, step: int, micro: int) -> int:
+        j = micro * self.dist.world_size + self.dist.rank  # the micro-batch's index in the global batch
+        return (self.args.seed * 1_000_003 + step * self.args.grad_accum * self.dist.world_size + j) % (1 << 63)
+
+    def _train_step(self, step: int) -> tuple[float, float, bool]:
+        """Forward and backward over this process's micro-batches, then the clip; returns (global mean loss, grad
+        norm, finite), read back from the device in one transfer."""
+        a, d = self.args, self.dist
+        offsets = self.sampler.next_step(d.rank)  # (A, B)
+        # each micro-batch's summed NLL is divided by the step's A x B x T targets (the windows ignore none): the
+        # micro-batches' losses add up to the step's mean, and backward starts from a gradient of 1 (transformers'
+        # num_items_in_batch rule; the fast kernels' fused loss is exact for it)
+        n_items = a.grad_accum * a.batch_size * self.block_size
+        acc = torch.float32 if self.device.type == "mps" else torch.float64
+        total = torch.zeros((), dtype=acc, device=self.device)
+        x, y = self.batches.get(offsets[0])
+        for m in range(a.grad_accum):
+            torch.manual_seed(self._dropout_seed(step, m))
+            last = m == a.grad_accum - 1
+            sync = contextlib.nullcontext() if (last or not d.enabled) else self.net.no_sync()  # type: ignore[operator]
+            with sync:
+                with self._autocast():
+                    loss = self.train_forward(x, targets=y, num_items_in_batch=n_items).loss
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            total += loss.detach()
+            if not last:  # the next micro-batch's copy overlaps this one's work on the device
+                x, y = self.batches.get(offsets[m + 1])
+        total = d.all_reduce_sum(total)  # sum of every process's mean
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = a.clip if a.clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        loss_sum, grad_norm = torch.stack([total.to(norm.dtype), norm]).tolist()  # the step's one wait
+        train_loss = loss_sum / d.world_size
+        finite = math.isfinite(train_loss) and (math.isfinite(grad_norm) or self.scaler is not None)
+        return train_loss, grad_norm, finite
+
+    def step(self, step: int) -> dict[str, Any]:
+        """Optimizer step `step` (0-based): schedule, micro-batches, clip, AdamW; the start of its log record."""
+        a = self.args
+        lr = a.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        train_loss, grad_norm, finite = self._train_step(step)
+        if not finite and not a.skip_nonfinite:
+            self.optimizer.zero_grad(set_to_none=True)
+            what = "loss" if not math.isfinite(train_loss) else "gradient norm"
+            value = train_loss if what == "loss" else grad_norm
+            raise NonFiniteError(
+                f"step {step + 1}: the {what} is {value} (non-finite); stopped without applying it; lower --lr, "
+                f"keep --clip, use --dtype bf16 rather than fp16, or pass --skip-nonfinite"
+            )
+        record: dict[str, Any] = {
+            "step": step + 1,
+            "train_loss": train_loss if math.isfinite(train_loss) else None,
+            "lr": lr,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no Infinity: null
+        }
+        if finite:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        else:
+            record["skipped"] = True
+            log.warning("step %d: non-finite loss or gradients, step skipped (--skip-nonfinite)", step + 1)
+        self.optimizer.zero_grad(set_to_none=True)
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over `eval_batches * batch_size` val.bin windows, the same windows at every evaluation; None when
+        a stop request cut it short (a single process: a DDP run finishes it, so the processes stay in step)."""
+        assert self.val_data is not None
+        a, d = self.args, self.dist
+        g = torch.Generator().manual_seed(a.seed + 1)
+        n = a.eval_batches * a.batch_size
+        offsets = torch.randint(len(self.val_data) - self.block_size, (n,), generator=g)[d.rank :: d.world_size]
+        val = Batches(self.val_data, self.block_size, self.device)
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64 if self.device.type != "mps" else torch.float32, device=self.device)
+        chunks = offsets.split(a.batch_size)
+        try:
+            for i, chunk in enumerate(chunks):
+                if self._stop and not d.enabled:
+                    return None
+                x, y = val.get(chunk)
+                with self._autocast():
+                    nll = self.eval_forward(x, targets=y).loss
+                total += nll.detach() * chunk.numel()
+                if self.cb.on_eval and d.is_main:
+                    self.cb.on_eval(i + 1, len(chunks))
+        finally:
+            self.model.train()
+        return float(d.all_reduce_sum(total)) / n
+
+    @torch.no_grad()
+    def sample(self, step: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        self.model.eval()
+        try:
+            prompt = torch.tensor([[50256 if self.model.config.vocab_size > 50256 else 0]], device=self.device)
+            ids = generate(self.model, prompt, SAMPLE_TOKENS, do_sample=True, top_k=50, seed=self.args.seed + step)
+        finally:
+            self.model.train()
+        return self.tokenizer.decode(ids[0, 1:].tolist())
+
+    # saving (rank 0)
+    def _state(self, step: int, elapsed: float, tokens: int) -> trainer_state.TrainerState:
+        tensors = trainer_state.optimizer_tensors(self.model, self.optimizer)
+        tensors.update(trainer_state.rng_tensors(self.sampler.generator))
+        return trainer_state.TrainerState(
+            step=step,
+            model_config=self.model.config.to_hf_dict(),
+            args=self.args.saved(),
+            world_size=self.dist.world_size,
+            batches_drawn=self.sampler.batches_drawn,
+            best_val_loss=self.best_val,
+            best_step=self.best_step,
+            elapsed_s=elapsed,
+            tokens_seen=tokens,
+            scaler=self.scaler.state_dict() if self.scaler is not None else None,
+            train_tokens=len(self.train_data),
+            tensors=tensors,
+        )
+
+    def _write_model(self, directory: Path) -> None:
+        self.model.save_pretrained(directory, self.tokenizer_dir)
+
+    def save(self, step: int, elapsed: float, tokens: int) -> None:
+        """The model and trainer state of `step` into --out (rank 0 only; the others wait)."""
+        if self.dist.is_main:
+            self.run_dir.save(self._write_model, self._state(step, elapsed, tokens))
+            if self.cb.on_save:
+                self.cb.on_save("last", self.out, step)
+        self.last_saved = step
+        self.dist.barrier()
+
+    def save_best(self, step: int) -> None:
+        if not self.dist.is_main:
+            return
+        where = self.run_dir.save_best(self._write_model)
+        if self.cb.on_save:
+            self.cb.on_save("best", where, step)
+
+    def check_cuda_memory(self) -> dict:
+        """On CUDA, the memory check measured: one dry forward and backward at the run's micro-batch (on token 0,
+        the random generators kept, the gradients dropped after) gives the peak, AdamW's moments come on top; one
+        line naming what to change when it does not fit (memory.check_measured). It also warms up (and compiles)."""
+        dev, a = self.device, self.args
+        x = torch.zeros(a.batch_size, self.block_size, dtype=torch.long, device=dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        peak: int | None
+        try:
+            with torch.random.fork_rng(devices=[dev]):
+                with self._autocast():
+                    loss = self.train_forward(x, targets=x, num_items_in_batch=x.numel()).loss
+                loss.backward()
+            torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev)
+        except torch.cuda.OutOfMemoryError:
+            peak = None
+        finally:
+            self.model.zero_grad(set_to_none=True)
+            loss = None
+            torch.cuda.empty_cache()
+        params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return check_measured(self.model.config, a, self.block_size, dev, peak, params)
+
+    def describe(self) -> dict[str, Any]:
+        """What the run is, for the caller's first lines: sizes, kernels, the attention kernel SDPA picks for this
+        batch (one probe forward of a single window; the random generators are left as they were), the MFU peak."""
+        x, _ = self.train_data.windows(torch.zeros(1, dtype=torch.long), self.block_size)
+        with self._autocast():
+            kernels = attention_kernels(lambda: self.model(x.to(self.device), hidden_only=True), self.device)
+        return {
+            "start_step": self.start_step,
+            "steps": self.args.steps,
+            "global_batch": self.global_batch,
+            "tokens_per_step": self.tokens_per_step,
+            "block_size": self.block_size,
+            "world_size": self.dist.world_size,
+            "params": self.model.num_params(),
+            "kernels": self.args.resolved_kernels,
+            "attention": ", ".join(kernels) if kernels else "hand-written (the reference's eager arithmetic)",
+            "compile": self.args.compile,
+            "dtype": self.args.dtype,
+            "flops_per_token": self.flops_per_token,
+            "peak": self.peak_source,
+        }
+
+    def run(self) -> TrainResult:
+        a, d = self.args, self.dist
+        self.run_dir.start(self.records)  # a resume continues the log from its step
+        if self.cb.on_start and d.is_main:
+            self.cb.on_start(self.describe())
+        t_start = time.perf_counter()
+        step, train_loss, val_loss, skipped = self.start_step, None, None, []
+        interrupted = stopped_at = eval_skipped = False
+        step_times: list[float] = []
+        last_saved = self.start_step if self.start_step else -1
+        while step < a.steps:
+            t0 = time.perf_counter()
+            try:
+                record = self.step(step)
+            except NonFiniteError as e:
+                saved = f"the last checkpoint in {self.out} is from step {last_saved}" if last_saved >= 0 else None
+                raise NonFiniteError(f"{e} ({saved or 'nothing was saved'})") from None
+            dt = time.perf_counter() - t0  # the step's device work is done: its one wait came after backward
+            step_times.append(dt)
+            if record.get("skipped"):
+                skipped.append(step + 1)
+            if record["train_loss"] is not None:
+                train_loss = record["train_loss"]
+            step += 1
+            last = step == a.steps
+            interrupted = self._stop_requested()
+            if self.val_data is not None and ((a.eval_every and step % a.eval_every == 0) or last):
+                if interrupted:
+                    eval_skipped = True
+                else:
+                    v = self.evaluate()
+                    if v is None:
+                        interrupted = eval_skipped = True
+                    else:
+                        val_loss = record["val_loss"] = v
+            if a.sample_every and step % a.sample_every == 0 and d.is_main and not interrupted:
+                text = self.sample(step)
+                if text is not None:
+                    record["sample"] = text
+            rate = self.tokens_per_step / dt if dt > 0 else 0.0
+            elapsed = self.elapsed0 + time.perf_counter() - t_start
+            record.update(tokens_per_s=rate, mfu=mfu(rate, self.flops_per_token, self.peak), elapsed_s=elapsed)
+            tokens = self.tokens0 + (step - self.start_step) * self.tokens_per_step
+            if "val_loss" in record and (self.best_val is None or val_loss < self.best_val):  # type: ignore[operator]
+                self.best_val, self.best_step = val_loss, step
+                self.save_best(step)
+            self.run_dir.append_log(record)
+            self.records.append(record)
+            if self.cb.on_step and d.is_main:
+                self.cb.on_step(record)
+            if a.stop_at is not None and step >= a.stop_at and not last and not interrupted:
+                stopped_at = True
+            if last or interrupted or stopped_at or (a.save_every and step % a.save_every == 0):
+                self.save(step, elapsed, tokens)
+                last_saved = step
+            if interrupted or stopped_at:
+                break
+        this_run = time.perf_counter() - t_start
+        timed = step_times[1:] if len(step_times) > 1 else step_times  # the first step warms up (and compiles)
+        mean_rate = self.tokens_per_step * len(timed) / sum(timed) if timed and sum(timed) > 0 else 0.0
+        last_rate = self.tokens_per_step / step_times[-1] if step_times and step_times[-1] > 0 else 0.0
+        return TrainResult(
+            start_step=self.start_step,
+            step=step,
+            interrupted=interrupted,
+            stopped_at=stopped_at,
+            train_loss=train_loss,
+            val_loss=val_loss,
+            best_val_loss=self.best_val,
+            best_step=self.best_step,
+            elapsed_s=this_run,
+            total_elapsed_s=self.elapsed0 + this_run,
+            tokens_per_s=mean_rate,
+            last_tokens_per_s=last_rate,
+            mfu=mfu(mean_rate, self.flops_per_token, self.peak),
+            skipped_steps=skipped,
+            eval_skipped=eval_skipped,
+        )

@@ -1,0 +1,236 @@
+"""Peak memory of a training run, known before it starts, against the memory the device has free.
+
+On a CUDA device the peak is measured: one dry forward and backward at the run's batch (by the trainer, which leaves
+the weights, the random generators and the data position as they were) gives `max_memory_allocated`, and AdamW's two
+float32 moments, which the first real step adds, come on top (`check_measured`). On the CPU, where the allocator's
+peak cannot be read back, it is estimated (`estimate`, `check_memory`): the float32 weights, their gradients, AdamW's
+two moments, the activations autograd keeps for one micro-batch (all of every block, or only each block's input plus
+one block's worth with gradient checkpointing), the logits with their float32 loss and gradient, the largest
+short-lived buffers, the memory glibc keeps after tensors are freed, and a fixed allowance for the runtime. It is
+meant to err high: a run it accepts fits, and a run it rejects stops with a one-line error instead of an
+out-of-memory kill.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from ..config import GPT2Config
+from ..errors import UsageError
+from ..model.fused import CHUNK_ROWS
+from .args import TrainArgs
+from .distributed import Dist
+
+GiB = 1 << 30
+MEMORY_HEADROOM = 0.9  # use at most this share of the available memory: the estimate is not exact
+RUNTIME_OVERHEAD = 0.75 * GiB  # torch, numpy, the tokenizer: `train` on a 2-layer 32-wide model (vocab 512, batch
+# 2 x 16) peaks at 310 MB RSS (its --json peak_rss_mb)
+# Bytes autograd keeps per token per block, in units of n_embd x the activation's size, with sdpa attention. Measured
+# with saved_tensors_hooks (`python -m benchmarks.train_step`): 22.7 with the reference kernels (ln_1, q/k/v, merged
+# heads, c_proj, ln_2, c_fc, gelu_new's five intermediates, the MLP's c_proj), 10.7 with the fast ones (one GELU
+# input kept instead of five); rounded up.
+BLOCK_ACTIVATIONS_PER_TOKEN = {"reference": 26, "fast": 14}
+ATTN_SCORES_PER_HEAD = 3  # scores, probabilities, dropout mask: (T, T) per head when attention dropout is on
+LOGIT_BYTES = 16  # reference kernels: logits, log-softmax kept by cross-entropy, and two (N, V) gradients in backward
+# glibc keeps memory that tensors freed (the gradients between steps, most of them under its 32 MB mmap threshold)
+# and hands it out again with gaps: a share of the long-lived state. Measured: gpt2-large, 1 x 1024, gradient
+# checkpointing, peaks at 15.2 GiB where weights + gradients + moments + activations + logits + transients come
+# to 13.8 GiB (`python -m benchmarks.memory_estimate`); 0.12 of the 11.5 GiB of state covers it.
+ALLOCATOR_SLACK = 0.12
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    transient: int  # the largest short-lived buffers: the embedding's dense gradient, AdamW's temporaries on wte
+    slack: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def describe(self) -> str:
+        parts = ("weights", "grads", "optimizer", "activations", "logits")
+        inner = ", ".join(f"{p} {getattr(self, p) / GiB:.1f}" for p in parts)
+        other = (self.transient + self.slack + self.overhead) / GiB
+        return f"{self.total / GiB:.1f} GiB ({inner}, buffers and runtime {other:.1f} GiB)"
+
+
+def estimate(
+    cfg: GPT2Config,
+    batch_size: int,
+    block_size: int,
+    amp: bool = False,
+    grad_checkpointing: bool = False,
+    kernels: str = "reference",
+) -> MemoryEstimate:
+    """Peak bytes of one process training `cfg` at this micro-batch (weights and AdamW state in float32).
+
+    kernels: the model's training kernels ("fast": gpt2_port.fused, which never holds the (N, V) logits).
+    """
+    P = cfg.num_params()
+    act = 2 if amp else 4  # bytes per activation: bf16/fp16 under autocast, else float32
+    BT, C, V = batch_size * block_size, cfg.n_embd, cfg.vocab_size
+    scores = ATTN_SCORES_PER_HEAD * cfg.n_head * block_size if cfg.attn_pdrop > 0 else 0
+    per_block = BT * act * (BLOCK_ACTIVATIONS_PER_TOKEN[kernels] * C + scores)
+    if grad_checkpointing:  # each block's input, plus one block recomputed at a time in backward
+        activations = cfg.n_layer * BT * C * act + per_block
+    else:
+        activations = cfg.n_layer * per_block
+    activations += 2 * BT * C * 4  # embeddings and ln_f
+    if kernels == "fast" and not amp:  # a few chunks of logits, and the gradients the fused loss makes in forward
+        logits = 3 * min(BT, CHUNK_ROWS) * V * 4 + V * C * 4 + BT * C * 4
+    else:
+        logits = BT * V * LOGIT_BYTES
+    casts = 2 * P if amp else 0  # autocast's low-precision copies of the weights
+    state = 4 * P + 4 * P + 8 * P
+    return MemoryEstimate(
+        weights=4 * P + casts,
+        grads=4 * P,
+        optimizer=8 * P,
+        activations=activations,
+        logits=logits,
+        transient=3 * V * C * 4,
+        slack=int(ALLOCATOR_SLACK * state),
+        overhead=int(RUNTIME_OVERHEAD),
+    )
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_cpu_memory() -> tuple[int, str]:
+    """Bytes this process may still use on the host: MemAvailable, or less when a cgroup limit is nearer."""
+    avail, source = None, "MemAvailable in /proc/meminfo"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if avail is None:
+        avail, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "free physical pages"
+    for limit_f, usage_f in (
+        (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),  # cgroup v2
+        (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
+    ):
+        limit, usage = _read_int(limit_f), _read_int(usage_f)
+        if limit is not None and usage is not None and limit < (1 << 60) and limit - usage < avail:
+            avail, source = max(0, limit - usage), f"the cgroup limit in {limit_f}"
+    return avail, source
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """Free bytes on `device` and where the figure comes from."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free memory on {device}"
+    return available_cpu_memory()
+
+
+def largest_batch_that_fits(
+    cfg: GPT2Config,
+    block_size: int,
+    budget: int,
+    amp: bool,
+    grad_checkpointing: bool,
+    limit: int = 1024,
+    kernels: str = "reference",
+) -> int:
+    """The largest micro-batch whose estimate is within `budget` (0 if not even 1 fits)."""
+    best = 0
+    for b in range(1, limit + 1):
+        if estimate(cfg, b, block_size, amp, grad_checkpointing, kernels).total > budget:
+            break
+        best = b
+    return best
+
+
+def _hints(cfg: GPT2Config, args: TrainArgs, block_size: int, budget: int) -> str:
+    amp, kernels = args.dtype != "float32", args.resolved_kernels
+    hints = []
+    b = largest_batch_that_fits(cfg, block_size, budget, amp, args.grad_checkpointing, args.batch_size, kernels)
+    if b:
+        hints.append(
+            f"--batch-size {b} (with --grad-accum {args.grad_accum * args.batch_size // b} for the same batch)"
+        )
+    if not args.grad_checkpointing:
+        bc = largest_batch_that_fits(cfg, block_size, budget, amp, True, args.batch_size, kernels)
+        if bc:
+            hints.append(f"--grad-checkpointing (fits --batch-size {bc})")
+    if not hints:
+        hints.append("a smaller --block-size or a smaller model")
+    return " or ".join(hints)
+
+
+def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, d: Dist) -> dict:
+    """Stop before the run starts if its estimated peak does not fit the free memory (one line: what to change).
+    The host's check (CPU): on CUDA the trainer measures instead (`check_measured`)."""
+    amp = args.dtype != "float32"
+    if args.dropout is not None:
+        cfg = cfg.with_dropout(args.dropout)
+    est = estimate(cfg, args.batch_size, block_size, amp, args.grad_checkpointing, args.resolved_kernels)
+    avail, source = available_memory(device)
+    share = d.local_world_size if device.type == "cpu" else 1  # processes on one host share its memory
+    budget = int(avail * MEMORY_HEADROOM) // share
+    info = {
+        "estimate_bytes": est.total,
+        "available_bytes": avail,
+        "source": source,
+        "detail": est.describe(),
+        "method": "estimated",
+    }
+    if est.total <= budget:
+        return info
+    per = f" per process ({share} on this host)" if share > 1 else ""
+    raise UsageError(
+        f"memory: this run needs about {est.describe()}{per} at --batch-size {args.batch_size} --block-size "
+        f"{block_size}, but only {avail / GiB:.1f} GiB is available ({source}); "
+        f"try {_hints(cfg, args, block_size, budget)}"
+    )
+
+
+def check_measured(
+    cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, step_peak: int | None, params: int
+) -> dict:
+    """The CUDA check: the dry step's peak (None: it ran out of memory) plus AdamW's moments (8 bytes per parameter,
+    allocated by the first real step), against what this process can have (free memory plus its own allocations)."""
+    free, total = torch.cuda.mem_get_info(device)
+    have = free + torch.cuda.memory_reserved(device)
+    source = f"{torch.cuda.get_device_name(device)}: {total / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
+    moments = 8 * params
+    if step_peak is not None:
+        need = step_peak + moments
+        info = {
+            "estimate_bytes": need,
+            "available_bytes": have,
+            "source": source,
+            "detail": f"{need / GiB:.1f} GiB (a dry step's peak {step_peak / GiB:.1f}, "
+            f"AdamW moments {moments / GiB:.1f})",
+            "method": "measured",
+        }
+        if need <= int(have * MEMORY_HEADROOM):
+            return info
+        what = f"needs {info['detail']}"
+    else:
+        what = "ran out of memory in a dry forward and backward"
+    budget = int(have * MEMORY_HEADROOM)
+    raise UsageError(
+        f"memory: this run {what} at --batch-size {args.batch_size} --block-size {block_size}, but only "
+        f"{have / GiB:.1f} GiB is available ({source}); try {_hints(cfg, args, block_size, budget)}"
+    )

@@ -1,0 +1,142 @@
+"""The trainer state that makes a resume exact: safetensors for the tensors, JSON for the rest, never a pickle.
+
+`trainer_state.safetensors` holds AdamW's moments and step count per parameter (keyed by parameter name, so the
+state outlives the process and the number of processes) and every random generator's state: torch's CPU generator,
+each CUDA device's, and the data sampler's. `trainer_state.json` holds the step, the schedule and the arguments, the
+model config (a resume into another model is refused), the data position, the best validation loss, the grad
+scaler's state, and the elapsed time. The weights are the model files beside them (`save_pretrained`'s layout).
+Python's `random` and numpy's global generator are not used by the loop, so there is nothing of theirs to keep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..files import atomic_write_text
+from ..io.safetensors_io import SafetensorsFile, write_safetensors
+
+STATE_JSON = "trainer_state.json"
+STATE_TENSORS = "trainer_state.safetensors"
+FORMAT = "gpt2_port.trainer_state/1"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class TrainerState:
+    step: int  # optimizer steps completed since the start of training
+    model_config: dict[str, Any]  # the model's config.json (to_hf_dict), to refuse a resume into another model
+    args: dict[str, Any]  # the training arguments of the run that saved it
+    world_size: int
+    batches_drawn: int
+    best_val_loss: float | None = None
+    best_step: int | None = None
+    elapsed_s: float = 0.0
+    tokens_seen: int = 0
+    scaler: dict[str, Any] | None = None
+    train_tokens: int | None = None  # the length of train.bin, to tell other data from moved data on a resume
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # optimizer moments and RNG states
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "tensors"}
+        return {"format": FORMAT, **d}
+
+
+def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW's state by parameter name: optim.{name}.exp_avg / .exp_avg_sq / .step (steps as a (1,) tensor)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        for k in MOMENTS:
+            out[f"optim.{name}.{k}"] = st[k].detach()
+        out[f"optim.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+    return out
+
+
+def load_optimizer_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], source: Path
+) -> None:
+    """Put the saved moments back on each parameter (same names and shapes, or a CheckpointError naming the key), on
+    the parameter's device whatever device they were saved from. The step count goes where torch's AdamW keeps it:
+    beside the parameter for the fused (and capturable) kernels, which refuse a CPU step with a CUDA parameter,
+    else a CPU scalar."""
+    on_param: dict[int, bool] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            on_param[id(p)] = bool(group.get("fused") or group.get("capturable"))
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        keys = [f"optim.{name}.{k}" for k in (*MOMENTS, "step")]
+        missing = [k for k in keys if k not in tensors]
+        if len(missing) == 3:
+            continue  # never stepped (no state yet)
+        if missing:
+            raise CheckpointError(f"{source}: {missing[0]} is missing (the optimizer state is incomplete)")
+        st = {}
+        for k in MOMENTS:
+            t = tensors[f"optim.{name}.{k}"]
+            if tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(
+                    f"{source}: optim.{name}.{k} has shape {tuple(t.shape)}, the parameter {tuple(p.shape)}"
+                )
+            st[k] = torch.empty_like(p, memory_format=torch.preserve_format).copy_(t)
+        step = tensors[f"optim.{name}.step"].reshape(()).to(torch.float32)
+        st["step"] = step.to(p.device).clone() if on_param.get(id(p)) else step.cpu().clone()
+        optimizer.state[p] = st
+
+
+def rng_tensors(data_generator: torch.Generator) -> dict[str, torch.Tensor]:
+    out = {"rng.torch_cpu": torch.get_rng_state(), "rng.data": data_generator.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng.cuda.{i}"] = s
+    return out
+
+
+def restore_rng(tensors: dict[str, torch.Tensor], data_generator: torch.Generator) -> None:
+    torch.set_rng_state(tensors["rng.torch_cpu"])
+    data_generator.set_state(tensors["rng.data"])
+    cuda = [tensors[k] for k in sorted(t for t in tensors if t.startswith("rng.cuda."))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+
+
+def save(state: TrainerState, directory: Path) -> None:
+    """Write both files into `directory` (the caller renames the directory's files into place)."""
+    entries = [(k, tuple(t.shape), t.dtype, lambda t=t: t.cpu()) for k, t in sorted(state.tensors.items())]
+    write_safetensors(directory / STATE_TENSORS, entries, metadata={"format": FORMAT})
+    atomic_write_text(directory / STATE_JSON, json.dumps(state.to_json(), indent=2) + "\n")
+
+
+def load(directory: str | os.PathLike[str]) -> TrainerState:
+    d = Path(directory)
+    jf, tf = d / STATE_JSON, d / STATE_TENSORS
+    if not d.is_dir():
+        raise CheckpointError(f"--resume {d}: not a directory (expected the --out of an earlier train run)")
+    if not jf.is_file() or not tf.is_file():
+        raise CheckpointError(
+            f"--resume {d}: no {STATE_JSON} + {STATE_TENSORS} (expected the --out of an earlier train run)"
+        )
+    try:
+        meta = json.loads(jf.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{jf}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{jf}: not a gpt2_port trainer state (expected format {FORMAT!r})")
+    meta.pop("format")
+    try:
+        state = TrainerState(**meta)
+    except TypeError as e:
+        raise CheckpointError(f"{jf}: unexpected contents ({e})") from None
+    with SafetensorsFile(tf) as st:
+        state.tensors = {k: st.get(k).clone() for k in st.keys()}
+    return state
