@@ -1,4 +1,4 @@
-"""c_attn's training projection (gpt2_port.model.c_attn.CAttn): correct gradients, Conv1D's arithmetic bit for bit, and no
+"""c_attn's training projection (model/c_attn.py CAttn): correct gradients, Conv1D's arithmetic bit for bit, and no
 copy of the fused weight kept for backward."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fast training kernels (gpt2_port.model.fused): the same loss and gradients as the reference arithmetic to rounding,
+"""The fast training kernels (model/fused.py): the same loss and gradients as the reference arithmetic to rounding,
 used only when asked and only when training."""
 
 from __future__ import annotations

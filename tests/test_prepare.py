@@ -3,7 +3,6 @@ documents, and nothing half-written."""
 
 from __future__ import annotations
 
-import io
 import json
 import random
 from pathlib import Path
