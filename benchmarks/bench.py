@@ -315,9 +315,3 @@ def main(a: argparse.Namespace) -> int:
         if w != "stdout":
             print(f"wrote {w}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":  # python -m benchmarks.bench: the same as python -m benchmarks
-    from benchmarks.__main__ import main as cli_main
-
-    sys.exit(cli_main())

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 import os
 
-from .backward import BackwardReport, BackwardSweep, layer_of, layer_order
+from .backward_results import BackwardReport, BackwardSweep
+from .grads import layer_of, layer_order
 from .noise import NOISE_MARGIN, verdict
 from .render import Table, markdown_tables, num, text_document
 

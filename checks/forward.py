@@ -32,7 +32,7 @@ from .metrics import metrics, next_token
 from .noise import verdict
 from .points import capture_reference_points, capture_scratch_points, logit_lens_top1, point_names
 from .prompts import Inputs, default_inputs, resolve
-from .reference import load_reference
+from .reference import exact_matmuls, load_reference
 from .results import PointResult, Report, Sweep
 from .tolerances import TOLERANCES, VS_FLOAT32_TOLERANCES, Tolerance
 
@@ -104,7 +104,38 @@ def run_detailed(
     tokenizer: str | None = None,
 ) -> Sweep:
     """Compare the scratch model with transformers on `prompts` (texts, Inputs, or None for the default prompts,
-    which are stored as token ids and need no tokenizer)."""
+    which are stored as token ids and need no tokenizer). float32 matmuls stay float32 (no TF32) throughout."""
+    with exact_matmuls():
+        return _run_detailed(
+            model,
+            prompts,
+            dtypes,
+            devices,
+            detail,
+            per_head,
+            noise_floor,
+            logit_lens,
+            reference_attn,
+            attn,
+            revision,
+            tokenizer,
+        )
+
+
+def _run_detailed(
+    model: str,
+    prompts: Sequence[str] | Inputs | None,
+    dtypes: str | Sequence[str],
+    devices: str | Sequence[str],
+    detail: str,
+    per_head: bool,
+    noise_floor: bool,
+    logit_lens: bool,
+    reference_attn: str,
+    attn: str,
+    revision: str | None,
+    tokenizer: str | None,
+) -> Sweep:
     import transformers
 
     if detail not in ("block", "sublayer"):

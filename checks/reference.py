@@ -6,9 +6,10 @@ transformers is imported only inside `load_reference`, so importing this module 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -90,3 +91,29 @@ def capture_reference(
             h.remove()
     acts["logits"] = out.logits.detach()
     return acts
+
+
+@contextlib.contextmanager
+def exact_matmuls() -> Iterator[None]:
+    """float32 matmuls in float32 (no TF32 tensor cores) while a parity check runs, whatever the process set before
+    (gpt2-port train turns TF32 on for speed; a comparison of float32 arithmetic must not inherit it)."""
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[0], saved[1]
+        torch.set_float32_matmul_precision(saved[2])
+
+
+def amp(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractContextManager:
+    """torch.autocast to `dtype` on `device` (mixed precision as trainers run it), or nothing for float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)

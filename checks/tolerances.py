@@ -60,3 +60,36 @@ VS_FLOAT32_TOLERANCES: dict[str, Tolerance] = {
     # logits 1.5e-3, top-1 100%, log-prob max abs 3.9e-3.
     "float16": Tolerance(embed=1e-3, block=8e-3, ln_f=8e-3, logits=8e-3, top1=0.9, logprob_max_abs=0.05),
 }
+
+
+@dataclass(frozen=True)
+class GradTolerance:
+    """Gates for one dtype of the scratch model against the float32 reference (norm-relative unless named _rel)."""
+
+    grad: float  # every parameter's gradient
+    act_grad: float  # the gradient at embed, each block output, ln_f, logits
+    loss_rel: float  # |loss - ref| / |ref|
+    step_loss_rel: float  # each training step's loss
+    weight: float  # every parameter after the last step
+
+
+# CPU (2-core AVX2, heavily shared; torch 2.13, transformers 5.23), the 3 default prompts (15 tokens), random
+# official-layout checkpoints (gpt2-port demo-checkpoint --size SIZE --seed 0), measured with
+#   gpt2-port parity DIR --backward [--train-steps 10] [--dtype float32,bfloat16]
+# float32 (manual attention against eager): loss and every gradient 0.0 (bit-identical) on 124M, 355M, 774M and 1.5B
+# (noise floor up to 1.1e-6); 10 steps with the clip norm over transformers' tensors (clip_grad_norm): every step's
+# loss and every weight 0.0 on 124M and 1.5B. Before that change the clip factor differed in its last bit: 774M steps
+# 3.0e-6, weights 3.1e-6; 1.5B steps up to 2.0e-4 by step 10. Fast kernels (--kernels fast, --train-steps 10): loss 0;
+# worst gradient 8.5e-7 / 1.05e-6 / 1.19e-6 (124M / 355M / 774M, all within the noise, at most 1.84x the floor),
+# worst step 5.0e-7 / 7.5e-6 / 2.1e-6, weights 5.1e-6 / 4.5e-6 / 3.1e-6. 1.5B: one gradient at 2.01x its floor, steps
+# drifting to 1.2e-3 by step 9 on an oscillating loss (FAIL from step 7), weights 3.2e-4.
+# bfloat16 against the float32 reference, 124M: worst beside each; every gradient within transformers' own bfloat16
+# noise (floor up to 1.6e-2).
+BACKWARD_TOLERANCES: dict[str, GradTolerance] = {
+    "float32": GradTolerance(grad=1e-5, act_grad=1e-5, loss_rel=1e-6, step_loss_rel=1e-5, weight=1e-5),
+    # worst seen 124M: grad 1.6e-2 (h.3.ln_2.weight), act_grad 1.5e-2 (embed), loss 9.7e-5, step loss 2.3e-2 (step 4,
+    # loss 2.1: ten steps on one batch drift apart in bfloat16), weight 1.7e-2 after 10 steps (ln_f.bias)
+    "bfloat16": GradTolerance(grad=1.5e-1, act_grad=1e-1, loss_rel=5e-3, step_loss_rel=1e-1, weight=1e-1),
+    # float16 measured only on the tiny test checkpoints; its epsilon is 8x finer than bfloat16's
+    "float16": GradTolerance(grad=3e-2, act_grad=2e-2, loss_rel=1e-3, step_loss_rel=2e-2, weight=2e-2),
+}

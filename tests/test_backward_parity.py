@@ -16,7 +16,7 @@ from gpt2_port.model import from_pretrained
 
 transformers = pytest.importorskip("transformers")
 
-from gpt2_port_checks import backward  # noqa: E402
+from gpt2_port_checks import backward, grads, steps, storage, tolerances  # noqa: E402
 
 PROMPTS = ["--prompt", "The students opened their books", "--prompt", "The cat chased the mouse"]
 
@@ -100,7 +100,7 @@ def test_the_gradient_of_the_reference_itself_is_what_is_compared(tiny_official:
     torch.stack(losses).sum().backward()
     want = {n: p.grad.clone() for n, p in hf.named_parameters()}
     hf.zero_grad(set_to_none=True)
-    g = backward.reference_grads(hf, ids, hf.config.n_layer)
+    g = grads.reference_grads(hf, ids, hf.config.n_layer)
     assert set(g.params) == set(want)
     assert all(torch.equal(g.params[n], want[n]) for n in want)
 
@@ -206,20 +206,37 @@ def test_reduced_dtype_sweep_against_one_float32_reference(tiny_official: Path, 
     bf = confs["bfloat16/cpu"]
     assert bf["reference_dtype"] == "float32"
     worst = max(p["norm_rel"] for p in bf["points"])
-    assert 1e-4 < worst <= backward.BACKWARD_TOLERANCES["bfloat16"].grad  # bfloat16 really ran
+    assert 1e-4 < worst <= tolerances.BACKWARD_TOLERANCES["bfloat16"].grad  # bfloat16 really ran
     assert bf["as_close_as_reference"] is True  # as far from float32 as transformers itself in bfloat16
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_a_bf16_autocast_step_lies_within_transformers_own_bf16_distance(tiny_official: Path, kernels: str) -> None:
+    """What `gpt2-port train --dtype bf16` runs (float32 weights, forward and backward under bf16 autocast, AdamW on
+    the float32 weights), with either kernel set: its loss and every gradient are no further from the float32
+    reference than transformers under the same autocast is from itself in float32; so are its optimizer steps."""
+    tc = steps.TrainConfig(steps=2)
+    r = backward.run_backward(
+        str(tiny_official), ["The students opened their books"], dtypes="bfloat16", kernels=kernels, train=tc
+    ).reports[0]
+    assert r.precision == "bfloat16 autocast" and r.kernels == kernels
+    assert "autocast" in r.noise_floor
+    assert 1e-4 < max(p.norm_rel for p in r.points)  # bf16 really ran
+    assert r.as_close_as_reference is True, [(p.name, p.noise_ratio) for p in r.points if not p.within_noise]
+    assert r.loss_rel <= r.loss_tolerance and r.passed
+    assert all(s.passed for s in r.steps)
 
 
 def test_optimizer_groups_are_decided_on_transformers_names(tiny_official: Path) -> None:
     m, rep = from_pretrained(tiny_official)
     cfg = rep.config
-    names = backward.hf_name_of_scratch(cfg)
+    names = grads.hf_name_of_scratch(cfg)
     assert set(names) == {n for n, _ in m.named_parameters()}
     hf = transformers.GPT2LMHeadModel.from_pretrained(tiny_official)
-    ours_decay = sum(p.numel() for n, p in m.named_parameters() if backward.decays(names[n], cfg))
-    ref_decay = sum(p.numel() for n, p in hf.named_parameters() if backward.decays(n, cfg))
+    ours_decay = sum(p.numel() for n, p in m.named_parameters() if grads.decays(names[n], cfg))
+    ref_decay = sum(p.numel() for n, p in hf.named_parameters() if grads.decays(n, cfg))
     assert ours_decay == ref_decay == sum(p.numel() for p in hf.parameters() if p.ndim >= 2)
-    assert not backward.decays("transformer.h.0.ln_1.weight", cfg) and backward.decays("transformer.wpe.weight", cfg)
+    assert not grads.decays("transformer.h.0.ln_1.weight", cfg) and grads.decays("transformer.wpe.weight", cfg)
 
 
 def test_spilled_reference_gradients_give_the_same_report(tiny_official: Path) -> None:
@@ -238,7 +255,7 @@ def test_moments_on_disk_and_spilled_weights_give_the_same_steps(tiny_official: 
     reference's trained weights on disk. Every step's losses and every weight figure must be what they are in
     memory, and the moments must really have been in the mapped files (not a fresh state made by torch)."""
     prompts = ["The students opened their books"]
-    tc = backward.TrainConfig(steps=3)
+    tc = steps.TrainConfig(steps=3)
     mem = backward.run_backward(str(tiny_official), prompts, train=tc, noise_floor=False, disk_moments=False)
     disk = backward.run_backward(
         str(tiny_official), prompts, train=tc, noise_floor=False, disk_moments=True, spill_bytes=0
@@ -256,9 +273,9 @@ def test_moments_on_disk_hold_adamws_state(tiny_official: Path, tmp_path: Path, 
 
     model, rep = from_pretrained(str(tiny_official))
     model.train().requires_grad_(True)
-    names = backward.hf_name_of_scratch(rep.config)
+    names = grads.hf_name_of_scratch(rep.config)
     ids = [torch.tensor([[464, 2444, 4721, 511]])]
-    tc = backward.TrainConfig(steps=2)
+    tc = steps.TrainConfig(steps=2)
     seen = []
 
     def inspect_then_remove(path, **kw):  # the moments as the steps left them
@@ -267,18 +284,18 @@ def test_moments_on_disk_hold_adamws_state(tiny_official: Path, tmp_path: Path, 
         seen.append(any(torch.from_file(str(f), size=f.stat().st_size // 4).abs().sum() > 0 for f in files))
         real_rmtree(path, **kw)
 
-    real_rmtree = backward.shutil.rmtree
-    monkeypatch.setattr(backward.shutil, "rmtree", inspect_then_remove)
+    real_rmtree = steps.shutil.rmtree
+    monkeypatch.setattr(steps.shutil, "rmtree", inspect_then_remove)
     moments = tmp_path / "m"
     moments.mkdir()
-    backward.train_steps(model, names, rep.config, backward._scratch_loss, ids, tc, moments)
+    steps.train_steps(model, names, rep.config, steps._scratch_loss, ids, tc, moments)
     assert seen == [True, True] and not moments.exists()  # written, then removed for the next run's moments
     # not enough disk for them: refused before the first step, naming the directory
     full = shutil.disk_usage(tmp_path)._replace(free=1024)
-    monkeypatch.setattr(backward.shutil, "disk_usage", lambda _p: full)
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda _p: full)
     moments.mkdir()
     with pytest.raises(UsageError, match=r"moments on disk need .* GiB in .*m, 0\.0 GiB free"):
-        backward.train_steps(model, names, rep.config, backward._scratch_loss, ids, tc, moments)
+        steps.train_steps(model, names, rep.config, steps._scratch_loss, ids, tc, moments)
 
 
 def test_train_steps_clip_on_transformers_layout_so_steps_are_bit_identical(tiny_official: Path) -> None:
@@ -286,7 +303,7 @@ def test_train_steps_clip_on_transformers_layout_so_steps_are_bit_identical(tiny
     every weight after the steps equal exactly. The clip clips (the tiny model's norm is far above 0.01), and eps=1
     makes AdamW's update proportional to the clipped gradient instead of invariant to its scale, so a clip factor one
     bit off would show in the weights."""
-    tc = backward.TrainConfig(steps=4, lr=1e-2, clip=0.01, eps=1.0)
+    tc = steps.TrainConfig(steps=4, lr=1e-2, clip=0.01, eps=1.0)
     r = backward.run_backward(str(tiny_official), ["The students opened their books"], train=tc, noise_floor=False)
     rep = r.reports[0]
     assert [s.rel for s in rep.steps] == [0.0] * 4

@@ -1061,6 +1061,72 @@ def c_train_bin_id_outside_vocabulary(tmp: Path, base: Path) -> dict:
     return {"argv": train_argv(base, d, tmp / "out"), "expect": ["train.bin", "token id 1000 at offset 50", "1000"]}
 
 
+def _ids_as(dtype: str, n: int = 2000):  # noqa: ANN202
+    import numpy as np
+
+    return (np.arange(n) * 7 % 999 + 1).astype(dtype)  # ids 1..999, never 0 (the vocabulary has 1000)
+
+
+@case
+def c_train_bin_written_as_int32(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    _ids_as("<i4").tofile(d / "train.bin")  # np.array(ids).tofile(): numpy's default int, not uint16
+    return {"argv": train_argv(base, d, tmp / "out"), "expect": ["train.bin", "int32", "not uint16", "uint16 ids"]}
+
+
+@case
+def c_train_bin_written_as_int64(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    _ids_as("<i8").tofile(d / "train.bin")
+    return {"argv": train_argv(base, d, tmp / "out"), "expect": ["train.bin", "int64", "not uint16"]}
+
+
+@case
+def c_train_bin_written_as_float32(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    _ids_as("<f4").tofile(d / "train.bin")
+    return {"argv": train_argv(base, d, tmp / "out"), "expect": ["train.bin", "float32", "not uint16"]}
+
+
+@case
+def c_train_bin_size_disagrees_with_meta_json(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    _ids_as("<i4", 900).tofile(d / "train.bin")
+    (d / "meta.json").write_text(json.dumps({"dtype": "uint16", "train_tokens": 900, "val_tokens": 300}))
+    expect = ["train.bin", "3,600 bytes", "meta.json says 900 uint16 tokens", "4 bytes per token", "int32"]
+    return {"argv": train_argv(base, d, tmp / "out"), "expect": expect}
+
+
+@case
+def c_eval_data_bin_written_as_int32(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    _ids_as("<i4").tofile(d / "val.bin")
+    return {"argv": ["eval", str(base), "--data", str(d)], "expect": ["val.bin", "int32", "not uint16"]}
+
+
+@case
+def c_eval_data_without_val_bin(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    (d / "val.bin").unlink()
+    return {"argv": ["eval", str(base), "--data", str(d)], "expect": ["--data", "no val.bin", "gpt2-port prepare"]}
+
+
+@case
+def c_train_resume_with_moved_data(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    run = tmp / "run"
+    assert main(train_argv(base, d, run, "--steps", "2", "--stop-at", "1")) == 0
+    d.rename(tmp / "elsewhere")
+    return {"argv": ["train", "--resume", str(run), "--no-plot"], "expect": ["--resume", "data directory", "is gone"]}
+
+
+@case
+def c_train_init_config_json_without_from_scratch(tmp: Path, base: Path) -> dict:
+    argv = train_argv(base, _train_data(tmp), tmp / "out")
+    argv[argv.index("--init") + 1] = str(base / "config.json")
+    return {"argv": argv, "expect": ["--init", "config.json is not a checkpoint", "--from-scratch"]}
+
+
 @case
 def c_train_block_size_above_n_positions(tmp: Path, base: Path) -> dict:
     argv = train_argv(base, _train_data(tmp), tmp / "out")

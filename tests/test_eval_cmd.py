@@ -160,3 +160,40 @@ def test_progress_counts_the_scored_tokens(tiny_official: Path, text: Path, caps
     assert "\r" not in err and len(lines) > 2 and f"{n:,}/{n:,} tokens" in lines[-1]
     rc, _, err = run(capsys, str(tiny_official), "--text", str(text), "--max-length", "32", "--no-progress")
     assert "eval [" not in err
+
+
+def test_data_scores_what_prepare_made_as_the_hand_cut_text_scores(tiny_official: Path, tmp_path: Path, capsys) -> None:
+    """`eval --data DIR` scores val.bin's tokens with the same windows as `--text` on the same text, and takes the
+    byte and word counts from the meta.json prepare wrote: every figure equals the hand-cut text's (the cut a user
+    had to find before: the character where prepare's 90/10 split falls)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:6000])
+    data = tmp_path / "data"
+    assert main(["prepare", str(corpus), "--out", str(data), "--no-progress"]) == 0
+    meta = json.loads((data / "meta.json").read_text())
+    val_text = tmp_path / "val.txt"
+    val_text.write_text(corpus.read_text()[meta["split"]["train_chars"] :])
+    assert meta["val_bytes"] == len(val_text.read_bytes())
+    res = {}
+    for name, flag in (("data", ["--data", str(data)]), ("text", ["--text", str(val_text)])):
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", str(tiny_official), *flag, "--max-length", "64", "--json", str(out)]) == 0
+        res[name] = json.loads(out.read_text())
+    for key in ("tokens", "nll", "perplexity", "bytes", "bits_per_byte", "words", "word_perplexity"):
+        assert res["data"][key] == res["text"][key], key
+    assert res["data"]["task"] == "data" and "val.bin" in res["data"]["method"]
+    assert res["data"]["tokens"] == meta["val_tokens"]
+
+
+def test_data_without_byte_counts_gives_the_token_figures_alone(tiny_official: Path, tmp_path: Path, capsys) -> None:
+    import numpy as np
+
+    d = tmp_path / "data"
+    d.mkdir()
+    np.arange(300, dtype="<u2").tofile(d / "val.bin")  # nanoGPT's prepare writes no meta.json
+    argv = ["eval", str(tiny_official), "--data", str(d), "--max-length", "32", "--json", str(tmp_path / "r")]
+    assert main(argv) == 0
+    r = json.loads((tmp_path / "r").read_text())
+    assert r["tokens"] == 300 and r["perplexity"] > 1
+    assert r["bytes"] is None and r["bits_per_byte"] is None and r["word_perplexity"] is None
+    assert "rerun gpt2-port prepare" in capsys.readouterr().out

@@ -48,7 +48,8 @@ MAY_IMPORT_CHECKS = {
 }
 
 # checks/ (installed as gpt2_port_checks): the base never imports the top.
-CHECKS_BASE = {"__init__", "metrics", "tolerances", "noise", "prompts", "reference", "points", "results"}
+CHECKS_BASE = {"__init__", "metrics", "tolerances", "noise", "prompts", "reference", "points", "results", "storage"}
+CHECKS_BASE |= {"grads", "steps", "backward_results"}
 CHECKS_TOP = {"forward", "backward", "backward_report", "render", "plots", "attention_maps", "evaluation"}
 
 CHECKS_PKG = "gpt2_port_checks"
@@ -165,6 +166,8 @@ def violations(files: dict[str, str], packages: Iterable[str] = ()) -> list[str]
                 if short in CHECKS_BASE and t in CHECKS_TOP:
                     bad.append(f"{where}: the checker's base ({short}) imports its top ({t})")
                 graph.setdefault(name, set()).add(f"{CHECKS_PKG}.{t}")
+            if top == "benchmarks" and area == "benchmarks":
+                graph.setdefault(name, set()).add(resolve(target, known))
             if top != "gpt2_port":
                 continue
             mod = resolve(target, known)
@@ -270,6 +273,12 @@ def test_a_planted_wrong_import_is_caught(name: str, source: str, expect: str):
     files[name] = source
     found = violations(files, packages)
     assert any(expect in v for v in found), found
+
+
+def test_a_circle_in_the_benchmarks_is_caught():
+    files, packages = repo_sources()
+    files["benchmarks.bench"] += "\ndef f():\n    from benchmarks.__main__ import main\n"
+    assert any(v.startswith("import circle:") and "benchmarks.bench" in v for v in violations(files, packages))
 
 
 def test_a_circle_inside_a_folder_is_caught():

@@ -459,3 +459,146 @@ def test_ctrl_c_saves_a_resumable_state_then_exits(small_ckpt: Path, small_data:
     assert [r["train_loss"] for r in log(out)] == [r["train_loss"] for r in log(ref)]
     wa, wb = weights(out), weights(ref)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# -- mixed precision, honest stops and summaries ---------------------------------------------------------------------
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_bf16_autocast_trains_on_the_cpu_with_either_kernel_set(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, kernels: str
+) -> None:
+    """The step that crashed in CAttn's backward under autocast: it runs, and its losses track the float32 run's."""
+    losses = {}
+    for dtype in ("float32", "bf16"):
+        out = tmp_path / dtype
+        argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "3", *FAST]
+        assert train(*argv, "--dtype", dtype, "--kernels", kernels, "--dropout", "0", "--eval-every", "0") == 0
+        losses[dtype] = [r["train_loss"] for r in log(out)]
+        assert trainer_state.load(out).args["dtype"] == dtype
+    assert losses["bf16"] != losses["float32"]  # bf16 really ran
+    for a, b in zip(losses["float32"], losses["bf16"]):
+        assert abs(a - b) / a < 2e-2
+
+
+def test_default_kernels_are_the_reference_in_float32_and_fast_under_autocast() -> None:
+    assert TrainArgs(dtype="float32").resolved_kernels == "reference"
+    assert TrainArgs(dtype="bf16").resolved_kernels == "fast"
+    assert TrainArgs(dtype="bf16", kernels="reference").resolved_kernels == "reference"
+
+
+def test_the_optimizer_state_lands_on_the_parameters_device(small_ckpt: Path, small_data: Path, tmp_path: Path):
+    """Saved from one device, restored onto parameters on another ('meta' stands in for a GPU here): every moment
+    beside its parameter, and the step count where torch's AdamW keeps it: beside the parameter for the fused kernel
+    (which refuses a CPU step with a CUDA parameter), a CPU scalar otherwise."""
+    out = tmp_path / "run"
+    assert train("--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "1", *FAST) == 0
+    st = trainer_state.load(out)
+    for fused in (False, True):
+        with torch.device("meta"):
+            m = GPT2(SMALL)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused)
+        trainer_state.load_optimizer_tensors(m, opt, st.tensors, out)
+        for p in m.parameters():
+            s = opt.state[p]
+            assert s["exp_avg"].device.type == "meta" and s["exp_avg_sq"].device.type == "meta"
+            assert s["step"].device.type == ("meta" if fused else "cpu") and s["step"].dtype == torch.float32
+
+
+def test_a_nonfinite_grad_norm_is_json_null(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
+    m, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=1, batch_size=2, block_size=16, eval_every=0, dropout=0.0, skip_nonfinite=True)
+    prepare_model(m, args, torch.device("cpu"))
+    with torch.no_grad():
+        m.h[0].mlp.c_fc.bias[0] = float("inf")
+    Trainer(m, args, TokenFile(small_data / "train.bin", 512), None, tmp_path / "o").run()
+    line = (tmp_path / "o" / "log.jsonl").read_text()
+    assert "Infinity" not in line and "NaN" not in line  # strict JSON
+    r = json.loads(line)
+    assert r["grad_norm"] is None and r["train_loss"] is None and r["skipped"] is True
+
+
+def test_the_summary_gives_this_runs_mean_rate_and_its_own_time(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, capsys
+) -> None:
+    out, js = tmp_path / "run", tmp_path / "s.json"
+    base = ["--data", str(small_data), *FAST, "--eval-every", "0", "--json", str(js)]
+    assert train("--init", str(small_ckpt), "--out", str(out), "--steps", "6", "--stop-at", "3", *base) == 0
+    before = trainer_state.load(out).elapsed_s  # the time the first run had spent when it saved step 3
+    assert train("--resume", str(out), *base) == 0
+    text = capsys.readouterr().out.splitlines()[-1]
+    s = json.loads(js.read_text())
+    recs = log(out)[3:]
+    mean = (
+        s["global_batch"]
+        * s["block_size"]
+        * (len(recs) - 1)
+        / sum(s["global_batch"] * s["block_size"] / r["tokens_per_s"] for r in recs[1:])
+    )
+    assert s["tokens_per_s"] == pytest.approx(mean, rel=1e-6)  # the mean over this run's steps, not the last one
+    assert s["last_tokens_per_s"] == pytest.approx(recs[-1]["tokens_per_s"], rel=1e-9)
+    assert s["total_elapsed_s"] == pytest.approx(before + s["elapsed_s"], rel=1e-9)
+    assert "trained steps 3->6 in" in text and "since step 0" in text and "tok/s mean" in text
+    assert all("mfu" in r for r in log(out)) and s["mfu"] is None  # no peak is known for a CPU
+
+
+def _interrupt_at(monkeypatch: pytest.MonkeyPatch, where: str, at: int, times: int) -> None:
+    """Ctrl-C pressed `times` times (a real SIGINT each, delivered to this process's handler) inside the Trainer's
+    `where` ("step" or "evaluate") on its `at`-th call (1-based)."""
+    real = getattr(Trainer, where)
+    calls = []
+
+    def pressed(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == at:
+            for _ in range(times):
+                signal.raise_signal(signal.SIGINT)  # the handler runs before the next line
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, where, pressed)
+
+
+def test_ctrl_c_is_acknowledged_at_once_and_a_second_stops_without_saving(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """The first Ctrl-C is answered on stderr at once, while the step runs; a second one stops there, saves nothing,
+    and says which state the directory holds."""
+    out = tmp_path / "run"
+    _interrupt_at(monkeypatch, "step", at=4, times=2)
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "10", *FAST]
+    rc = train(*argv, "--eval-every", "0", "--save-every", "2")
+    err = capsys.readouterr().err
+    assert rc == 130, err
+    assert "stopping after this step" in err and "Ctrl-C again to stop now without saving" in err
+    assert f"stopped at once (second Ctrl-C) without saving: the last saved state in {out} is step 2" in err
+    assert trainer_state.load(out).step == 2 and [r["step"] for r in log(out)] == [1, 2, 3]
+
+
+def test_one_ctrl_c_stops_after_the_step_with_the_command_that_continues(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    out = tmp_path / "run"
+    _interrupt_at(monkeypatch, "step", at=2, times=1)
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "10", *FAST]
+    rc = train(*argv, "--eval-every", "0")
+    o, e = capsys.readouterr()
+    assert rc == 130 and "stopping after this step" in e
+    assert o.splitlines()[-2:] == [
+        f"interrupted at step 2/10: state saved in {out}; continue with",
+        f"gpt2-port train --resume {out}",
+    ]
+    assert trainer_state.load(out).step == 2
+
+
+def test_an_interrupt_in_the_last_steps_evaluation_is_not_swallowed(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A stop asked for during the last step's evaluation: the evaluation is cut short, the step saved, the run ends
+    with exit 130 and says what happened (before, this waited for the evaluation and exited 0 in silence)."""
+    out = tmp_path / "run"
+    _interrupt_at(monkeypatch, "evaluate", at=2, times=1)
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "4", *FAST]
+    rc = train(*argv, "--eval-every", "2")
+    o, e = capsys.readouterr()
+    assert rc == 130, e
+    assert "interrupted at step 4/4, the last: the run is complete (its final evaluation skipped)" in o
+    assert trainer_state.load(out).step == 4
+    assert "val_loss" in log(out)[1] and "val_loss" not in log(out)[3]

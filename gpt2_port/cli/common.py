@@ -23,6 +23,15 @@ def add_tokenizer_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"{what} on stderr: redrawn on a terminal, a plain line every 10 s otherwise (on)",
+    )
+
+
 def report_written(written: list[str], stderr: bool = False) -> None:
     """Say which files a command wrote ("wrote PATH"), at its end. On stderr when asked, or when an output went to
     stdout (`-`), so that a JSON or Markdown stream on stdout stays clean."""

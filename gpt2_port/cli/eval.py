@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
+from .common import add_model_arg, add_progress_arg, add_revision_arg, add_tokenizer_arg
 
 EPILOG = """\
 --text FILE: rolling windows by default, exactly lm-evaluation-harness's loglikelihood_rolling (disjoint windows of
@@ -60,12 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON (- for stdout)")
     p.add_argument("--markdown", metavar="PATH", default=None, help="write the results as a Markdown table")
     p.add_argument("--check", action="store_true", help="also score with transformers and report the differences")
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="scored tokens on stderr: redrawn on a terminal, a plain line every 10 s otherwise (on)",
-    )
+    add_progress_arg(p, "scored tokens")
     p.set_defaults(func=run)
 
 
@@ -162,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
     elif task == "choices":
         docs = read_jsonl(args.choices, "--choices", {"ctx": str, "endings": list, "label": int})
         check_choice_docs(docs, "--choices " + args.choices)
+    else:  # the file, its size against meta.json and its dtype now; its ids against the vocabulary after the load
+        open_split_for_eval(args.data, args.split, 1 << 16)
 
     model, report = from_pretrained(args.model, dtype=dtype, device=device, revision=args.revision)
     n_pos = model.config.n_positions

@@ -14,8 +14,8 @@ from ..errors import UsageError
 from .parity_io import read_inputs, write_outputs
 
 
-def train_config(args: argparse.Namespace):  # -> gpt2_port_checks.backward.TrainConfig
-    from gpt2_port_checks.backward import TrainConfig
+def train_config(args: argparse.Namespace):  # -> gpt2_port_checks.steps.TrainConfig
+    from gpt2_port_checks.steps import TrainConfig
 
     steps = getattr(args, "train_steps", None)
     if steps is not None and steps <= 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from .common import add_progress_arg
+
 EPILOG = """\
 output: DIR/train.bin and DIR/val.bin hold GPT-2 token ids as little-endian uint16 with no header (nanoGPT's format:
 np.memmap(path, dtype=np.uint16, mode="r") reads them); DIR/meta.json holds the token counts, each source with its
@@ -46,12 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="directory with vocab.json + merges.txt (or encoder.json + vocab.bpe); default: gpt2_port's GPT-2 BPE",
     )
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="bytes scanned and encoded on stderr: redrawn on a terminal, a plain line every 10 s otherwise (on)",
-    )
+    add_progress_arg(p, "bytes scanned and encoded")
     p.set_defaults(func=run)
 
 

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .common import add_progress_arg
+
 EPILOG = """\
 batches: random windows x = data[i:i+T], y = data[i+1:i+1+T] from DIR/train.bin (uint16 token ids, as
 `gpt2-port prepare` and nanoGPT write them). One seeded generator draws the whole global batch of a step:
@@ -122,12 +124,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--skip-nonfinite", action=bool_flag, help="skip a step whose loss or gradients are NaN/Inf (default: stop)"
     )
     g.add_argument("--json", metavar="PATH", help="write the run's summary as JSON")
-    g.add_argument(
-        "--progress",
-        action=bool_flag,
-        default=True,
-        help="progress on stderr: redrawn on a terminal, a plain line every 10 s otherwise (on)",
-    )
+    add_progress_arg(g, "steps, loss and tokens/s")
     g.add_argument("--no-plot", action="store_true", help="do not write OUT/loss.png (which needs matplotlib)")
     g.add_argument("--no-memory-check", action="store_true", help="start even if the memory check says it won't fit")
     p.set_defaults(func=run)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ..io.text import READ_BYTES, TextStats, read_text_pieces
-from ..io.tokens import TokenFile, read_meta
+from ..io.tokens import TokenFile, open_split, read_meta
 from .score import DEFAULT_BATCH_SIZE, Scorer, batched, check_batch_size, score_batch
 from .windows import rolling_requests, strided_requests, token_chunks
 
@@ -147,13 +147,7 @@ def evaluate_text(
 
 def open_split_for_eval(data_dir: str | os.PathLike[str], split: str, vocab_size: int) -> tuple[TokenFile, dict]:
     """DIR/{split}.bin checked as training checks it, and what meta.json says of its text ({} without one)."""
-    d = Path(data_dir)
-    if not d.is_dir():
-        raise UsageError(f"--data {d}: not a directory (expected the output of gpt2-port prepare: train.bin, val.bin)")
-    if not (d / f"{split}.bin").is_file():
-        raise UsageError(f"--data {d}: no {split}.bin (expected the output of gpt2-port prepare)")
-    tokens = TokenFile(d / f"{split}.bin", vocab_size, min_tokens=1)
-    return tokens, read_meta(d) or {}
+    return open_split(data_dir, split, vocab_size, block_size=0), read_meta(data_dir) or {}
 
 
 def evaluate_split(

@@ -3,6 +3,19 @@
 The reader validates the whole header before touching tensor data (header length, JSON, dtypes, shapes,
 offsets in range, no overlap, no hole), then hands out zero-copy tensors backed by a private (copy-on-write) mmap,
 so a load costs one copy of the weights at most. Every failure is a CheckpointError naming the file and the key.
+
+Why not `safetensors.safe_open`, which the package depends on anyway (measured with safetensors 0.8.0, torch 2.13;
+tests/test_safetensors_reader.py keeps each point true, so a release that closes the gaps shows up as a failing test):
+- it accepts files this reader refuses: a header that names a tensor twice (safe_open keeps one of the two entries,
+  so two readers can disagree about which weights a file holds: the catalogue's `header_duplicate_key`), and an
+  entry with keys besides dtype, shape and data_offsets;
+- where both refuse, its message names a class of fault ("invalid offset for tensor `b`", "incomplete metadata,
+  file not fully covered"); this one names the fault and the numbers (a hole of 4 bytes before 'b', 8 trailing
+  bytes, data_offsets [24, 40] out of range for 36 data bytes), which the bad-input catalogue asserts;
+- the loader advises the kernel on this mapping: one sequential read-ahead of the weights on a cold cache, one
+  populate call on a warm one, and the checked mask buffers' pages dropped from the RSS (`prefetch`, `release`).
+Neither costs memory: both readers map the file copy-on-write (124M: 601 MB of file pages, 144 MB anonymous, the
+same for both). Validating the header in Python costs ~0.05 s per file against safe_open's ~0.01 s.
 """
 
 from __future__ import annotations

@@ -49,10 +49,9 @@ def _other_dtype(ids: np.ndarray) -> str | None:
     return None
 
 
-def _meta_tokens(path: Path) -> tuple[int, str] | None:
-    """(token count, dtype) that the meta.json `prepare` wrote beside `path` records for it, or None (no meta.json,
-    or one that says nothing about this file)."""
-    meta = path.parent / META_FILE
+def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """DIR/meta.json as `gpt2-port prepare` writes it, or None when there is none."""
+    meta = Path(data_dir) / META_FILE
     if not meta.is_file():
         return None
     try:
@@ -61,11 +60,19 @@ def _meta_tokens(path: Path) -> tuple[int, str] | None:
         raise UsageError(
             f"{meta}: not readable JSON ({e.__class__.__name__}: {e}); expected prepare's meta.json"
         ) from None
-    split = path.name.removesuffix(".bin")
-    n = m.get(f"{split}_tokens") if isinstance(m, dict) else None
+    if not isinstance(m, dict):
+        raise UsageError(f"{meta}: a JSON {type(m).__name__}, expected prepare's meta.json (an object)")
+    return m
+
+
+def _meta_tokens(path: Path) -> tuple[int, str] | None:
+    """(token count, dtype) that the meta.json `prepare` wrote beside `path` records for it, or None (no meta.json,
+    or one that says nothing about this file)."""
+    m = read_meta(path.parent)
+    n = None if m is None else m.get(f"{path.name.removesuffix('.bin')}_tokens")
     if not isinstance(n, int) or isinstance(n, bool):
         return None
-    return n, str(m.get("dtype", "uint16"))
+    return n, str(m.get("dtype", "uint16"))  # type: ignore[union-attr]
 
 
 class TokenFile:
@@ -135,22 +142,6 @@ class TokenFile:
         """(N,) start offsets -> (N, T+1) int64: each window with its next token."""
         idx = offsets.numpy()[:, None] + np.arange(block_size + 1)[None, :]  # (N, T+1)
         return torch.from_numpy(self.ids[idx].astype(np.int64))
-
-
-def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """DIR/meta.json as `gpt2-port prepare` writes it, or None when there is none."""
-    meta = Path(data_dir) / META_FILE
-    if not meta.is_file():
-        return None
-    try:
-        m = json.loads(meta.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(
-            f"{meta}: not readable JSON ({e.__class__.__name__}: {e}); expected prepare's meta.json"
-        ) from None
-    if not isinstance(m, dict):
-        raise UsageError(f"{meta}: a JSON {type(m).__name__}, expected prepare's meta.json (an object)")
-    return m
 
 
 def open_split(data_dir: str | os.PathLike[str], split: str, vocab_size: int, block_size: int) -> TokenFile:

@@ -11,7 +11,13 @@ copy). Two ways to run the one matmul from them:
   It saves x and the three weight parameters themselves (no copy of W is kept for backward: 85 MB at 124M when
   autograd kept a torch.cat). Backward runs the ops autograd runs for Conv1D's addmm (grad @ W^T, x^T @ grad,
   grad.sum(0)) and splits the `[C, 3C]` weight gradient into q, k and v's `[out, in]` ones (transposes, views), so
-  the gradients equal transformers' bit for bit.
+  the gradients equal transformers' bit for bit. Under autocast it does what autocast does to Conv1D's addmm: x, W
+  and b cast to the autocast dtype for the matmul (the cast x is what is saved), the gradients computed in that dtype
+  and cast back to each input's own (float32 for the parameters), so a bf16 training step runs and matches
+  transformers' under the same autocast.
+
+Under torch.compile the view test (storage pointers) is not traced: the weight is assembled with torch.cat, which
+the compiler folds into the matmul's input; the arithmetic is the same.
 """
 
 from __future__ import annotations
@@ -20,12 +26,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..devices import autocast_dtype
+
+
+def _compiling() -> bool:
+    return getattr(torch.compiler, "is_compiling", lambda: False)()
+
 
 def c_attn_view(
     wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, bq: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The `[C, 3C]` weight and (3C,) bias that q/k/v's (C, C) [out, in] weights and biases are adjacent views of,
-    as views of that storage (no copy), or None when they are not laid out so."""
+    as views of that storage (no copy), or None when they are not laid out so (or under torch.compile, which does
+    not trace storage pointers)."""
+    if _compiling():
+        return None
     C = wq.shape[1]
     if not (wq.shape == wk.shape == wv.shape == (C, C) and wq.dtype == wk.dtype == wv.dtype == bq.dtype):
         return None
@@ -69,17 +84,24 @@ class CAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, wq, wk, wv, bq, bk, bv):  # noqa: ANN001, ANN205 (autograd's signature)
         w, b = c_attn_weight(wq, wk, wv, bq, bk, bv)
-        ctx.save_for_backward(x2d, wq, wk, wv, bq, bk, bv)  # the parameters themselves: nothing is copied
+        dt = autocast_dtype(x2d.device.type)
+        ctx.dt, ctx.in_dtype = dt, x2d.dtype
+        if dt is not None:  # autocast's addmm: every input in its dtype
+            x2d, w, b = x2d.to(dt), w.to(dt), b.to(dt)
+        ctx.save_for_backward(x2d, wq, wk, wv, bq, bk, bv)  # the (cast) input and the parameters: nothing copied
         return torch.addmm(b, x2d, w)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         x2d, wq, wk, wv, bq, bk, bv = ctx.saved_tensors
-        C = wq.shape[1]
+        C, dt = wq.shape[1], ctx.dt
         need = ctx.needs_input_grad
         gx = gq = gk = gv = gbq = gbk = gbv = None
+        if dt is not None:
+            grad = grad.to(dt)
         if need[0]:  # as autograd's mm_mat1_backward: a column-major x gets its gradient column-major
             w, _ = c_attn_weight(wq, wk, wv, bq, bk, bv)
+            w = w if dt is None else w.to(dt)
             N = x2d.shape[0]
             if x2d.stride(0) == 1 and x2d.stride(1) == N:
                 gx = w.mm(grad.t()).t()
@@ -89,6 +111,10 @@ class CAttn(torch.autograd.Function):
             gq, gk, gv = (g.t() for g in x2d.t().mm(grad).split(C, dim=1))  # (C, 3C) -> 3 x (C, C) [out, in]
         if any(need[4:7]):  # as autograd's sum_to for addmm's broadcast bias
             gbq, gbk, gbv = grad.sum(0).split(C)
+        if dt is not None:  # autocast's casts, undone: each gradient in its input's dtype
+            gx = None if gx is None else gx.to(ctx.in_dtype)
+            gq, gk, gv = (None if g is None else g.to(wq.dtype) for g in (gq, gk, gv))
+            gbq, gbk, gbv = (None if g is None else g.to(bq.dtype) for g in (gbq, gbk, gbv))
         return gx, gq, gk, gv, gbq, gbk, gbv
 
 

@@ -5,8 +5,9 @@
   differently from the op-for-op GELU.
 - `linear_cross_entropy`: the head and the cross-entropy together, in chunks of rows, without ever holding the
   (N, V) logits: each chunk's logits give its loss and, at once, its share of the gradients of the hidden states
-  and of the head's weight; backward hands them over (Liger-Kernel's fused linear cross-entropy, here in float32 on
-  CPU or GPU). It saves the logits, their log-softmax and their gradient: 3 x N x V x 4 bytes (620 MB at 4 x 256
+  and of the head's weight; backward hands them over (Liger-Kernel's fused linear cross-entropy, on CPU or GPU;
+  under autocast its matmuls run in autocast's dtype and its log-softmax in float32, as the reference head and
+  loss run there). It saves the logits, their log-softmax and their gradient: 3 x N x V x 4 bytes (620 MB at 4 x 256
   tokens of GPT-2's vocabulary). Each chunk runs torch's own log-softmax forward and backward kernels, in place in
   one reused buffer, fed the incoming gradient nll_loss's backward would make: when the loss's own incoming
   gradient is 1 (`loss.backward()`; gradient accumulation through `num_items_in_batch`), the logits' gradient is
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..devices import autocast_dtype
 from .loss import IGNORE_INDEX
 
 # Rows of logits made at once: 256 x 50257 float32 is 51 MB, large enough that each chunk's two matmuls run at the
@@ -67,6 +69,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,  # (N,) int64, IGNORE_INDEX where nothing is predicted
         divisor: torch.Tensor,  # () float32: the number of kept targets (or the caller's num_items)
         grads: bool,  # autograd is recording: make the gradients (else the loss only, as for a validation loss)
+        compute: torch.dtype | None,  # autocast's dtype for the two matmuls (None: the inputs' own)
     ) -> torch.Tensor:
         N, V = h.shape[0], w.shape[0]
         keep = targets != IGNORE_INDEX  # (N,)
@@ -75,29 +78,45 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need[0] else None
         grad_w = torch.zeros_like(w) if need[1] else None
         grad_b = torch.zeros_like(b) if b is not None and need[2] else None
+        # Under autocast the matmuls run as autocast runs the head (inputs cast, products in that dtype) and the
+        # logits are upcast to float32 before the log-softmax, as transformers' loss upcasts them.
+        hm, wm, bm = (
+            (h, w, b) if compute is None else (h.to(compute), w.to(compute), None if b is None else b.to(compute))
+        )
         rows = min(N, CHUNK_ROWS)
         buf = torch.empty((rows, V), dtype=torch.float32, device=h.device)  # logits -> log-probs -> gradient
         nll_grad = torch.zeros_like(buf) if any(need) else None
         step = -(1.0 / divisor)  # () float32, rounded as nll_loss's backward rounds it
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, N, CHUNK_ROWS):
-            hc = h[s : s + CHUNK_ROWS]
-            logits = buf[: hc.shape[0]]
-            if b is None:
-                torch.mm(hc, w.t(), out=logits)  # (n, C) @ (C, V), as F.linear runs it
-            else:
-                torch.addmm(b, hc, w.t(), out=logits)
-            go = None if nll_grad is None else nll_grad[: hc.shape[0]]
-            nll, g = nll_and_logit_grad(logits, safe[s : s + CHUNK_ROWS], keep[s : s + CHUNK_ROWS], step, go)
-            total += nll
-            if g is None:
-                continue
-            if grad_h is not None:
-                torch.mm(g, w, out=grad_h[s : s + CHUNK_ROWS])  # (n, V) @ (V, C)
-            if grad_w is not None:
-                grad_w.addmm_(g.t(), hc)  # (V, n) @ (n, C)
-            if grad_b is not None:
-                grad_b.add_(g.sum(0))
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, N, CHUNK_ROWS):
+                hc = hm[s : s + CHUNK_ROWS]
+                logits = buf[: hc.shape[0]]
+                if compute is not None:
+                    logits.copy_(F.linear(hc, wm, bm))  # (n, C) @ (C, V) in `compute`, upcast
+                elif b is None:
+                    torch.mm(hc, w.t(), out=logits)  # (n, C) @ (C, V), as F.linear runs it
+                else:
+                    torch.addmm(b, hc, w.t(), out=logits)
+                go = None if nll_grad is None else nll_grad[: hc.shape[0]]
+                nll, g = nll_and_logit_grad(logits, safe[s : s + CHUNK_ROWS], keep[s : s + CHUNK_ROWS], step, go)
+                total += nll
+                if g is None:
+                    continue
+                if compute is not None:  # the logits' gradient cast back, as the upcast's backward casts it
+                    g = g.to(compute)
+                if grad_h is not None:
+                    if compute is None:
+                        torch.mm(g, w, out=grad_h[s : s + CHUNK_ROWS])  # (n, V) @ (V, C)
+                    else:
+                        grad_h[s : s + CHUNK_ROWS] = g.mm(wm)
+                if grad_w is not None:
+                    if compute is None:
+                        grad_w.addmm_(g.t(), hc)  # (V, n) @ (n, C)
+                    else:  # each chunk's product in `compute`, summed in float32
+                        grad_w += g.t().mm(hc)
+                if grad_b is not None:
+                    grad_b.add_(g.sum(0))
         # Intermediates (not inputs or outputs), so kept on ctx and handed over in backward: with the usual incoming
         # gradient of 1 the tensors themselves become the gradients (no copy of the (V, C) head gradient).
         ctx.made = [grad_h, grad_w, grad_b]
@@ -110,9 +129,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "linear_cross_entropy: a second backward through the same loss (its gradients were handed over)"
             )
         made, ctx.made = ctx.made, None
-        one = grad_out.device.type == "cpu" and float(grad_out) == 1.0
+        # the usual incoming gradient of 1, known without a device sync (on the CPU, outside torch.compile): the made
+        # tensors are the gradients; otherwise they are scaled (by 1.0 the values stay the same)
+        compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
+        one = grad_out.device.type == "cpu" and not compiling and float(grad_out) == 1.0
         grads = [t if t is None or one else t * grad_out.to(t.dtype) for t in made]
-        return grads[0], grads[1], grads[2], None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None
 
 
 def linear_cross_entropy(
@@ -134,4 +156,5 @@ def linear_cross_entropy(
     else:
         divisor = torch.as_tensor(num_items, dtype=torch.float32, device=h.device)
     grads = torch.is_grad_enabled()
-    return _LinearCrossEntropy.apply(h.reshape(-1, C), weight, bias, flat_t, divisor, grads)
+    compute = autocast_dtype(h.device.type)
+    return _LinearCrossEntropy.apply(h.reshape(-1, C), weight, bias, flat_t, divisor, grads, compute)

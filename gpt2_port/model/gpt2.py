@@ -300,19 +300,20 @@ class GPT2(GenerationMixin, nn.Module):
         return logits
 
     def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """wte rows. Fast kernels, training, tied head: the rows' gradient goes to wte as a sparse (B*T rows) tensor
-        added into the head's dense one, instead of a dense (V, C) gradient made, filled and summed."""
-        if self.kernels == "fast" and self.lm_head is None and self.wants_grad() and self.wte.weight.requires_grad:
+        """wte rows. Fast kernels, training, tied head, eager: the rows' gradient goes to wte as a sparse (B*T rows)
+        tensor added into the head's dense one, instead of a dense (V, C) gradient made, filled and summed (a sparse
+        gradient does not compile; under torch.compile the compiler fuses the dense one instead)."""
+        fast = self.kernels == "fast" and self.lm_head is None and self.wants_grad() and self.wte.weight.requires_grad
+        if fast and not getattr(torch.compiler, "is_compiling", lambda: False)():
             return F.embedding(input_ids, self.wte.weight, sparse=True)
         return self.wte(input_ids)
 
     def _fused_loss(self) -> bool:
-        """The head fused with the loss: fast kernels, float32 without autocast, nobody asking for the logits (a
-        forward given labels or targets; with gradients or without, as a validation loss is)."""
+        """The head fused with the loss: fast kernels, float32 weights (under autocast or not), nobody asking for
+        the logits (a forward given labels or targets; with gradients or without, as a validation loss is)."""
         return (
             self.kernels == "fast"
             and self.dtype == torch.float32
-            and not torch.is_autocast_enabled(self.device.type)
             and (self.lm_head is None or type(self.lm_head) is nn.Linear)
             and not self.taps.wants("logits")
         )

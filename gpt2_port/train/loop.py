@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -182,9 +183,11 @@ class Trainer:
         self.eval_forward: Callable[..., Any] = model
         if args.compile:
             # One graph per mode (train with gradients, eval without); DDP's bucketing splits the graph, so fullgraph
-            # is asked of a single process only.
-            self.train_forward = torch.compile(self.net, fullgraph=not d.enabled)
-            self.eval_forward = torch.compile(model, fullgraph=True)
+            # is asked of a single process only. GPT2_PORT_COMPILE_BACKEND picks another backend than inductor
+            # (aot_eager: the same graphs run by eager kernels, no C++ compiler needed).
+            backend = os.environ.get("GPT2_PORT_COMPILE_BACKEND", "inductor")
+            self.train_forward = torch.compile(self.net, fullgraph=not d.enabled, backend=backend)
+            self.eval_forward = torch.compile(model, fullgraph=True, backend=backend)
 
     # control
     def request_stop(self) -> None:

@@ -249,14 +249,11 @@ def prepare(
             if progress is not None:
                 progress("encode", encoded, total)
 
+        how = Reading(tokenizer, read_bytes, encode_chars, on_block)
         if len(files) == 1:
-            split, source_split = _split_one(
-                files[0], sources[0], train, val, tokenizer, val_fraction, read_bytes, encode_chars, on_block
-            )
+            split, source_split = _split_one(files[0], sources[0], train, val, how, val_fraction)
         else:
-            split, source_split = _split_documents(
-                files, sources, train, val, tokenizer, val_fraction, read_bytes, encode_chars, on_block
-            )
+            split, source_split = _split_documents(files, sources, train, val, how, val_fraction)
         if train.tokens == 0 or val.tokens == 0:
             empty = "train.bin" if train.tokens == 0 else "val.bin"
             raise UsageError(f"{empty} would be empty (corpus too small for --val-fraction {val_fraction})")
@@ -290,16 +287,24 @@ def prepare(
         raise
 
 
+@dataclass(frozen=True)
+class Reading:
+    """How the second pass reads and encodes each file."""
+
+    tokenizer: Tokenizer
+    read_bytes: int
+    encode_chars: int
+    on_block: Callable[[bytes], None]  # sees every block read (progress)
+
+    def text(self, path: Path) -> Iterator[str]:
+        return read_utf8(path, str(path), self.read_bytes, self.on_block)
+
+    def encoder(self, writer: BinWriter) -> StreamEncoder:
+        return writer.encoder(self.tokenizer, self.encode_chars)
+
+
 def _split_one(
-    path: Path,
-    source: Source,
-    train: BinWriter,
-    val: BinWriter,
-    tokenizer: Tokenizer,
-    val_fraction: float,
-    read_bytes: int,
-    encode_chars: int,
-    on_block: Callable[[bytes], None],
+    path: Path, source: Source, train: BinWriter, val: BinWriter, how: Reading, val_fraction: float
 ) -> tuple[dict, list[str]]:
     """nanoGPT's rule: characters [0, k) to train and [k, n) to val, k = int(n * (1 - val_fraction)), each encoded
     on its own (the cut at k is not moved to a safe place, so the counts equal nanoGPT's)."""
@@ -310,10 +315,9 @@ def _split_one(
             f"{path}: too few characters ({source.chars}) to split at --val-fraction {val_fraction}: {empty} would be "
             "empty; expected a longer text"
         )
-    enc_train = train.encoder(tokenizer, encode_chars)
-    enc_val = val.encoder(tokenizer, encode_chars)
+    enc_train, enc_val = how.encoder(train), how.encoder(val)
     seen = 0
-    for text in read_utf8(path, str(path), read_bytes, on_block):
+    for text in how.text(path):
         if seen + len(text) <= k:
             enc_train.push(text)
         elif seen >= k:
@@ -330,15 +334,7 @@ def _split_one(
 
 
 def _split_documents(
-    paths: list[Path],
-    sources: list[Source],
-    train: BinWriter,
-    val: BinWriter,
-    tokenizer: Tokenizer,
-    val_fraction: float,
-    read_bytes: int,
-    encode_chars: int,
-    on_block: Callable[[bytes], None],
+    paths: list[Path], sources: list[Source], train: BinWriter, val: BinWriter, how: Reading, val_fraction: float
 ) -> tuple[dict, list[str]]:
     """Each non-empty file is a document; the last k in the order given go to val; <|endoftext|> between documents."""
     docs = [i for i, s in enumerate(sources) if s.chars > 0]
@@ -357,8 +353,8 @@ def _split_documents(
         for n, i in enumerate(chosen):
             if n:
                 writer.write([EOT_ID])
-            enc = writer.encoder(tokenizer, encode_chars)
-            for text in read_utf8(paths[i], str(paths[i]), read_bytes, on_block):
+            enc = how.encoder(writer)
+            for text in how.text(paths[i]):
                 enc.push(text)
             enc.finish()
             source_split[i] = "val" if i in val_docs else "train"

@@ -1,0 +1,146 @@
+"""What a backward parity run reports: per configuration the loss, every gradient (grouped by layer), the optimizer
+steps and the weights after them; per sweep, one report per configuration and the verdict over them all."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .results import PointResult
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss_scratch: float
+    loss_reference: float
+    rel: float
+    tolerance: float
+    passed: bool
+    noise_rel: float | None = None  # transformers' other attention taking the same steps, against the reference
+    within_noise: bool | None = None
+
+
+@dataclass
+class LayerResult:
+    layer: str  # embed, h.{i}, ln_f, head
+    worst_point: str
+    worst_norm_rel: float
+    worst_noise_norm_rel: float | None
+    passed: bool
+
+
+@dataclass
+class BackwardReport:
+    model: str
+    dtype: str
+    device: str
+    reference: str
+    reference_dtype: str
+    reference_device: str
+    scratch_attn: str
+    prompts: list[str]
+    n_tokens: int
+    kernels: str = "reference"  # the scratch model's training kernels (GPT2.set_kernels)
+    # "float32", or "<dtype> autocast": float32 weights, the forward and backward under torch.autocast (as trainers
+    # run mixed precision), against the float32 reference
+    precision: str = "float32"
+    loss_scratch: float = math.nan
+    loss_reference: float = math.nan
+    loss_rel: float = math.nan
+    loss_tolerance: float = 0.0
+    points: list[PointResult] = field(default_factory=list)  # grad.<hf name>, then act_grad.<point>
+    layers: list[LayerResult] = field(default_factory=list)
+    steps: list[StepResult] = field(default_factory=list)
+    weights: list[PointResult] = field(default_factory=list)  # weight.<hf name> after the last step
+    train: dict | None = None
+    noise_floor: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype}/{self.device}"
+
+    @property
+    def first_diverging_layer(self) -> str | None:
+        """The first layer in backprop order (head, ln_f, the last block ... embed) whose gradients diverge: an
+        error made in the backward pass enters there and flows down to every layer below."""
+        return next((g.layer for g in reversed(self.layers) if not g.passed), None)
+
+    @property
+    def first_failure(self) -> str | None:
+        if not self.loss_rel <= self.loss_tolerance:
+            return "loss"
+        bad = next((p.name for p in self.points if not p.passed), None)
+        if bad:
+            return bad
+        bad_step = next((s for s in self.steps if not s.passed), None)
+        if bad_step:
+            return f"steps[{bad_step.step}]"
+        return next((p.name for p in self.weights if not p.passed), None)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_failure is None
+
+    @property
+    def as_close_as_reference(self) -> bool | None:
+        if not self.points or self.points[0].within_noise is None:
+            return None
+        return all(p.within_noise for p in self.points)
+
+    @property
+    def steps_as_close_as_reference(self) -> bool | None:
+        """Every step's loss no further from the reference than transformers' own run with its other attention is
+        (None without that run). The weights after the steps carry their floors too, but one sample per tensor is
+        too noisy for a verdict on its own (124M, fast kernels: median ratio 1.02, a few tensors at 2-4x)."""
+        if not self.steps or self.steps[0].within_noise is None:
+            return None
+        return all(s.within_noise for s in self.steps)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.update(
+            config=self.label,
+            passed=self.passed,
+            first_failure=self.first_failure,
+            first_diverging_layer=self.first_diverging_layer,
+        )
+        if self.noise_floor is not None:
+            d["as_close_as_reference"] = self.as_close_as_reference
+            d["first_above_noise"] = next((p.name for p in self.points if p.within_noise is False), None)
+        if self.steps_as_close_as_reference is not None:
+            d["steps_as_close_as_reference"] = self.steps_as_close_as_reference
+        return d
+
+
+@dataclass
+class BackwardSweep:
+    model: str
+    reports: list[BackwardReport]
+    baseline: str
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.reports)
+
+    @property
+    def first_failing(self) -> BackwardReport | None:
+        return next((r for r in self.reports if not r.passed), None)
+
+    def to_json(self) -> dict:
+        """One configuration: its report (with `kind` and `baseline`). Several: the verdict over all of them and one
+        report each under `configurations`, nothing repeated at the top (the forward report's shape)."""
+        if len(self.reports) == 1:
+            return {**self.reports[0].to_json(), "kind": "backward", "baseline": self.baseline}
+        bad = self.first_failing
+        return {
+            "kind": "backward",
+            "model": self.model,
+            "passed": self.passed,
+            "first_failure": bad.first_failure if bad else None,
+            "first_failure_config": bad.label if bad else None,
+            "baseline": self.baseline,
+            "configurations": [r.to_json() for r in self.reports],
+        }

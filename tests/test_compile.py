@@ -1,0 +1,117 @@
+"""torch.compile of training: the forward and backward, and the evaluation forward, trace as one graph each (no
+graph break: fullgraph=True), with both kernel sets, in float32 and under bf16 autocast; steps after the first and
+every block reuse those graphs (no recompile); the compiled arithmetic gives eager's loss and gradients.
+
+The `aot_eager` backend traces exactly what inductor would compile (dynamo, then AOTAutograd's forward and backward
+graphs) and runs the graphs with eager kernels, so it needs no C++ compiler; tests on a GPU use inductor itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2_port.cli import main
+from gpt2_port.config import GPT2Config
+from gpt2_port.io.demo import write_demo_checkpoint
+from gpt2_port.model import GPT2
+
+CFG = GPT2Config(n_layer=3, n_embd=32, n_head=2, n_positions=32, vocab_size=96)
+
+
+def _model(kernels: str) -> GPT2:
+    return GPT2(CFG).init_weights(0).set_kernels(kernels).set_dropout(0.0).train().requires_grad_(True)
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, CFG.vocab_size, (2, 17), generator=g)
+    return w[:, :-1], w[:, 1:]
+
+
+def _step(f, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:  # noqa: ANN001
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss = f(x, targets=y, num_items_in_batch=y.numel()).loss
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])
+def test_training_and_evaluation_compile_as_one_graph_each_without_recompiles(kernels: str, dtype) -> None:  # noqa: ANN001
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    m = _model(kernels)
+    f = torch.compile(m, backend="aot_eager", fullgraph=True)  # a graph break would raise
+    _step(f, *_batch(0), dtype)
+    m.zero_grad(set_to_none=True)
+    m.eval()
+    with torch.no_grad():
+        f(*_batch(1)[:1])
+    m.train()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs - before == 2  # one for training (forward and backward), one for evaluation: blocks do not add any
+    with torch._dynamo.config.patch(error_on_recompile=True):  # later steps and evaluations reuse them
+        for seed in range(2, 5):
+            _step(f, *_batch(seed), dtype)
+            m.zero_grad(set_to_none=True)
+        m.eval()
+        with torch.no_grad():
+            f(*_batch(9)[:1])
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_the_compiled_step_gives_eagers_loss_and_gradients(kernels: str) -> None:
+    eager, compiled = _model(kernels), _model(kernels)
+    f = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    x, y = _batch(3)
+    a, b = _step(eager, x, y, None), _step(f, x, y, None)
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
+    for (n, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad.to_dense(), rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_recording_activations_still_works_on_the_eager_model() -> None:
+    """Taps are one `is None` test when nothing records (compiled away); recording itself runs eagerly."""
+    m = _model("reference").eval()
+    with torch.no_grad(), m.record(["block.1", "ln_f"]) as acts:
+        m(_batch(0)[0])
+    assert set(acts) == {"block.1", "ln_f"}
+
+
+def test_train_compile_runs_the_command_with_the_compiled_step(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`gpt2-port train --compile` (backend from GPT2_PORT_COMPILE_BACKEND: aot_eager, no C++ compiler here) trains
+    the same losses as the eager run, evaluation included."""
+    ck = write_demo_checkpoint(tmp_path / "ck", config=CFG, seed=2)
+    data = tmp_path / "data"
+    data.mkdir()
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, 4000).astype("<u2")
+    ids.tofile(data / "train.bin")
+    ids[:800].tofile(data / "val.bin")
+    monkeypatch.setenv("GPT2_PORT_COMPILE_BACKEND", "aot_eager")
+    runs = {}
+    for name, flag in (("eager", []), ("compiled", ["--compile"])):
+        out = tmp_path / name
+        argv = ["train", "--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "3", "--batch-size"]
+        argv += ["2", "--block-size", "16", "--eval-every", "2", "--eval-batches", "2", "--dropout", "0", "--no-plot"]
+        assert main([*argv, "--device", "cpu", "--json", str(tmp_path / f"{name}.json"), *flag]) == 0
+        runs[name] = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+        torch._dynamo.reset()
+    assert json.loads((tmp_path / "compiled.json").read_text())["compile"] is True
+    assert [("val_loss" in r) for r in runs["compiled"]] == [False, True, True]
+    for a, b in zip(runs["eager"], runs["compiled"]):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5)
+        assert b.get("val_loss", 0.0) == pytest.approx(a.get("val_loss", 0.0), rel=1e-5)

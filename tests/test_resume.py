@@ -1,0 +1,132 @@
+"""`gpt2-port train --resume DIR` continues the saved run with its saved settings: no flag needed, the same weights as
+an uninterrupted run bit for bit; a flag given again overrides its saved value and says so; moved data is refused
+until --data says where it went; the line printed at a stop is exactly the command that continues."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2_port.cli import main
+from gpt2_port.config import GPT2Config
+from gpt2_port.io.demo import write_demo_checkpoint
+from gpt2_port.io.safetensors_io import SafetensorsFile
+from gpt2_port.train import state as trainer_state
+
+SMALL = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=512)
+# every setting away from its default, so a resume that fell back to a default would show
+SETTINGS = ["--batch-size", "2", "--block-size", "16", "--grad-accum", "2", "--lr", "3e-4", "--min-lr", "1e-5"]
+SETTINGS += ["--warmup", "2", "--schedule", "cosine", "--beta2", "0.99", "--weight-decay", "0.05", "--clip", "0.5"]
+SETTINGS += ["--dropout", "0.1", "--eval-every", "2", "--eval-batches", "2", "--seed", "7", "--kernels", "fast"]
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_checkpoint(tmp_path_factory.mktemp("ck"), config=SMALL, seed=4)
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    d = tmp_path / "data"
+    d.mkdir()
+    ids = np.random.default_rng(1).integers(0, SMALL.vocab_size, 6000).astype("<u2")
+    ids.tofile(d / "train.bin")
+    ids[:1000].tofile(d / "val.bin")
+    return d
+
+
+def log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def weights(d: Path) -> dict[str, torch.Tensor]:
+    st = SafetensorsFile(d / "model.safetensors")
+    return {k: st.get(k).clone() for k in st.keys()}
+
+
+def train(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(["train", *argv, "--device", "cpu", "--no-plot"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_resume_with_no_flags_continues_the_saved_run_bit_for_bit(ck: Path, data: Path, tmp_path: Path, capsys) -> None:
+    full, part = tmp_path / "full", tmp_path / "part"
+    base = ["--init", str(ck), "--data", str(data), "--steps", "6", *SETTINGS]
+    assert train(capsys, *base, "--out", str(full))[0] == 0
+    rc, out, _ = train(capsys, *base, "--out", str(part), "--stop-at", "3")
+    assert rc == 0 and out.splitlines()[-1] == f"gpt2-port train --resume {part}"  # the command, exactly
+    rc, _, err = train(capsys, "--resume", str(part))  # nothing else: the saved settings and data directory
+    assert rc == 0 and "WARNING" not in err, err
+    a, b = log(full), log(part)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for key in ("train_loss", "lr", "grad_norm", "val_loss"):
+        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
+    wa, wb = weights(full), weights(part)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    saved = trainer_state.load(part).args
+    assert saved["lr"] == 3e-4 and saved["kernels"] == "fast" and saved["data"] == str(data) and "stop_at" not in saved
+
+
+def test_an_override_is_named_with_its_old_and_new_value(ck: Path, data: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert train(capsys, "--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "4", "--stop-at", "2",
+                 *SETTINGS)[0] == 0  # fmt: skip
+    rc, _, err = train(capsys, "--resume", str(out), "--lr", "1e-3", "--eval-every", "1")
+    assert rc == 0
+    warnings = [ln for ln in err.splitlines() if ln.startswith("WARNING resume:")]
+    assert len(warnings) == 2, err
+    assert "--lr 0.001 where the saved run used 0.0003" in warnings[0] and "uninterrupted" in warnings[0]
+    assert "--eval-every 1 where the saved run used 2" in warnings[1]
+    assert trainer_state.load(out).args["lr"] == 1e-3  # the override is the run's setting from now on
+    # a flag given again with its saved value changes nothing and says nothing
+    rc, _, err = train(capsys, "--resume", str(out), "--lr", "1e-3", "--steps", "4")
+    assert rc == 0 and "WARNING" not in err
+
+
+def test_moved_data_is_refused_naming_the_saved_path_and_data_fixes_it(
+    ck: Path, data: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "run"
+    argv = ["--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "3", "--stop-at", "1", *SETTINGS]
+    assert train(capsys, *argv)[0] == 0
+    moved = tmp_path / "moved"
+    shutil.move(data, moved)
+    rc, _, err = train(capsys, "--resume", str(out))
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert f"the run's data directory {data} is gone" in err and "--data" in err
+    rc, _, err = train(capsys, "--resume", str(out), "--data", str(moved))
+    assert rc == 0 and "WARNING" not in err  # the same data where it is now: not an override
+    assert trainer_state.load(out).args["data"] == str(moved)
+
+
+def test_other_data_given_on_resume_is_named(ck: Path, data: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = ["--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "3", "--stop-at", "1", *SETTINGS]
+    assert train(capsys, *argv)[0] == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (np.arange(3000) % SMALL.vocab_size).astype("<u2").tofile(other / "train.bin")
+    rc, _, err = train(capsys, "--resume", str(out), "--data", str(other))
+    assert rc == 0 and "other data" in err and "6,000 train tokens" not in err and "3,000" in err
+
+
+def test_a_state_saved_before_settings_were_saved_needs_data(ck: Path, data: Path, tmp_path: Path, capsys) -> None:
+    """A trainer_state.json whose args lack "data" (an older gpt2-port): --data is required, and said so."""
+    out = tmp_path / "run"
+    argv = ["--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "3", "--stop-at", "1", *SETTINGS]
+    assert train(capsys, *argv)[0] == 0
+    js = out / trainer_state.STATE_JSON
+    meta = json.loads(js.read_text())
+    del meta["args"]["data"]
+    meta["args"]["stop_at"] = 1  # older states saved it too: it is ignored
+    js.write_text(json.dumps(meta))
+    rc, _, err = train(capsys, "--resume", str(out))
+    assert rc == 2 and "--data DIR is required" in err
+    assert train(capsys, "--resume", str(out), "--data", str(data))[0] == 0
