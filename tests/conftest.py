@@ -13,6 +13,21 @@ from gpt2_port.io.demo import write_demo_checkpoint
 from gpt2_port.model import GPT2
 
 REPO = Path(__file__).resolve().parents[1]
+NO_CUDA = (
+    "NOT RUN: needs a CUDA GPU and this machine has none (torch.cuda.is_available() is False); run "
+    "`.venv/bin/python -m pytest -m cuda` on a machine with one"
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` are reported NOT RUN, with the reason, where there is no GPU (never silently dropped)."""
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA))
+
+
 SHARED_TOKENIZER = REPO.parent / "shared" / "gpt2-tokenizer"
 
 TINY = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128)

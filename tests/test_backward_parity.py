@@ -18,6 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from gpt2_port_checks import backward, grads, steps, storage, tolerances  # noqa: E402
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 PROMPTS = ["--prompt", "The students opened their books", "--prompt", "The cat chased the mouse"]
 
 

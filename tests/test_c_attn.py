@@ -11,6 +11,8 @@ import torch
 from gpt2_port.model import from_pretrained
 from gpt2_port.model.c_attn import CAttn, c_attn_view
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 
 def _fused(C: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """A [C, 3C] weight and (3C,) bias, and q/k/v's [out, in] weights and biases as views of them (a loaded model)."""

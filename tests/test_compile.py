@@ -20,6 +20,8 @@ from gpt2_port.config import GPT2Config
 from gpt2_port.io.demo import write_demo_checkpoint
 from gpt2_port.model import GPT2
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 CFG = GPT2Config(n_layer=3, n_embd=32, n_head=2, n_positions=32, vocab_size=96)
 
 

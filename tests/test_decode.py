@@ -17,6 +17,8 @@ from gpt2_port.model.c_attn import fused_qkv
 from gpt2_port.model.decode import DecodePlan
 from gpt2_port.model.masks import build_mask
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 
 def _chaotic(seed: int = 3) -> GPT2:
     return chaotic_model(TINY, seed)

@@ -10,6 +10,8 @@ import pytest
 
 from gpt2_port.cli import main
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 TEXT_KEYS = {"tokens", "nll", "perplexity", "bytes", "bits_per_byte", "byte_perplexity", "words", "word_perplexity"}
 

@@ -23,6 +23,8 @@ from gpt2_port.io.text import read_text_pieces, safe_cut
 from gpt2_port.io.tokenizer import load_tokenizer
 from gpt2_port.model import GPT2
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 P = 99  # the prefix token in window tests
 NLL_RTOL = 1e-6  # float32 against transformers (worst seen in these tests: 0.0 with sdpa, see test_text_nll_...)

@@ -13,6 +13,8 @@ from gpt2_port.errors import UsageError
 from gpt2_port.model import from_pretrained, fused
 from gpt2_port.model.loss import IGNORE_INDEX, cross_entropy, shift_labels
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 # float32 CPU, these shapes: loss rel worst seen 1.2e-7, gradients norm-rel worst seen 3.1e-7 (summation order only)
 LOSS_REL = 1e-6
 GRAD_NORM_REL = 1e-5
@@ -168,3 +170,28 @@ def test_a_second_backward_through_the_fused_loss_is_refused() -> None:
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
+
+
+def test_the_private_log_softmax_ops_are_used_on_tested_torch_versions_only(monkeypatch) -> None:
+    assert fused.private_ops_usable() and fused.USE_PRIVATE_OPS  # this torch is the tested one
+    monkeypatch.setattr(fused, "_torch_version", lambda: (2, 99))
+    assert not fused.private_ops_usable()  # an untested release: the public fallback
+    monkeypatch.setattr(fused, "_torch_version", lambda: min(fused.PRIVATE_OPS_TESTED))
+    monkeypatch.delattr(torch, "_log_softmax_backward_data")
+    assert not fused.private_ops_usable()  # a release without the op
+
+
+@pytest.mark.parametrize("num_items", [None, 7])
+def test_the_public_fallback_gives_the_references_loss_and_gradients_to_rounding(monkeypatch, num_items) -> None:
+    monkeypatch.setattr(fused, "USE_PRIVATE_OPS", False)
+    monkeypatch.setattr(fused, "CHUNK_ROWS", 5)
+    h, w, b, t = _case(2, 23, 16, 97, True)
+    want, want_g = _grads(_reference, h, w, b, t, num_items)
+    got, got_g = _grads(fused.linear_cross_entropy, h, w, b, t, num_items)
+    assert abs(float(got - want)) <= LOSS_REL * abs(float(want))
+    for x, y in zip(got_g, want_g):
+        assert _norm_rel(x, y) <= GRAD_NORM_REL
+    # and it is a different computation of the same thing: not the private kernel's bits
+    monkeypatch.setattr(fused, "USE_PRIVATE_OPS", True)
+    _, private_g = _grads(fused.linear_cross_entropy, h, w, b, t, num_items)
+    assert any(not torch.equal(x, y) for x, y in zip(got_g, private_g))

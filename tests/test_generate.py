@@ -20,6 +20,8 @@ from gpt2_port.io import adapter
 from gpt2_port.io.tokenizer import load_tokenizer
 from gpt2_port.model import GPT2
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 # A tiny model whose random weights are large enough that greedy text keeps changing (GPT-2's 0.02 init, untrained,
 # repeats one token forever, which would make equality tests weak). Context 256 so 200 new tokens fit.
 CHAOTIC = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=256)
@@ -93,7 +95,12 @@ def test_greedy_124m_equals_transformers_128_tokens(ckpt124: Path) -> None:
 @pytest.mark.slow
 def test_batched_last_logits_are_bit_identical_to_transformers(ckpt124: Path) -> None:
     """The head on x[:, -1:] (not contiguous) runs as transformers' does: one 2-D matmul (a 3-D F.linear would take
-    bmm, which differs in the last bits for B > 1)."""
+    bmm, which differs in the last bits for B > 1).
+
+    Contract: bit-identity by construction, the same calls on the same shapes: our last-only head and transformers'
+    logits_to_keep=1 head are one (8, C) @ (C, V) mm on the same strided rows; our full forward and transformers' are
+    one (256, C) @ (C, V) mm. Last-only against full is not asserted: a GEMM over another number of rows may take
+    another kernel (it does on a 16-core Xeon), so those two agree to rounding only."""
     from transformers import GPT2LMHeadModel
 
     hf = GPT2LMHeadModel.from_pretrained(ckpt124, dtype=torch.float32).eval()
@@ -101,11 +108,12 @@ def test_batched_last_logits_are_bit_identical_to_transformers(ckpt124: Path) ->
     ids = torch.randint(0, 50257, (8, 32), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ref = hf(input_ids=ids, logits_to_keep=1).logits
+        ref_full = hf(input_ids=ids).logits
         got = ours(ids, last_only=True)
         full = ours(ids)
     assert got.shape == ref.shape == (8, 1, 50257)
     assert torch.equal(got, ref)
-    assert torch.equal(full[:, -1:], got)
+    assert torch.equal(full, ref_full)
 
 
 def test_greedy_equals_transformers(model: GPT2, hf_model) -> None:

@@ -16,6 +16,8 @@ from gpt2_port.io.checkpoint import locate
 from gpt2_port.io.load import read_checkpoint
 from gpt2_port.model import from_pretrained
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 IDS = torch.tensor([[464, 2444, 4721, 511, 3835], [464, 3797, 26172, 262, 10211]])
 
 
@@ -208,3 +210,29 @@ def test_resident_fraction_and_prefetch(tiny_official: Path, tmp_path: Path):
     sf.prefetch(sf.keys())  # warm path (populate), then the cold path on the evicted copy: both only advice
     SafetensorsFile(f).prefetch(sf.keys())
     torch.testing.assert_close(logits(tmp_path), logits(tiny_official), rtol=0, atol=0)
+
+
+def test_q_k_v_stay_views_of_one_c_attn_through_a_dtype_and_device_move(tiny_official: Path) -> None:
+    """A load to another dtype or device converts each checkpoint tensor once and splits c_attn afterwards, so q, k
+    and v stay views of one tensor and inference runs c_attn's one matmul, as transformers does (moved one by one,
+    three matmuls ran: on CUDA not bit-exact). 'meta' stands in for an accelerator."""
+    from gpt2_port.io import adapter
+    from gpt2_port.io.load import read_checkpoint
+    from gpt2_port.model.c_attn import c_attn_view, fused_qkv
+
+    for dtype, device in ((torch.bfloat16, "cpu"), (torch.float32, "meta")):
+        sd, rep = read_checkpoint(tiny_official)
+        state = adapter.convert_sources(
+            rep.conversion, sd, rep.config, lambda t, d=device, dt=dtype: t.to(device=d, dtype=dt)
+        )
+        for i in range(rep.config.n_layer):
+            q, k, v = (state[f"h.{i}.attn.{n}_proj.weight"] for n in "qkv")
+            assert q.device.type == device and q.dtype == dtype
+            assert q._base is not None and q._base is k._base is v._base  # one [C, 3C] tensor under all three
+    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16)
+    for block in m.h:
+        a = block.attn
+        assert c_attn_view(
+            a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias
+        )
+        assert fused_qkv(a.q_proj, a.k_proj, a.v_proj) is not None

@@ -12,6 +12,8 @@ from gpt2_port_checks.metrics import metrics
 from gpt2_port_checks.prompts import DEFAULT_PROMPTS
 from gpt2_port_checks.tolerances import TOLERANCES
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 
 def test_124m_official_layout_float32(ckpt124: Path, tmp_path: Path, capsys):
     """The issue's target: norm-relative error <= 1e-6 at every point, top-1 agreement 100%, exit 0, JSON schema."""

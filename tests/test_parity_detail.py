@@ -16,6 +16,8 @@ from gpt2_port_checks.noise import NOISE_MARGIN, verdict
 from gpt2_port_checks.points import SUBLAYER_KINDS, point_names
 from gpt2_port_checks.tolerances import TOLERANCES, VS_FLOAT32_TOLERANCES
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 PROMPTS = ["The students opened their books", "Hello world"]
 N_LAYER, N_HEAD = 2, 4  # conftest.TINY
 

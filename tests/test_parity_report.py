@@ -22,6 +22,8 @@ from gpt2_port_checks.prompts import DEFAULT_PROMPT_IDS, DEFAULT_PROMPTS
 from gpt2_port_checks.results import PointResult, Report, Sweep
 from gpt2_port_checks.tolerances import VS_FLOAT32_TOLERANCES
 
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
 TINY = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128)
 BOX = re.compile("[\u2500-\u257f]")  # box-drawing characters
 

@@ -18,6 +18,7 @@ from gpt2_port.io.demo import write_demo_checkpoint
 from gpt2_port.io.safetensors_io import SafetensorsFile
 from gpt2_port.train import state as trainer_state
 
+pytestmark = pytest.mark.exactness  # bit-for-bit resume: run again under a second arithmetic configuration
 SMALL = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, vocab_size=512)
 # every setting away from its default, so a resume that fell back to a default would show
 SETTINGS = ["--batch-size", "2", "--block-size", "16", "--grad-accum", "2", "--lr", "3e-4", "--min-lr", "1e-5"]

@@ -227,6 +227,7 @@ def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
     assert not torch.equal(weights(out)["h.0.mlp.c_fc.weight"], weights(small_ckpt)["h.0.mlp.c_fc.weight"])
 
 
+@pytest.mark.exactness
 def test_resume_continues_exactly_same_losses_and_bit_identical_weights(
     small_ckpt: Path, small_data: Path, tmp_path: Path
 ) -> None:
@@ -302,6 +303,7 @@ def test_from_scratch_is_seeded_and_an_out_that_holds_a_run_is_not_overwritten(
     assert rc == 2 and log(tmp_path / "a") == runs[0]
 
 
+@pytest.mark.exactness
 def test_grad_checkpointing_trains_the_same_model(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
     runs = []
     for flag in ([], ["--grad-checkpointing"]):

@@ -27,6 +27,19 @@ COMMAND_MODULES = [
 ]
 
 
+class StderrHandler(logging.StreamHandler):
+    """A log handler that writes to whatever sys.stderr is when a record comes (a caller that calls `main` more than
+    once may have swapped it in between), not the stream of the first call."""
+
+    @property
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 class ArgParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line ("gpt2-port parity: error: ...") and exit code 2."""
 
@@ -58,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+        handlers=[StderrHandler()],
     )
     try:
         return int(args.func(args) or 0)

@@ -37,6 +37,30 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+# The private ops `torch._log_softmax(..., out=)` and `torch._log_softmax_backward_data(..., out=)` are torch's own
+# log-softmax kernels, the ones F.cross_entropy runs: calling them gives the reference's logits gradient bit for bit.
+# Private means unversioned: they are used on the torch releases CI tests (the minor versions below) and only when
+# present; elsewhere the public fallback computes the same formula with public ops (the gradient then matches the
+# reference to rounding, not bit for bit). tests/test_fused.py runs both.
+PRIVATE_OPS_TESTED = {(2, 13)}
+
+
+def private_ops_usable() -> bool:
+    return (
+        _torch_version() in PRIVATE_OPS_TESTED
+        and hasattr(torch, "_log_softmax")
+        and hasattr(torch, "_log_softmax_backward_data")
+    )
+
+
+USE_PRIVATE_OPS = private_ops_usable()
+
+
 def nll_and_logit_grad(
     logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, step: torch.Tensor, nll_grad: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -45,16 +69,22 @@ def nll_and_logit_grad(
 
     targets: (n,) in range (anything where not kept); keep: (n,) bool; step: () -1/divisor, the gradient nll_loss's
     backward gives each kept target for an incoming gradient of 1; nll_grad: an (n, V) float32 buffer of zeros, left
-    zeroed. torch's log-softmax kernels themselves run, so each row equals the reference's (F.cross_entropy) bit for
-    bit however the rows are chunked.
+    zeroed. With the private ops (USE_PRIVATE_OPS) torch's log-softmax kernels themselves run, so each row equals the
+    reference's (F.cross_entropy) bit for bit however the rows are chunked.
     """
-    lp = torch._log_softmax(logits, 1, False, out=logits)  # (n, V) log-probabilities
+    if USE_PRIVATE_OPS:
+        lp = torch._log_softmax(logits, 1, False, out=logits)  # (n, V) log-probabilities
+    else:
+        lp = logits.copy_(torch.log_softmax(logits, dim=1))
     at = (torch.arange(len(targets), device=logits.device), targets)
     nll = -(lp[at] * keep).sum()
     if nll_grad is None:
         return nll, None
     nll_grad[at] = torch.where(keep, step, 0.0)  # (n, V): nll_loss's incoming gradient for the log-softmax
-    grad = torch._log_softmax_backward_data(nll_grad, lp, 1, torch.float32, out=lp)
+    if USE_PRIVATE_OPS:
+        grad = torch._log_softmax_backward_data(nll_grad, lp, 1, torch.float32, out=lp)
+    else:  # log-softmax's backward, public: g - exp(lp) * sum(g) over the row
+        grad = lp.exp_().mul_(-nll_grad.sum(1, keepdim=True)).add_(nll_grad)
     nll_grad[at] = 0.0
     return nll, grad
 

@@ -1,0 +1,134 @@
+"""The CUDA paths, where a GPU is: bit-exact float32 forward parity, backward parity, a bf16 training step with each
+kernel set, training and resume on the GPU and across devices, the measured memory check, torch.compile with
+inductor, and the CUDA-graph decode step. Every test here is marked `cuda`: on a machine without a GPU each is
+reported NOT RUN with the reason (tests/conftest.py), never dropped silently."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2_port.cli import main
+from gpt2_port.config import GPT2Config
+from gpt2_port.io.demo import write_demo_checkpoint
+from gpt2_port.io.safetensors_io import SafetensorsFile
+
+pytestmark = [pytest.mark.cuda, pytest.mark.exactness]
+SMALL = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("cuda")
+    ck = write_demo_checkpoint(d / "ck", config=SMALL, seed=3)
+    data = d / "data"
+    data.mkdir()
+    ids = np.random.default_rng(0).integers(0, SMALL.vocab_size, 20000).astype("<u2")
+    ids.tofile(data / "train.bin")
+    ids[:4000].tofile(data / "val.bin")
+    return ck, data
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+
+
+def _weights(d: Path) -> dict[str, torch.Tensor]:
+    st = SafetensorsFile(d / "model.safetensors")
+    return {k: st.get(k).clone() for k in st.keys()}
+
+
+def _train(ck: Path, data: Path, out: Path, *extra: str) -> int:
+    argv = ["train", "--init", str(ck), "--data", str(data), "--out", str(out), "--batch-size", "4"]
+    argv += ["--block-size", "64", "--eval-every", "2", "--eval-batches", "2", "--no-plot", "--dropout", "0.1"]
+    return main([*argv, *extra])
+
+
+@pytest.mark.parametrize("size", ["tiny", "124M"])
+def test_the_float32_forward_is_bit_exact_on_cuda(size: str, tiny_official: Path, request, tmp_path: Path) -> None:
+    """q, k and v stay views of one c_attn on the GPU (one matmul, as transformers runs it): 0 at every point."""
+    ck = tiny_official if size == "tiny" else request.getfixturevalue("ckpt124")
+    js = tmp_path / "r.json"
+    assert main(["parity", str(ck), "--device", "cuda", "--json", str(js)]) == 0
+    r = json.loads(js.read_text())
+    assert r["device"].startswith("cuda") and all(p["norm_rel"] == 0.0 for p in r["points"]), r["points"]
+
+
+def test_backward_parity_on_cuda_is_within_transformers_own_noise(tiny_official: Path, tmp_path: Path) -> None:
+    js = tmp_path / "b.json"
+    assert (
+        main(["parity", str(tiny_official), "--backward", "--train-steps", "3", "--device", "cuda", "--json", str(js)])
+        == 0
+    )
+    d = json.loads(js.read_text())
+    assert d["passed"] and d["as_close_as_reference"] is True
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_a_bf16_step_on_cuda_lies_within_transformers_own_bf16_distance(tiny_official: Path, kernels: str) -> None:
+    from gpt2_port_checks import backward
+
+    r = backward.run_backward(
+        str(tiny_official), ["The students opened their books"], dtypes="bfloat16", devices="cuda", kernels=kernels
+    ).reports[0]
+    assert r.precision == "bfloat16 autocast" and r.as_close_as_reference is True and r.passed
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "float32"])
+def test_training_runs_on_cuda_and_resumes_exactly(small: tuple[Path, Path], tmp_path: Path, dtype: str) -> None:
+    """6 steps == 3 steps + a resume to 6 on the GPU: the same losses and the same weights bit for bit (fused AdamW
+    restored with its step count on the GPU, the CUDA generator's state restored)."""
+    ck, data = small
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = ["--device", "cuda", "--dtype", dtype, "--kernels", "reference", "--steps", "6"]
+    assert _train(ck, data, full, *common) == 0
+    assert _train(ck, data, part, *common, "--stop-at", "3") == 0
+    assert main(["train", "--resume", str(part), "--device", "cuda", "--no-plot"]) == 0
+    a, b = _log(full), _log(part)
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+    wa, wb = _weights(full), _weights(part)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(r["mfu"] is None or 0 < r["mfu"] < 1 for r in a)
+
+
+@pytest.mark.parametrize(("first", "then"), [("cuda", "cpu"), ("cpu", "cuda")])
+def test_a_run_saved_on_one_device_resumes_on_the_other(small: tuple[Path, Path], tmp_path: Path, first, then):
+    ck, data = small
+    out = tmp_path / "run"
+    assert _train(ck, data, out, "--device", first, "--steps", "4", "--stop-at", "2") == 0
+    assert main(["train", "--resume", str(out), "--device", then, "--no-plot"]) == 0
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]
+
+
+def test_the_measured_memory_check_is_within_10_percent_of_the_peak(small: tuple[Path, Path], tmp_path: Path):
+    ck, data = small
+    js = tmp_path / "s.json"
+    assert _train(ck, data, tmp_path / "run", "--device", "cuda", "--steps", "3", "--json", str(js)) == 0
+    s = json.loads(js.read_text())
+    assert s["memory_method"] == "measured"
+    assert abs(s["memory_estimate_mb"] - s["peak_device_mb"]) <= 0.10 * s["peak_device_mb"], s
+
+
+def test_train_compile_with_inductor_on_cuda(small: tuple[Path, Path], tmp_path: Path) -> None:
+    ck, data = small
+    eager, compiled = tmp_path / "e", tmp_path / "c"
+    common = ["--device", "cuda", "--dtype", "bf16", "--steps", "4", "--dropout", "0"]
+    assert _train(ck, data, eager, *common) == 0
+    assert _train(ck, data, compiled, *common, "--compile") == 0
+    for a, b in zip(_log(eager), _log(compiled)):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=2e-2)
+
+
+def test_the_cuda_graph_decode_gives_the_eager_steps_tokens(tiny_official: Path) -> None:
+    from gpt2_port import GPT2
+
+    for dtype in (torch.float32, torch.bfloat16):
+        m = GPT2.from_pretrained(str(tiny_official), dtype=dtype, device="cuda")
+        ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
+        graph = m.generate(ids, 40, eos_token_id=None, cuda_graph=True)
+        eager = m.generate(ids, 40, eos_token_id=None, cuda_graph=False)
+        assert torch.equal(graph, eager), dtype
