@@ -225,7 +225,7 @@ def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.devic
     L, tol, lab = s.cfg.n_layer, BACKWARD_TOLERANCES[dtype_name(dt)], f"{dtype_name(dt)}/{dev}"
     t0 = time.perf_counter()
     s.say(f"scratch {lab}: load")
-    scratch, _ = from_pretrained(s.model, dtype=torch.float32, device=dev, revision=s.revision)
+    scratch, _ = from_pretrained(s.model, dtype=torch.float32, device=dev, revision=s.revision, layout="checkpoint")
     scratch.set_attn_impl(s.attn)  # type: ignore[arg-type]
     scratch.set_kernels(s.kernels).set_dropout(0.0).train().requires_grad_(True)  # type: ignore[arg-type]
     t_load = time.perf_counter() - t0

@@ -152,7 +152,10 @@ def _run_detailed(
     inputs = _as_inputs(prompts)
 
     t0 = time.perf_counter()
-    scratch, rep = from_pretrained(model, dtype=configs[0][0], device=configs[0][1], revision=revision)
+    # the checkpoint's layout (views of its [in, out] tensors): the same calls as transformers' Conv1D in every dtype
+    scratch, rep = from_pretrained(
+        model, dtype=configs[0][0], device=configs[0][1], revision=revision, layout="checkpoint"
+    )
     t_scratch = time.perf_counter() - t0
     cfg, ckpt = rep.config, rep.checkpoint
     names = point_names(cfg.n_layer, detail, per_head, cfg.n_head)
@@ -187,7 +190,7 @@ def _run_detailed(
     for k, (dt, dev) in enumerate(configs):
         t0 = time.perf_counter()
         if k > 0:
-            scratch, _ = from_pretrained(model, dtype=dt, device=dev, revision=revision)
+            scratch, _ = from_pretrained(model, dtype=dt, device=dev, revision=revision, layout="checkpoint")
         scratch.set_attn_impl(attn)  # type: ignore[arg-type]
         t_load = time.perf_counter() - t0 if k > 0 else t_scratch
         t0 = time.perf_counter()

@@ -132,7 +132,7 @@ def test_layer_step_is_bit_identical_to_block_forward(which: str, padded: bool, 
 def test_no_inference_shortcut_in_train_mode_or_with_gradients(official: GPT2) -> None:
     """DecodePlan and the fast greedy head run only in eval mode with no gradient wanted; generate then falls back to
     the forward, and a plan made earlier refuses to step."""
-    from gpt2_port.generate.loop import FastGreedyHead
+    from gpt2_port.generate.greedy_head import FastGreedyHead
 
     m, ids = official, torch.tensor([[3, 1, 4]])
     assert DecodePlan.for_model(m) is not None and FastGreedyHead.usable(m)
@@ -157,3 +157,93 @@ def test_no_inference_shortcut_in_train_mode_or_with_gradients(official: GPT2) -
     finally:
         m.requires_grad_(False)
     assert cache.length == 0  # the refused steps wrote nothing
+
+
+# -- the static step (fixed shapes: what a CUDA graph replays) -------------------------------------------------------
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_static_step_is_the_dynamic_step_bit_for_bit_where_the_keys_are_the_same(padded: bool) -> None:
+    """From the same cache, with every slot of the fixed buffer in use (the same keys, the same mask), one static step
+    gives the plan's step bit for bit: the block arithmetic is the same calls. Earlier in a generation the static
+    step also sums over masked slots, so its bits may differ there; its tokens may not (below)."""
+    from gpt2_port.generate.cache import StaticKVCache
+
+    m = _chaotic()
+    plan = DecodePlan.for_model(m)
+    B, L = 3, 12
+    seq = torch.randint(0, TINY.vocab_size, (B, L), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(B, L, dtype=torch.long)
+    if padded:
+        mask[1, :4] = 0  # row 1 left-padded
+    prompt_mask = mask[:, : L - 1] if padded else None
+    with torch.no_grad():
+        dyn = KVCache(TINY, B, L, torch.float32, "cpu")
+        m(seq[:, : L - 1], attention_mask=prompt_mask, cache=dyn, hidden_only=True)
+        want = plan.step(seq[:, L - 1 :], dyn, mask if padded else None)
+        st = StaticKVCache(TINY, B, L, torch.float32, "cpu")
+        m(seq[:, : L - 1], attention_mask=prompt_mask, cache=st, hidden_only=True)
+        st.start(prompt_mask, L - 1)
+        st.feed(seq[:, L - 1], L - 1)
+        got = plan.static_step(st)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_static_generation_gives_the_dynamic_generations_tokens(sample: bool) -> None:
+    m = _chaotic()
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3], [0, 0, 0, 8, 11, 12]])
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    opts = dict(attention_mask=mask, eos_token_id=None, do_sample=sample, seed=3, top_k=20 if sample else None)
+    a = generate_full(m, ids, 40, static_cache=False, **opts)
+    b = generate_full(m, ids, 40, static_cache=True, **opts)
+    assert a.extra["step"] == "plan" and b.extra["step"] == "static"
+    assert torch.equal(a.sequences, b.sequences)
+
+
+def test_the_static_step_attends_over_one_shape_for_the_whole_generation(monkeypatch) -> None:
+    """The pinned choice behind "bf16 never slower than float32": every decode step's attention sees keys of one
+    length (the buffer's), so an attention backend that plans per shape (cuDNN on an H100) plans once. The plan's
+    dynamic step, by contrast, grows its keys by one per token."""
+    import torch.nn.functional as F
+
+    from gpt2_port.model import decode
+
+    lengths: list[int] = []
+    real = F.scaled_dot_product_attention
+
+    def watch(q, k, v, **kw):  # noqa: ANN001, ANN003, ANN202
+        lengths.append(k.shape[-2])
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(decode.F, "scaled_dot_product_attention", watch)
+    m = _chaotic().to(torch.bfloat16)
+    ids = torch.tensor([[5, 17, 42]])
+    n = TINY.n_layer
+    generate_full(m, ids, 10, eos_token_id=None, static_cache=True)
+    assert lengths[:n] == [3] * n  # the prompt's forward
+    assert len(lengths) == n + 9 * n and set(lengths[n:]) == {3 + 10}  # 9 steps, all over the 13-slot buffer
+    lengths.clear()
+    generate_full(m, ids, 10, eos_token_id=None, static_cache=False)
+    assert len(set(lengths[n:])) == 9
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_each_token_costs_one_transfer_from_the_device(static: bool, monkeypatch) -> None:
+    """Streaming, EOS and stop strings need the new ids on the host, and nothing else does: one read per token
+    (ids and the finite flag together), counted over every way a tensor reaches the host."""
+    m = _chaotic()
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__float__", "__int__", "__index__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            reads.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    ids = torch.tensor([[5, 17, 42]])
+    opts = dict(eos_token_id=None, do_sample=True, seed=1, repetition_penalty=1.2, static_cache=static)
+    g = generate_full(m, ids, 12, **opts)
+    monkeypatch.undo()
+    assert g.sequences.shape[1] == 3 + 12
+    first = reads.index("tolist")  # before it: the prompt's checks, on the caller's tensor, before the loop
+    assert reads[first:] == ["tolist"] * 12, reads

@@ -15,7 +15,7 @@ from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
 from gpt2_port.errors import UsageError
 from gpt2_port.generate import SamplingSettings, generate_full
-from gpt2_port.generate.loop import process_logits, seen_tokens
+from gpt2_port.generate.sampling import process_logits, seen_tokens
 from gpt2_port.io import adapter
 from gpt2_port.io.tokenizer import load_tokenizer
 from gpt2_port.model import GPT2
@@ -459,7 +459,7 @@ def test_fused_qkv_view_is_bit_exact(tiny_official: Path) -> None:
 
 def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytest.MonkeyPatch) -> None:
     """The transposed-head shortcut picks the same tokens as the exact logits; with no margin it falls back."""
-    from gpt2_port.generate.loop import FastGreedyHead
+    from gpt2_port.generate.greedy_head import FastGreedyHead
 
     ids, mask = _left_pad(PROMPTS)
     fast = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None)
@@ -477,7 +477,7 @@ def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytes
 
 def test_fast_greedy_head_is_cached_and_follows_the_weight(tiny_official: Path) -> None:
     """The transposed head copy is made once per model, and rebuilt when the head weight changes."""
-    from gpt2_port.generate.loop import FastGreedyHead
+    from gpt2_port.generate.greedy_head import FastGreedyHead
 
     m = GPT2.from_pretrained(str(tiny_official))
     first = FastGreedyHead.for_model(m)
@@ -526,7 +526,7 @@ def test_inf_in_the_head_weight_stops_generate() -> None:
 def test_fast_greedy_head_declines_overflowing_logits() -> None:
     """Finite weights and hidden state, one logit overflowing to +Inf: no fast answer, whatever its margin (the
     exact logits are then computed, and generate checks them). NaN and Inf in h or the weight: no answer either."""
-    from gpt2_port.generate.loop import FastGreedyHead
+    from gpt2_port.generate.greedy_head import FastGreedyHead
 
     w = torch.randn(10, 4) * 0.1
     w[0, :2] = 2e38  # finite

@@ -8,7 +8,7 @@ import functools
 import importlib.util
 import sys
 
-from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
+from .common import add_device_arg, add_model_arg, add_revision_arg, add_tokenizer_arg
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also draw |scratch - transformers| of the attention probabilities (needs transformers)",
     )
     p.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
+    add_device_arg(p)
     add_revision_arg(p)
     add_tokenizer_arg(p)
     p.set_defaults(func=run)

@@ -23,6 +23,13 @@ def add_tokenizer_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_device_arg(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    more = "; a comma-separated list (cpu,cuda) sweeps them" if sweep else ""
+    p.add_argument(
+        "--device", default="auto", help=f"auto (default: cuda, else mps, else cpu), cpu, cuda, cuda:N or mps{more}"
+    )
+
+
 def add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--progress",

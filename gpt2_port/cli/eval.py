@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import add_model_arg, add_progress_arg, add_revision_arg, add_tokenizer_arg
+from .common import add_device_arg, add_model_arg, add_progress_arg, add_revision_arg, add_tokenizer_arg
 
 EPILOG = """\
 --text FILE: rolling windows by default, exactly lm-evaluation-harness's loglikelihood_rolling (disjoint windows of
@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=int, default=None, metavar="N", help="tokens per window (default: n_positions)")
     p.add_argument("--stride", type=int, default=None, metavar="S", help="--text: strided windows every S tokens")
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="windows per forward pass (default 8)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
+    add_device_arg(p)
     p.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     add_revision_arg(p)
     add_tokenizer_arg(p)

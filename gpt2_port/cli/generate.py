@@ -7,7 +7,14 @@ import json
 import resource
 import sys
 
-from .common import add_model_arg, add_revision_arg, add_tokenizer_arg, report_written
+from .common import (
+    add_device_arg,
+    add_model_arg,
+    add_progress_arg,
+    add_revision_arg,
+    add_tokenizer_arg,
+    report_written,
+)
 
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 50
@@ -75,7 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="STR",
         help="stop a sample when its new text contains STR (repeatable)",
     )
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
+    add_device_arg(p)
+    p.add_argument(
+        "--no-cuda-graph",
+        action="store_true",
+        help="on CUDA, run the fixed-shape decode step eagerly instead of replaying it as a captured CUDA graph",
+    )
     p.add_argument(
         "--dtype", default="float32", help="float32 (default), float16, bfloat16, or int8 (same as --quantize int8)"
     )
@@ -89,6 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_revision_arg(p)
     add_tokenizer_arg(p)
+    add_progress_arg(p, "new tokens (shown when the text does not stream to this terminal)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow; for checks)")
     p.add_argument(
         "--json",
@@ -159,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     from ..generate import generate_full
     from ..io.tokenizer import load_tokenizer, tokenizer_for
     from ..model import from_pretrained
+    from .progress import Progress
 
     # every argument is checked before the (slow) load
     if not args.prompt:
@@ -174,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     if str(args.dtype).lower() == "int8":
         quantize, args.dtype = "int8", "float32"
     dtype = parse_dtype(args.dtype)
-    device = parse_device(args.device)
+    device = parse_device("cpu" if quantize and args.device == "auto" else args.device)  # int8 runs on the CPU
     if quantize and (device.type != "cpu" or dtype != torch.float32):
         raise UsageError(
             f"--quantize int8 runs on CPU from float32 weights; got --device {device} --dtype {args.dtype}"
@@ -216,18 +230,30 @@ def run(args: argparse.Namespace) -> int:
             out.write(text)
             out.flush()
 
-    g = generate_full(
-        model,
-        torch.tensor([prompt_ids]),
-        args.max_new_tokens,
-        seed=args.seed,
-        num_return_sequences=n,
-        stop_strings=args.stop,
-        tokenizer=tok,
-        on_text=on_text,
-        use_cache=not args.no_cache,
-        **sampling,
-    )
+    # the streamed text is the progress on a terminal; redirected (or into a log), a bar of new tokens on stderr
+    streams_here = sys.stdout.isatty() and sys.stderr.isatty()
+    bar = Progress("generate", args.max_new_tokens * n, "tokens") if args.progress and not streams_here else None
+    try:
+        g = generate_full(
+            model,
+            torch.tensor([prompt_ids]),
+            args.max_new_tokens,
+            seed=args.seed,
+            num_return_sequences=n,
+            stop_strings=args.stop,
+            tokenizer=tok,
+            on_text=on_text,
+            use_cache=not args.no_cache,
+            cuda_graph=not args.no_cuda_graph,
+            progress=bar.update if bar is not None else None,
+            **sampling,
+        )
+    except BaseException:
+        if bar is not None:
+            bar.abandon()
+        raise
+    if bar is not None:
+        bar.close()
     texts = g.texts or []
     show_prompt()
     out.write("\n")
@@ -243,10 +269,12 @@ def run(args: argparse.Namespace) -> int:
             f"stopped at the context limit: the prompt is {len(prompt_ids)} tokens and the model sees at most "
             f"{n_ctx}, so {n_ctx - len(prompt_ids)} of the {args.max_new_tokens} new tokens asked for were made\n"
         )
+    peak_dev = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    memory = f"peak RSS {rss:.0f} MB" + (f", peak {device} {peak_dev:.0f} MB" if peak_dev is not None else "")
     err.write(
         f"load {report.load_s:.2f}s | prefill {g.prefill_s * 1000:.0f} ms ({len(prompt_ids)} tokens) | decode "
-        f"{g.decode_tok_per_s:.1f} tok/s ({made} new tokens{f' in {n} samples' if n > 1 else ''}) | peak RSS "
-        f"{rss:.0f} MB | {device} {quantize or str(dtype).removeprefix('torch.')}\n"
+        f"{g.decode_tok_per_s:.1f} tok/s ({made} new tokens{f' in {n} samples' if n > 1 else ''}, step: "
+        f"{g.extra['step']}) | {memory} | {device} {quantize or str(dtype).removeprefix('torch.')}\n"
     )
     if args.json:
         data = {
@@ -257,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
             "prefill_s": g.prefill_s,
             "decode_tok_per_s": g.decode_tok_per_s,
             "peak_rss_mb": rss,
+            "peak_device_mb": peak_dev,
+            "decode_step": g.extra["step"],
             "stop_reasons": g.stop_reasons,
             "model": args.model,
             "device": str(device),

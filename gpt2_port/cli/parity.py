@@ -11,7 +11,7 @@ import sys
 
 from ..errors import UsageError
 from . import parity_backward
-from .common import add_model_arg, add_revision_arg, add_tokenizer_arg
+from .common import add_device_arg, add_model_arg, add_revision_arg, add_tokenizer_arg
 from .parity_io import checked_outputs, read_inputs, write_outputs
 
 
@@ -45,11 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="float32 (default), float16 or bfloat16; a comma-separated list (float32,bfloat16,float16) "
         "sweeps them, each compared with one float32 transformers reference",
     )
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="cpu (default), cuda, cuda:N, mps or auto; a comma-separated list (cpu,cuda) sweeps them",
-    )
+    add_device_arg(p, sweep=True)
     p.add_argument(
         "--reference-attn",
         default="eager",

@@ -1,4 +1,6 @@
-"""A static key/value cache for incremental decoding."""
+"""Key/value caches for incremental decoding: the preallocated cache the forward fills (a fill length on the host),
+and its fixed-shape variant whose step inputs live on the device, so a decode step can be captured once as a CUDA
+graph and replayed for every token."""
 
 from __future__ import annotations
 
@@ -25,3 +27,42 @@ class KVCache:
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class StaticKVCache(KVCache):
+    """A KVCache (the prompt fills it through the forward) plus the inputs of a fixed-shape decode step, as device
+    tensors that keep their shapes: the token of each row (B, 1), its position (B, 1), the slot it is written to
+    (1,), and which slots each row attends to (B, max_len). Attending over all max_len slots with that mask keeps
+    every shape the same for the whole generation: one attention plan, and a step a CUDA graph can replay."""
+
+    def __init__(
+        self, cfg: GPT2Config, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__(cfg, batch, max_len, dtype, device)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.keys = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+
+    def start(self, attention_mask: torch.Tensor | None, prompt_len: int) -> None:
+        """After the prompt filled slots [0, T): each row attends to its real prompt tokens, and the first new token
+        sits at position (the row's last position + 1). `length` is left at T for the forward's bookkeeping."""
+        T = prompt_len
+        self.keys.zero_()
+        if attention_mask is None:
+            self.keys[:, :T] = True
+            self.pos.fill_(T)
+        else:
+            self.keys[:, :T] = attention_mask.bool()
+            self.pos.copy_(attention_mask.long().sum(1, keepdim=True))  # left padding: real tokens counted
+        self.slot.fill_(T)
+
+    def feed(self, tok: torch.Tensor, slot: int) -> None:
+        """The next step's inputs: `tok` (B,) on the device goes into `slot`; no wait for the device."""
+        self.tok.copy_(tok.view(-1, 1))
+        self.slot.fill_(slot)
+        self.keys[:, slot] = True
+
+    def advance(self) -> None:
+        """After a step: the next token's position is one further."""
+        self.pos += 1

@@ -20,93 +20,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import UsageError
-from ..io.load import nonfinite_tensors
 from ..io.tokenizer import EOT_ID, Tokenizer
 from .cache import KVCache
-from .greedy_head import FastGreedyHead
+from .choose import NextToken, nonfinite_message
 from .protocol import CausalLM
-from .sampling import SamplingSettings, process_logits, seen_tokens
+from .sampling import SamplingSettings, seen_tokens
+from .steps import ForwardSteps, PlanSteps, static_steps
 from .stopping import Rows, TextCallback
 
 log = logging.getLogger(__name__)
-
-
-class NextToken:
-    """Chooses each row's next token from the last position's final hidden state: through `FastGreedyHead` when it
-    applies, else the head's float32 logits, processed (`process_logits`), then argmax or a draw from the softmax.
-
-    Logits that hold NaN or Inf stop generation with a UsageError naming the step (and the model's non-finite
-    weights, if any): their argmax would be an arbitrary token and text made of it silent garbage.
-    """
-
-    def __init__(
-        self,
-        model: CausalLM,
-        settings: SamplingSettings,
-        seen: torch.Tensor | None,
-        generator: torch.Generator | None,
-        fast_head: bool,
-    ) -> None:
-        self.model, self.settings, self.seen, self.generator = model, settings, seen, generator
-        greedy = not settings.do_sample and settings.repetition_penalty == 1.0
-        usable = fast_head and greedy and FastGreedyHead.usable(model)
-        self.fast_head = FastGreedyHead.for_model(model) if usable else None
-        self.exact_steps = 0  # steps where the fast head could not prove its argmax
-
-    def __call__(self, h: torch.Tensor, step: int) -> torch.Tensor:
-        """(B, 1, C) ln_f output of the last position -> (B,) token ids. step: 0 for the first new token."""
-        if self.fast_head is not None:
-            nxt = self.fast_head.argmax(h[:, -1])
-            if nxt is not None:
-                return nxt
-            self.exact_steps += 1
-        logits = self.model.head(h)[:, -1].float()  # (B, V)
-        if not bool(torch.isfinite(logits).all()):
-            raise UsageError(nonfinite_message(self.model, step))
-        if self.fast_head is not None:
-            return torch.argmax(logits, dim=-1)
-        scores = process_logits(logits, self.seen, self.settings)
-        if self.settings.do_sample:
-            probs = F.softmax(scores, dim=-1)
-            return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)  # (B,)
-        return torch.argmax(scores, dim=-1)
-
-
-def nonfinite_message(model: CausalLM, step: int) -> str:
-    """One line: the step whose logits are not finite, and the weights that are not (checked now, once)."""
-    bad = nonfinite_tensors(dict(model.named_parameters()) | dict(model.named_buffers()))
-    if bad:
-        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
-        cause = f"non-finite weights: {', '.join(bad[:8])}{more} (expected finite values; check the checkpoint)"
-    else:
-        cause = f"the weights are all finite, so an activation overflowed in {str(model.dtype).removeprefix('torch.')}"
-    return f"generate: the logits of step {step + 1} (new token {step + 1}) hold NaN or Inf; {cause}"
-
-
-# ---------------------------------------------------------------------------------------------- the steps
-def prefill(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> torch.Tensor:
-    """The prompt (B, T) through the forward, filling the cache -> (B, 1, C) the last position's ln_f output."""
-    return model(ids, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)
-
-
-def decode_one_token(
-    model: CausalLM, plan, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None
-) -> torch.Tensor:
-    """seq (B, S) so far -> (B, 1, C) ln_f output at its last token: one cached step (through the plan when there is
-    one), or, without a cache, the whole sequence again."""
-    if cache is None:
-        return model(seq, attention_mask=mask, last_only=True, hidden_only=True)
-    x = seq[:, -1:]  # (B, 1)
-    if plan is not None:  # the forward's ops without module dispatch (bit-identical)
-        return plan.step(x, cache, mask)
-    return model(x, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -206,6 +134,21 @@ def _check_options(max_new_tokens: int, num_return_sequences: int, stops: list[s
         raise UsageError("stop strings and on_text need a tokenizer (pass tokenizer=...)")
 
 
+def _steps(model: CausalLM, B: int, L: int, seq: torch.Tensor, mask: torch.Tensor | None, how: dict):  # noqa: ANN202
+    """The step kind this generation runs (steps.py): static on CUDA (captured unless cuda_graph=False), the plan
+    elsewhere, the forward where no shortcut may run."""
+    plan = model.decode_plan() if how["use_cache"] and how["fast_step"] else None
+    static = how["static_cache"]
+    if static is None:
+        static = model.device.type == "cuda"
+    if plan is not None and static:
+        return static_steps(model, plan, B, L, cuda_graph=how["cuda_graph"] and model.device.type == "cuda")
+    cache = KVCache(model.config, B, L, model.dtype, model.device) if how["use_cache"] else None
+    if plan is not None and cache is not None:
+        return PlanSteps(model, plan, seq, mask, cache)
+    return ForwardSteps(model, seq, mask, cache)
+
+
 @torch.no_grad()  # not inference_mode: callers get ordinary tensors back
 def generate_full(
     model: CausalLM,
@@ -223,6 +166,9 @@ def generate_full(
     use_cache: bool = True,
     fast_head: bool = True,
     fast_step: bool = True,
+    static_cache: bool | None = None,
+    cuda_graph: bool = True,
+    progress: Callable[[int], None] | None = None,
     **sampling: object,
 ) -> Generation:
     """Generate up to `max_new_tokens` per row; see the module docstring for the rules. Returns a `Generation`.
@@ -232,7 +178,14 @@ def generate_full(
     same tokens, proven per step; falls back to the exact logits when it cannot prove it).
     fast_step: run the decode steps through `DecodePlan` (the forward's ops without module dispatch; bit-identical
     hidden states) when the model allows it; False: `model.forward` every step.
-    Neither shortcut runs in train mode (generation then runs the forward, dropout included).
+    static_cache: decode over fixed-size buffers with a mask, every shape the same for the whole generation (None:
+    on CUDA, where it lets the step be captured; elsewhere the plan over a growing cache is faster).
+    cuda_graph: on CUDA, record the static step once as a CUDA graph and replay it (False: run it eagerly).
+    progress: called after each step with the number of new tokens made so far (all rows).
+    None of these shortcuts runs in train mode (generation then runs the forward, dropout included).
+
+    The loop waits for the device once per token: the new ids and whether the logits were finite come back in one
+    transfer (streaming, EOS and stop strings need the ids; the finite check travels with them).
     """
     settings = SamplingSettings.from_options(sampling)
     stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
@@ -264,31 +217,39 @@ def generate_full(
         full_mask = torch.ones(B, L, dtype=torch.long, device=dev)
         full_mask[:, :T] = attention_mask
     seen = seen_tokens(input_ids, cfg.vocab_size, attention_mask) if settings.repetition_penalty != 1.0 else None
-    cache = KVCache(cfg, B, L, model.dtype, dev) if use_cache else None
+    how = {"use_cache": use_cache, "fast_step": fast_step, "static_cache": static_cache, "cuda_graph": cuda_graph}
+    steps = _steps(model, B, L, seq, full_mask, how)
     choose = NextToken(model, settings, seen, gen, fast_head)
-    plan = model.decode_plan() if cache is not None and fast_step else None
     rows = Rows(B, dev, eos_token_id, stops, tokenizer, on_text)
+    rows_idx = torch.arange(B, device=dev)
 
     t0 = time.perf_counter()
-    prefill_s, decode_tokens, S = 0.0, 0, T  # S: tokens in the sequence so far
+    prefill_s, decode_tokens, made, S = 0.0, 0, 0, T  # S: tokens in the sequence so far
+    nxt = None
     for step in range(steps_max):
-        mask = full_mask[:, :S] if full_mask is not None else None
         if step == 0:
-            h = prefill(model, seq[:, :T], mask, cache)  # (B, 1, C)
+            h = steps.prefill(seq[:, :T], attention_mask)  # (B, 1, C)
         else:
-            h = decode_one_token(model, plan, seq[:, :S], mask, cache)
-        nxt = torch.where(rows.unfinished, choose(h, step), pad)  # (B,): finished rows get padding
+            h = steps.next(nxt, S - 1)  # the token just chosen, at slot S - 1
+        choice, finite = choose(h)
+        nxt = torch.where(rows.unfinished, choice, pad)  # (B,): finished rows get padding
         seq[:, S] = nxt
         S += 1
         if seen is not None:
-            seen[torch.arange(B, device=dev), nxt] |= rows.unfinished
-        taken = rows.accept(nxt.tolist(), rows.unfinished.tolist())  # one host sync per step (to stream, to stop)
+            seen[rows_idx, nxt] |= rows.unfinished
+        *toks, ok = torch.cat([nxt, finite.to(nxt.device, torch.long).view(1)]).tolist()  # the step's one wait
+        if not ok:
+            raise UsageError(nonfinite_message(model, step))
+        taken = rows.accept(toks)
+        made += taken
+        if progress is not None:
+            progress(made)
         if step == 0:
             prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
         else:
             decode_tokens += taken
-        if not bool(rows.unfinished.any()):
+        if not rows.any_running:
             break
     decode_s = time.perf_counter() - t0 if S - T > 1 else 0.0
     rows.close(context_limited)
@@ -306,7 +267,8 @@ def generate_full(
         extra={
             "fast_head": choose.fast_head is not None,
             "exact_head_steps": choose.exact_steps,
-            "fast_step": plan is not None,
+            "fast_step": steps.name != "forward",
+            "step": steps.name,
         },
     )
 

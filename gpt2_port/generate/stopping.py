@@ -15,7 +15,8 @@ TextCallback = Callable[[int, str], None]
 
 class Rows:
     """Each row's progress: its new tokens, whether and why it stopped (EOS, a stop string), and its text, streamed
-    to `on_text` as it forms whole characters. `unfinished` (B,) bool lives on the model's device."""
+    to `on_text` as it forms whole characters. Which rows still run is kept on the host (`running`) and mirrored in
+    `unfinished` (B,) bool on the model's device, written when a row stops (a copy to the device, no wait)."""
 
     def __init__(
         self,
@@ -27,6 +28,7 @@ class Rows:
         on_text: TextCallback | None,
     ) -> None:
         self.unfinished = torch.ones(B, dtype=torch.bool, device=device)
+        self.running = [True] * B
         self.new_ids: list[list[int]] = [[] for _ in range(B)]
         self.reasons = ["length"] * B
         self.decoders: list[StreamDecoder] | None = (
@@ -42,7 +44,12 @@ class Rows:
 
     def _stop(self, row: int, reason: str) -> None:
         self.reasons[row] = reason
+        self.running[row] = False
         self.unfinished[row] = False
+
+    @property
+    def any_running(self) -> bool:
+        return any(self.running)
 
     def _flush(self, row: int) -> None:
         if self.decoders is not None:
@@ -50,11 +57,11 @@ class Rows:
             self.texts[row] += rest
             self._emit(row, rest)
 
-    def accept(self, toks: list[int], running: list[bool]) -> int:
-        """Take one step's token per row (rows not `running` skip theirs); returns how many rows took one."""
+    def accept(self, toks: list[int]) -> int:
+        """Take one step's token per row (rows that stopped skip theirs); returns how many rows took one."""
         taken = 0
-        for r, (tok, was_running) in enumerate(zip(toks, running)):
-            if not was_running:
+        for r, tok in enumerate(toks):
+            if not self.running[r]:
                 continue
             taken += 1
             self.new_ids[r].append(tok)

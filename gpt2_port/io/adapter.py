@@ -186,13 +186,15 @@ def convert_sources(
     sd: Mapping[str, torch.Tensor],
     cfg: GPT2Config,
     fn: Callable[[torch.Tensor], torch.Tensor],
+    contiguous: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The scratch state dict again, with `fn` (a dtype or device move) applied to each checkpoint tensor once,
-    before the table's views are taken: q, k and v split from one c_attn stay views of one tensor."""
+    before the table's views are taken: q, k and v split from one c_attn stay views of one tensor. `contiguous`:
+    every tensor its own [out, in] contiguous copy instead (one checkpoint tensor's copies made at a time)."""
     state: dict[str, torch.Tensor] = {}
     for src, op, targets in conv.mapping:
         for key, view in zip(targets, _apply(op, fn(sd[src]), cfg.n_embd)):
-            state[key] = view
+            state[key] = view.contiguous() if contiguous else view
     return state
 
 

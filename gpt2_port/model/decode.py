@@ -11,8 +11,10 @@ c_attn view, per-layer cache views) and the same aten ops run on the same tensor
 `LayerStep` is that block step, written once. How a step attends is passed in: `DecodePlan.step` writes the
 `KVCache` at its fill length and attends over the filled keys, so its hidden state is bit-identical to
 `model(tok, cache=..., hidden_only=True)` (tests/test_decode.py checks it bitwise, per block against `Block.forward` and
-for whole steps against the forward, with and without padding); benchmarks/decode.py's `StaticDecoder` attends over
-fixed-size buffers so that a CUDA graph can replay the step. Neither carries logic of its own: no dropout, no taps.
+for whole steps against the forward, with and without padding); `DecodePlan.static_step` attends over all slots of a
+StaticKVCache with a mask, every shape fixed, so that generate/ can capture it once as a CUDA graph and replay it (its
+tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ). Neither carries
+logic of its own: no dropout, no taps.
 
 Inference only: `for_model` gives no plan (and `step` refuses) in train mode or when a parameter needs a gradient, and
 none while activations are recorded or the attention is the manual one; those go through `GPT2.forward`. Linears that
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from ..generate.cache import KVCache
+from ..generate.cache import KVCache, StaticKVCache
 from .c_attn import fused_qkv
 from .masks import build_mask, positions_from_mask
 from .modules import Block, gelu_new, wants_grad
@@ -144,6 +146,24 @@ class DecodePlan:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
         return attend
+
+    def static_attention(self, cache: StaticKVCache) -> Attend:
+        """Attend over all `max_len` slots of a StaticKVCache: store k, v at its slot tensor (index_copy_), SDPA with
+        the (B, 1, 1, max_len) mask of the slots each row sees. Every shape is the generation's: capturable."""
+        ks, vs = self._cache_views(cache)
+        mask, slot, scale = cache.keys[:, None, None, :], cache.slot, self.scale
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            ks[i].index_copy_(2, slot, k)
+            vs[i].index_copy_(2, slot, v)
+            return F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=mask, scale=scale)
+
+        return attend
+
+    def static_step(self, cache: StaticKVCache) -> torch.Tensor:
+        """One token per row from the cache's device inputs (tok, pos, slot, keys) -> (B, 1, C) ln_f output. No host
+        value is read, so a CUDA graph can record it once and replay it for every token."""
+        return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache))
 
     def _cache_views(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer (B, nh, max_len, hs) views of the cache, made once per cache."""

@@ -30,7 +30,7 @@ from ..config import GPT2Config
 from ..errors import UsageError
 from ..generate.cache import KVCache
 from ..generate.mixin import GenerationMixin
-from ..io.load import LoadReport, read_state
+from ..io.load import Layout, LoadReport, read_state
 from ..io.save import write_checkpoint
 from ..io.tokenizer import find_files
 from . import modules
@@ -81,12 +81,15 @@ def from_pretrained(
     revision: str | None = None,
     check_finite: bool = False,
     cls: type[GPT2] | None = None,
+    layout: Layout = "auto",
 ) -> tuple[GPT2, LoadReport]:
     """A checkpoint (directory, .safetensors file or Hub id) as a model in eval mode with gradients off, built on the
     meta device and filled with `load_state_dict(assign=True)` from the tensors io/load.py read (memory-mapped on the
-    CPU: a float32 load peaks at about one copy of the weights), and the report of the load."""
+    CPU: a float32 load peaks at about one copy of the weights), and the report of the load. `layout`: the weights
+    as views of the checkpoint's tensors (transformers' layout, "checkpoint") or contiguous copies; "auto" copies
+    only where the views are slow (bf16/fp16 on the CPU: io/load.py's contiguous_layout)."""
     t0 = time.perf_counter()
-    state, report = read_state(model, dtype, device, revision, check_finite)
+    state, report = read_state(model, dtype, device, revision, check_finite, layout)
     with torch.device("meta"), _no_random_init():
         m = (cls or GPT2)(report.config)
     m.load_state_dict(state, strict=True, assign=True)

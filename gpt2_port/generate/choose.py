@@ -1,0 +1,65 @@
+"""Choosing each row's next token on the device, without waiting for it: the fast greedy head where it proves its
+argmax, else the head's float32 logits, processed (sampling.py), then argmax or a draw from the softmax. Whether the
+logits were finite travels beside the ids, so the loop learns both in its one transfer per token."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..io.load import nonfinite_tensors
+from .greedy_head import FastGreedyHead
+from .protocol import CausalLM
+from .sampling import SamplingSettings, process_logits
+
+
+class NextToken:
+    """(B, 1, C) final hidden states of the last position -> ((B,) next ids, () all logits finite), on the device.
+
+    Logits that hold NaN or Inf must stop generation (the loop raises, naming the step: `nonfinite_message`): their
+    argmax would be an arbitrary token and text made of it silent garbage.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        settings: SamplingSettings,
+        seen: torch.Tensor | None,
+        generator: torch.Generator | None,
+        fast_head: bool,
+    ) -> None:
+        self.model, self.settings, self.seen, self.generator = model, settings, seen, generator
+        greedy = not settings.do_sample and settings.repetition_penalty == 1.0
+        usable = fast_head and greedy and FastGreedyHead.usable(model)
+        self.fast_head = FastGreedyHead.for_model(model) if usable else None
+        self.exact_steps = 0  # steps where the fast head could not prove its argmax
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fast_head is not None:  # float32 on the CPU: its checks read host values, no device to wait for
+            nxt = self.fast_head.argmax(h[:, -1])
+            if nxt is not None:
+                return nxt, torch.ones((), dtype=torch.bool)
+            self.exact_steps += 1
+        logits = self.model.head(h)[:, -1].float()  # (B, V)
+        finite = torch.isfinite(logits).all()
+        if self.fast_head is not None:
+            return torch.argmax(logits, dim=-1), finite
+        # non-finite logits: draw from harmless scores instead (a NaN probability stops multinomial, on a GPU with a
+        # device-side assert); the loop raises on `finite` before any of those tokens is used
+        logits = logits.masked_fill(~finite, 0.0)
+        scores = process_logits(logits, self.seen, self.settings)
+        if self.settings.do_sample:
+            probs = F.softmax(scores, dim=-1)
+            return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1), finite  # (B,)
+        return torch.argmax(scores, dim=-1), finite
+
+
+def nonfinite_message(model: CausalLM, step: int) -> str:
+    """One line: the step whose logits are not finite, and the weights that are not (checked now, once)."""
+    bad = nonfinite_tensors(dict(model.named_parameters()) | dict(model.named_buffers()))
+    if bad:
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        cause = f"non-finite weights: {', '.join(bad[:8])}{more} (expected finite values; check the checkpoint)"
+    else:
+        cause = f"the weights are all finite, so an activation overflowed in {str(model.dtype).removeprefix('torch.')}"
+    return f"generate: the logits of step {step + 1} (new token {step + 1}) hold NaN or Inf; {cause}"

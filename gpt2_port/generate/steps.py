@@ -1,0 +1,89 @@
+"""The three ways a decode step runs, each with `prefill(ids, mask)` and `next(tok, slot)` -> (B, 1, C) ln_f output:
+
+- `ForwardSteps`: `model.forward` every step (train mode, recorded activations, the manual attention, or no cache);
+- `PlanSteps`: model/decode.py's DecodePlan over a cache that grows by one slot a step (the CPU's default: the
+  forward's ops without module dispatch, bit-identical to the forward);
+- `StaticSteps`: DecodePlan.static_step over a StaticKVCache, every shape fixed for the whole generation (one
+  attention plan: bf16 on an H100 no longer rebuilds cuDNN's plan for each new key length), captured as a CUDA
+  graph on CUDA (the GPU's default; `cuda_graph=False`: the same step run eagerly). A captured step is kept on the
+  model for the next call with the same batch, length and dtype.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .cache import KVCache, StaticKVCache
+from .cuda_graph import CapturedStep
+from .protocol import CausalLM
+
+KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_layer x B x L x C values)
+
+
+class ForwardSteps:
+    name = "forward"
+
+    def __init__(self, model: CausalLM, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> None:
+        self.model, self.seq, self.mask, self.cache = model, seq, mask, cache
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.model(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)
+
+    def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
+        S = slot + 1
+        mask = self.mask[:, :S] if self.mask is not None else None
+        if self.cache is None:  # the whole sequence again
+            return self.model(self.seq[:, :S], attention_mask=mask, last_only=True, hidden_only=True)
+        return self.model(self.seq[:, slot:S], attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)
+
+
+class PlanSteps(ForwardSteps):
+    name = "plan"
+
+    def __init__(self, model: CausalLM, plan, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache) -> None:  # noqa: ANN001
+        super().__init__(model, seq, mask, cache)
+        self.plan = plan
+
+    def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
+        S = slot + 1
+        mask = self.mask[:, :S] if self.mask is not None else None
+        return self.plan.step(self.seq[:, slot:S], self.cache, mask)
+
+
+class StaticSteps:
+    def __init__(self, model: CausalLM, plan, cache: StaticKVCache, cuda_graph: bool) -> None:  # noqa: ANN001
+        self.model, self.plan, self.cache = model, plan, cache
+        self.name = "cuda graph" if cuda_graph else "static"
+        self.run = CapturedStep(lambda: plan.static_step(cache)) if cuda_graph else (lambda: plan.static_step(cache))
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        self.cache.length = 0
+        self.cache.k.zero_()  # a reused cache: an earlier generation's keys must not reach the masked slots (a NaN
+        self.cache.v.zero_()  # there would pass through the attention's additive mask)
+        h = self.model(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)
+        self.cache.start(mask, ids.shape[1])
+        return h
+
+    def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
+        self.cache.feed(tok, slot)
+        h = self.run()
+        self.cache.advance()
+        return h
+
+
+def static_steps(model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bool) -> StaticSteps:  # noqa: ANN001
+    """The model's static step for this batch, length and dtype: made (and captured) on first use, then reused. A
+    captured graph reads the weights where they were; a model whose parameters were replaced gets a new one."""
+    kept: OrderedDict = model.__dict__.setdefault("_static_steps", OrderedDict())
+    weights = tuple(p.data_ptr() for p in model.parameters())
+    key = (batch, max_len, model.dtype, str(model.device), cuda_graph, weights)
+    if key in kept:
+        kept.move_to_end(key)
+        return kept[key]
+    cache = StaticKVCache(model.config, batch, max_len, model.dtype, model.device)
+    kept[key] = steps = StaticSteps(model, plan, cache, cuda_graph)
+    while len(kept) > KEEP_CAPTURED:
+        kept.popitem(last=False)
+    return steps
