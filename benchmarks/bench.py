@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.decode import same_prefix
 from gpt2_port.config import PRESETS
 from gpt2_port.errors import UsageError
 from gpt2_port.files import check_writable, write_output
@@ -209,15 +210,16 @@ def bench_size(size: str, a: argparse.Namespace, log: list[str]) -> dict:
     warm_page_cache(files)
     duel = run_worker({**base, "impl": "duel", "tasks": ["prefill", "decode"], "cache": "warm"}, log)
     out["runs"]["ours_float32"], out["runs"]["hf_float32"] = duel["ours"], duel["hf"]
-    if a.device.startswith("cuda"):
-        r = run_worker({**base, "impl": "ours", "tasks": ["decode"], "static": True, "cache": "warm"}, log)
-        out["runs"]["ours_float32_cudagraph"] = r
     lowp = [o for o in a.lowp.split(",") if o]
     for opt in lowp:
         if opt.startswith("int8") and a.device != "cpu":
             continue
-        r = run_worker({**base, "impl": "ours", "dtype": opt, "tasks": ["decode"], "cache": "warm"}, log)
-        out["runs"][f"ours_{opt}"] = r
+        if opt.startswith("int8"):  # ours only: compared with transformers in float32
+            r = run_worker({**base, "impl": "ours", "dtype": opt, "tasks": ["decode"], "cache": "warm"}, log)
+            out["runs"][f"ours_{opt}"] = r
+        else:  # both in that dtype, in one process: its tokens compare with transformers' in the same dtype
+            d = run_worker({**base, "impl": "duel", "dtype": opt, "tasks": ["decode"], "cache": "warm"}, log)
+            out["runs"][f"ours_{opt}"], out["runs"][f"hf_{opt}"] = d["ours"], d["hf"]
     if lowp and not a.no_parity:
         t0 = time.perf_counter()
         # in a child process: it loads the reference and every option, which should not count in anyone's RSS
@@ -257,16 +259,25 @@ def summarize(size_res: dict, bw: dict) -> dict:
         s[f"prefill_{shape}_s"] = (po, ph, po / ph)
     do, dh = ours["decode"]["tok_s"], hf["decode"]["tok_s"]
     s["decode_tok_s"] = (do, dh, do / dh)
-    s["decode_tokens_match"] = sum(x == y for x, y in zip(ours["decode"]["tokens"], hf["decode"]["tokens"]))
+    s["decode_tokens_match"] = same_prefix(ours["decode"]["tokens"], hf["decode"]["tokens"])
+    # the cap: the weights read once per token at the measured bandwidth of the memory they are in (the GPU's on CUDA)
     cap = bw["read_GBps"] * 1e9 / ours["param_bytes"]
     s["decode_cap_tok_s"] = cap
     s["decode_share_of_cap"] = do / cap
     s["hf_decode_share_of_cap"] = dh / cap
+    for run in (ours, hf):
+        for name, v in run.get("decode_variants", {}).items():
+            s[f"{name}_tok_s"] = (v["tok_s"], dh, v["tok_s"] / dh)
+            s[f"{name}_tokens_match"] = same_prefix(v["tokens"], hf["decode"]["tokens"])
     for k, r in runs.items():
         if k.startswith("ours_") and k != "ours_float32" and "decode" in r:
+            opt = k.removeprefix("ours_")
+            ref = runs.get(f"hf_{opt}", hf)  # transformers in the same dtype where it ran, else float32
             s[f"{k}_tok_s"] = (r["decode"]["tok_s"], dh, r["decode"]["tok_s"] / dh)
+            s[f"{k}_vs_same_dtype"] = r["decode"]["tok_s"] / ref["decode"]["tok_s"]
             s[f"{k}_weight_GBps"] = r["decode"]["weight_GBps"]
-            s[f"{k}_tokens_match_hf"] = sum(x == y for x, y in zip(r["decode"]["tokens"], hf["decode"]["tokens"]))
+            s[f"{k}_tokens_match_hf"] = same_prefix(r["decode"]["tokens"], ref["decode"]["tokens"])
+            s[f"{k}_tokens_against"] = ref["dtype"]
     return s
 
 
@@ -295,7 +306,7 @@ def main(a: argparse.Namespace) -> int:
     }
     from benchmarks.worker import membw  # in this process: it needs no isolation
 
-    results["membw"] = membw({"threads": a.threads, "membw_bytes": a.membw_mb << 20})
+    results["membw"] = membw({"threads": a.threads, "membw_bytes": a.membw_mb << 20, "device": a.device})
     for size in sizes:
         res = bench_size(size, a, log)
         res["summary"] = summarize(res, results["membw"])

@@ -35,8 +35,8 @@ def render(res: dict) -> str:
         f"{', '.join(f'{x:.1f}' for x in m.get('loadavg_end', []))} at end",
         f"- Versions: torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; "
         f"device {res['settings']['device']}, threads {bw['threads']}",
-        f"- Measured memory bandwidth: read {bw['read_GBps']:.1f} GB/s (sum of a {bw['bytes'] / 2**20:.0f} MiB "
-        f"float32 tensor), copy {bw['copy_GBps']:.1f} GB/s (read + write)",
+        f"- Measured memory bandwidth ({bw.get('device', 'cpu')}): read {bw['read_GBps']:.1f} GB/s (sum of a "
+        f"{bw['bytes'] / 2**20:.0f} MiB float32 tensor), copy {bw['copy_GBps']:.1f} GB/s (read + write)",
         "- Ratios are gpt2_port / transformers: below 1 is better for times and memory, above 1 for tok/s. "
         "Prefill and decode: both models in one process, runs interleaved (ours, hf; hf, ours; ...), best run "
         "of each (every run in `runs` in the JSON).",
@@ -84,9 +84,11 @@ def render(res: dict) -> str:
         "Prefill = one forward over B x T random tokens that fills a KV cache and returns the last position's logits "
         "(transformers: `use_cache=True, logits_to_keep=1`). Decode = "
         f"{res['settings']['prompt_len']}-token prompt, {res['settings']['new_tokens']} new tokens, greedy, "
-        "tok/s = new tokens / wall time of the whole call (ours: `model.generate(do_sample=False)`, static KV "
-        "cache, DecodePlan steps, the proven-exact fast greedy head; transformers: `generate(do_sample=False)`). "
-        "Cap = read bandwidth / bytes of weights read per token.",
+        "tok/s = new tokens / wall time of the whole call (ours: `model.generate(do_sample=False)`: on the CPU "
+        "DecodePlan steps over the KV cache and the proven-exact fast greedy head, on CUDA the fixed-shape step "
+        "replayed as a CUDA graph; transformers: `generate(do_sample=False)`). Cap = the measured read bandwidth "
+        "of the memory the weights are in (the GPU's on CUDA) / bytes of weights read per token. Same tokens = "
+        "greedy tokens equal to transformers' before the first difference.",
         "",
     ]
     shapes = list(next(iter(res["sizes"].values()))["runs"]["ours_float32"].get("prefill", {}))
@@ -115,27 +117,52 @@ def render(res: dict) -> str:
             f"{s['decode_tokens_match']}/{n}",
         ]
         out.append("| " + " | ".join(cells) + " |")
+    variants = [
+        (size, name, v)
+        for size, sr in res["sizes"].items()
+        for run in (sr["runs"]["ours_float32"], sr["runs"]["hf_float32"])
+        for name, v in run.get("decode_variants", {}).items()
+    ]
+    if variants:
+        out += [
+            "",
+            "### Decode variants (float32, batch 1, in the same process and rounds as the table above)",
+            "",
+            "ours_nograph = the same fixed-shape step run eagerly (`generate --no-cuda-graph`); hf_static = "
+            'transformers\' generate with `cache_implementation="static"`.',
+            "",
+            "| size | variant | decode tok/s | vs hf (dynamic cache) | same tokens |",
+            "|---|---|---|---|---|",
+        ]
+        for size, name, v in variants:
+            s = res["sizes"][size]["summary"]
+            out.append(
+                f"| {size} | {name} | {v['tok_s']:.1f} | {_r(s[f'{name}_tok_s'][2])} "
+                f"| {s[f'{name}_tokens_match']}/{v['new_tokens']} |"
+            )
     lowp = [
         (size, k, r)
         for size, sr in res["sizes"].items()
         for k, r in sr["runs"].items()
-        if k.startswith("ours_") and k != "ours_float32"
+        if k.startswith("ours_") and k != "ours_float32" and "decode" in r
     ]
     if lowp:
         out += [
             "",
-            "### Low precision (gpt2_port decode, batch 1; against float32 transformers)",
+            "### Low precision (gpt2_port decode, batch 1)",
             "",
             "int8 = `gpt2_port.generate.int8.quantize_int8(model)`: per-output-row int8 weights for every block Linear "
             "and the head, fbgemm dynamic int8 matmul plus a second pass over the activations' quantization "
             "residual (the accuracy of weight-only int8); int8-fast = `quantize_int8(model, "
             "exact_activations=False)`: one pass, 7-bit activations. Parity is against transformers in "
             "float32 (eager) on the parity prompts: norm-relative error of the worst block output and of the "
-            "logits, top-1 next-token agreement, largest log-prob difference.",
+            "logits, top-1 next-token agreement, largest log-prob difference. bfloat16 and float16 run beside "
+            "transformers in the same dtype (vs same dtype: decode speed against it); greedy tokens = the tokens "
+            "equal to transformers' (same dtype where it ran, else float32) before the first difference.",
             "",
-            "| size | option | decode tok/s | vs hf float32 | weight GB/s | worst block norm_rel | logits norm_rel "
-            "| top-1 agreement | max abs log-prob diff | greedy tokens = hf float32 |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| size | option | decode tok/s | vs hf float32 | vs same dtype | weight GB/s | worst block norm_rel "
+            "| logits norm_rel | top-1 agreement | max abs log-prob diff | greedy tokens = hf |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for size, k, r in lowp:
             s = res["sizes"][size]["summary"]
@@ -149,9 +176,11 @@ def render(res: dict) -> str:
                 if par
                 else "- | - | - | -"
             )
+            same = s.get(f"{k}_vs_same_dtype")
             out.append(
                 f"| {size} | {opt} | {r['decode']['tok_s']:.1f} | {_r(s[f'{k}_tok_s'][2])} "
-                f"| {s[f'{k}_weight_GBps']:.1f} | {pc} | {s[f'{k}_tokens_match_hf']}/{n} |"
+                f"| {_r(same) if same is not None else '-'} | {s[f'{k}_weight_GBps']:.1f} | {pc} "
+                f"| {s[f'{k}_tokens_match_hf']}/{n} ({s[f'{k}_tokens_against']}) |"
             )
     return "\n".join(out) + "\n"
 

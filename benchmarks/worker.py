@@ -41,25 +41,33 @@ def sync(device) -> None:  # noqa: ANN001
 
 
 def membw(spec: dict) -> dict:
-    """Read bandwidth (sum over a large float32 tensor) and copy bandwidth (read + write), best of several runs."""
+    """Read bandwidth (sum over a large float32 tensor) and copy bandwidth (read + write), best of several runs, of
+    the memory the weights live in: the host's, or the GPU's on a CUDA device (where a decode step reads them)."""
     import torch
+
+    from gpt2_port.devices import parse_device
 
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
+    dev = parse_device(spec.get("device", "cpu"))
     n = int(spec.get("membw_bytes", 1 << 30)) // 4
-    a = torch.ones(n)
+    a = torch.ones(n, device=dev)
     b = torch.empty_like(a)
     read, copy = [], []
     for _ in range(5):
+        sync(dev)
         t0 = time.perf_counter()
         a.sum()
+        sync(dev)
         read.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         b.copy_(a)
+        sync(dev)
         copy.append(time.perf_counter() - t0)
     nbytes = n * 4
     return {
         "impl": "membw",
+        "device": str(dev),
         "bytes": nbytes,
         "read_GBps": nbytes / min(read) / 1e9,
         "copy_GBps": 2 * nbytes / min(copy) / 1e9,
@@ -128,15 +136,14 @@ def prefill_fn(impl: str, model, ids, dev):  # noqa: ANN001, ANN201
     return fn
 
 
-def decode_fn(impl: str, model, ids, static: bool, dev):  # noqa: ANN001, ANN201
-    """fn(n) -> (1, n) greedy tokens after the prompt ids."""
-    from benchmarks.decode import greedy_hf, greedy_ours, greedy_static
+def decode_fn(impl: str, model, ids, variant: str):  # noqa: ANN001, ANN201
+    """fn(n) -> (1, n) greedy tokens after the prompt ids. variant: "" (the product path: on CUDA the captured
+    static step), "nograph" (ours, the static step run eagerly), "static" (transformers with its static cache)."""
+    from benchmarks.decode import greedy_hf, greedy_ours
 
-    if impl == "ours" and static:
-        return lambda n: greedy_static(model, ids, n, cuda_graph=dev.type == "cuda")
     if impl == "ours":
-        return lambda n: greedy_ours(model, ids, n)
-    return lambda n: greedy_hf(model, ids, n)
+        return lambda n: greedy_ours(model, ids, n, cuda_graph=variant != "nograph")
+    return lambda n: greedy_hf(model, ids, n, static=variant == "static")
 
 
 def interleaved(fns: dict, device, max_seconds: float, max_runs: int, warmup: bool = True) -> dict[str, list[float]]:  # noqa: ANN001
@@ -226,26 +233,35 @@ def main(spec: dict) -> dict:
     if "decode" in tasks:
         P, N = int(spec.get("prompt_len", 16)), int(spec["new_tokens"])
         ids = torch.randint(0, vocab, (1, P), generator=g).to(dev)
-        static = bool(spec.get("static"))
-        toks: dict[str, list] = {impl: [] for impl in impls}
+        # the product paths, and on CUDA ours without the graph and transformers with its static cache
+        variants = [(impl, "") for impl in impls]
+        if dev.type == "cuda":
+            variants += [(i, v) for i, v in (("ours", "nograph"), ("hf", "static")) if i in impls]
+        toks: dict[str, list] = {}
         fns = {}
-        for impl in impls:
-            f = decode_fn(impl, models[impl], ids, static, dev)
-            f(min(4, N))  # warm-up: allocator, kernels, page faults
-            fns[impl] = lambda f=f, impl=impl: toks[impl].append(f(N))
+        for impl, variant in variants:
+            name = f"{impl}_{variant}" if variant else impl
+            toks[name] = []
+            f = decode_fn(impl, models[impl], ids, variant)
+            f(N)  # warm-up: allocator, kernels, page faults, the graph's capture for this length
+            fns[name] = lambda f=f, name=name: toks[name].append(f(N))
         times = interleaved(fns, dev, max_s, max_runs=int(spec.get("decode_runs", 3)), warmup=False)
-        for impl in impls:
-            best = min(times[impl])
-            res[impl]["decode"] = {
+        for name in fns:
+            impl = name.split("_")[0]
+            best = min(times[name])
+            entry = {
                 "prompt_len": P,
                 "new_tokens": N,
-                **stats(times[impl]),
+                **stats(times[name]),
                 "tok_s": N / best,
-                "static": static,
-                "cuda_graph": static and dev.type == "cuda",
-                "tokens": toks[impl][-1][0].tolist(),
+                "variant": name,
+                "tokens": toks[name][-1][0].tolist(),
+                "weight_GBps": res[impl]["param_bytes"] * N / best / 1e9,
             }
-            res[impl]["decode"]["weight_GBps"] = res[impl]["param_bytes"] * N / best / 1e9
+            if name == impl:
+                res[impl]["decode"] = entry
+            else:
+                res[impl].setdefault("decode_variants", {})[name] = entry
     _, peak_end = rss_mb()
     for impl in impls:
         res[impl]["peak_rss_end_MB"] = peak_end

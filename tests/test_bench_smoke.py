@@ -1,5 +1,5 @@
 """The benchmark harness end to end on a tiny checkpoint (structure of the JSON and the Markdown; no timing
-assertions), and the static-cache decode step it uses for CUDA graphs, checked eagerly on CPU."""
+assertions), and the decode loops it times."""
 
 from __future__ import annotations
 
@@ -10,31 +10,14 @@ import pytest
 import torch
 
 from benchmarks.__main__ import main as bench_main
-from benchmarks.decode import StaticDecoder, greedy_hf, greedy_ours, greedy_static
+from benchmarks.decode import greedy_hf, greedy_ours, same_prefix
 from benchmarks.report import BEGIN, END, update_markdown
-from gpt2_port.errors import UsageError
-from gpt2_port.generate.cache import KVCache
 from gpt2_port.model import from_pretrained
 
 
-def test_static_step_matches_forward(tiny_official: Path) -> None:
-    model, _ = from_pretrained(tiny_official)
-    ids = torch.randint(0, 50257, (2, 10), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        full = model(ids)  # (B, T, V)
-        dec = StaticDecoder(model, batch=2, max_len=16)
-        first = dec.prefill(ids[:, :6])
-        steps = [dec.step(ids[:, t : t + 1]) for t in range(6, 10)]
-        cache = KVCache(model.config, 2, 10, torch.float32, "cpu")
-        model(ids[:, :6], cache=cache)
-        cached = [model(ids[:, t : t + 1], cache=cache) for t in range(6, 10)]
-    torch.testing.assert_close(first[:, 0], full[:, 5], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.cat(steps, 1), full[:, 6:], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.cat(steps, 1), torch.cat(cached, 1), rtol=1e-5, atol=1e-5)
-    assert dec.n == 10 and int(dec.pos) == 10
-
-
 def test_greedy_loops_agree(tiny_official: Path) -> None:
+    """The loops the benchmark times give the same tokens: ours (product path, and without the graph), transformers
+    with its dynamic cache and with its static one; same_prefix counts up to the first difference only."""
     from transformers import GPT2LMHeadModel
 
     model, _ = from_pretrained(tiny_official)
@@ -42,21 +25,12 @@ def test_greedy_loops_agree(tiny_official: Path) -> None:
     ref.generation_config.eos_token_id = None
     ids = torch.randint(0, 50257, (1, 5), generator=torch.Generator().manual_seed(1))
     a = greedy_ours(model, ids, 6)
-    b = greedy_static(model, ids, 6)
+    b = greedy_ours(model, ids, 6, cuda_graph=False)
     c = greedy_hf(ref, ids, 6)
+    d = greedy_hf(ref, ids, 6, static=True)
     assert a.shape == (1, 6)
-    assert torch.equal(a, b) and torch.equal(a, c)
-
-
-def test_cuda_graph_needs_cuda(tiny_official: Path) -> None:
-    model, _ = from_pretrained(tiny_official)
-    dec = StaticDecoder(model, batch=1, max_len=8)
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: the capture itself is exercised by the benchmark's --device cuda run")
-    with pytest.raises(UsageError, match="CUDA"):
-        dec.capture()
-    with pytest.raises(UsageError, match="context"):
-        StaticDecoder(model, batch=1, max_len=model.config.n_positions + 1)
+    assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    assert same_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2 and same_prefix([1, 2], [1, 2]) == 2
 
 
 def test_update_markdown_keeps_other_sections(tmp_path: Path) -> None:
@@ -133,3 +107,25 @@ def test_quant_parity_report(tiny_official: Path) -> None:
     # float32 sdpa against the float32 eager reference is near-exact; int8 is measurably further but close
     assert f32["worst_block_norm_rel"] < 1e-5 and f32["top1_agreement"] == 1.0
     assert 1e-4 < q["worst_block_norm_rel"] < 0.2 and 0 <= q["top1_agreement"] <= 1
+
+
+def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """benchmarks/gpu.py on the CPU with a tiny model (compile through aot_eager): every side runs and lands in the
+    JSON, the Markdown and the plot (no timing asserted)."""
+    from benchmarks import gpu
+
+    w = str(tmp_path / "w")
+    argv = ["train", "--device", "cpu", "--sizes", "tiny", "--batch", "2", "--block", "16", "--warmup", "1"]
+    argv += ["--steps", "1", "--compile-backend", "aot_eager", "--weights-dir", w, "--out", str(tmp_path / "t.json")]
+    assert gpu.main([*argv, "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png")]) == 0
+    t = json.loads((tmp_path / "t.json").read_text())
+    rows = t["sizes"]["tiny"]["rows"]
+    assert {"ours fast compiled", "transformers compiled", "gpt2-port train loop"} <= set(rows)
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG" and "ours fast eager" in (tmp_path / "t.md").read_text()
+    argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "4", "--batches", "2", "--rounds", "1"]
+    assert gpu.main([*argv, "--weights-dir", w, "--out", str(tmp_path / "d.json")]) == 0
+    d = json.loads((tmp_path / "d.json").read_text())
+    rows = d["sizes"]["tiny"]["batch1"]["float32"]["rows"]
+    assert rows["ours"]["same_tokens"] == 4 and d["bandwidth_GBps"] > 0
+    assert set(d["sizes"]["tiny"]["batched"]["2"]) == {"ours", "transformers"}

@@ -78,7 +78,8 @@ def static_steps(model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bo
     captured graph reads the weights where they were; a model whose parameters were replaced gets a new one."""
     kept: OrderedDict = model.__dict__.setdefault("_static_steps", OrderedDict())
     weights = tuple(p.data_ptr() for p in model.parameters())
-    key = (batch, max_len, model.dtype, str(model.device), cuda_graph, weights)
+    # inference mode makes inference tensors, which a later call outside it may not write: kept apart
+    key = (batch, max_len, model.dtype, str(model.device), cuda_graph, torch.is_inference_mode_enabled(), weights)
     if key in kept:
         kept.move_to_end(key)
         return kept[key]

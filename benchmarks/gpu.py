@@ -1,0 +1,545 @@
+"""GPU benchmarks, each in one process beside transformers, the device named in every result.
+
+    python -m benchmarks.gpu train  [--sizes gpt2,gpt2-xl] [--batch 16] [--block 1024] [--steps 20] ...
+    python -m benchmarks.gpu decode [--sizes gpt2,gpt2-xl] [--new-tokens 128] [--batches 8,32,64] ...
+    (both: --out results.json --markdown BENCHMARKS.md --plot out.png; --device cpu --sizes tiny for a smoke run)
+
+train: one optimizer step = forward and backward under bf16 autocast (--dtype), the gradient clip, fused AdamW, on
+random token windows of --batch x --block, for gpt2_port with each kernel set, eager and under torch.compile, beside
+transformers' GPT2LMHeadModel (sdpa attention) eager and compiled; then `gpt2-port train`'s own loop (the Trainer,
+compiled, with its data pipeline and its one device wait per step). Reported per side: tokens/s (the median of the
+timed steps, after warm-up and compilation), MFU (gpt2_port.train.throughput: 6N + 12*L*C*T FLOPs per token against
+the device's dense peak for the dtype) and peak device memory. Also timed: the features the anchors use, on and off:
+the fused head-and-loss (the fast kernels with and without it) and the head's matmul over a vocabulary padded to a
+multiple of 64 (50304 rows, nanoGPT's) against GPT-2's 50257.
+
+decode: greedy decoding at batch 1 (ours through `generate`: the fixed-shape step replayed as a CUDA graph, and the
+same step run eagerly; transformers' `generate` with its dynamic and its static cache), in float32 and bfloat16,
+runs interleaved; tokens/s, the tokens equal to transformers' in the same dtype before the first difference, and the
+bandwidth cap (the GPU's measured read bandwidth / bytes of weights read per token). Then sampled generation
+(top-k 50, seeded) of padded batches of prompts, ours against transformers: tokens/s of all rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from benchmarks.decode import greedy_hf, greedy_ours, same_prefix
+from gpt2_port.config import PRESETS, GPT2Config
+from gpt2_port.devices import parse_device
+from gpt2_port.errors import GPT2PortError, UsageError
+from gpt2_port.files import check_writable, write_output
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128)  # --sizes tiny: a smoke run anywhere
+
+
+# -- the machine and the checkpoints ---------------------------------------------------------------------------------
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def machine(dev: torch.device) -> dict:
+    import transformers
+
+    info = {
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(total_memory_GB=p.total_memory / 1e9, capability=f"{p.major}.{p.minor}", cuda=torch.version.cuda)
+    return info
+
+
+def bandwidth_GBps(dev: torch.device, mib: int = 1024) -> float:
+    """Read bandwidth of the memory the weights are in: the best of 5 sums over a `mib` MiB float32 tensor."""
+    a = torch.ones(mib * (1 << 20) // 4, device=dev)
+    best = math.inf
+    for _ in range(5):
+        sync(dev)
+        t0 = time.perf_counter()
+        a.sum()
+        sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 4 / best / 1e9
+
+
+def checkpoint(size: str, weights_dir: Path) -> Path:
+    """A random-weight checkpoint in the official layout, written once and reused."""
+    from gpt2_port.io.demo import write_demo_checkpoint
+
+    d = weights_dir / f"{size}-random"
+    if (d / "model.safetensors").is_file():
+        return d
+    if size == "tiny":
+        return write_demo_checkpoint(d, config=TINY, seed=0)
+    if size not in PRESETS:
+        raise UsageError(f"--sizes {size}: expected tiny or one of {', '.join(PRESETS)}")
+    print(f"writing a random {size} checkpoint to {d} ...", file=sys.stderr)
+    return write_demo_checkpoint(d, size=size, seed=0)
+
+
+def free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def peak_GB(dev: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
+
+
+# -- train ----------------------------------------------------------------------------------------------------------
+def _amp(dev: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(dev.type, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
+
+
+def _ours(ck: Path, dev: torch.device, kernels: str, fused_loss: bool = True):  # noqa: ANN202
+    from gpt2_port.model import from_pretrained
+    from gpt2_port.train import TrainArgs, prepare_model
+
+    m, _ = from_pretrained(ck, device=dev)
+    prepare_model(m, TrainArgs(dropout=0.0, kernels=kernels), dev)
+    if not fused_loss:
+        m._fused_loss = lambda: False  # the fast kernels without their fused head-and-loss
+    return m
+
+
+def _hf(ck: Path, dev: torch.device):  # noqa: ANN202
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    m = transformers.GPT2LMHeadModel.from_pretrained(ck, attn_implementation="sdpa").to(dev)
+    for mod in m.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    return m.train()
+
+
+def time_steps(model, loss_fn, batches, dev: torch.device, dtype: str, warmup: int, steps: int) -> dict:  # noqa: ANN001
+    """Median step time of `steps` optimizer steps after `warmup` (compilation happens there)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-4, fused=dev.type == "cuda")
+    params = list(model.parameters())
+    times, losses = [], []
+    t_warm = time.perf_counter()
+    for i in range(warmup + steps):
+        x, y = batches[i % len(batches)]
+        sync(dev)
+        t0 = time.perf_counter()
+        with _amp(dev, dtype):
+            loss = loss_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        sync(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        elif i == warmup - 1:
+            t_warm = time.perf_counter() - t_warm
+    return {
+        "step_s": statistics.median(times),
+        "step_runs_s": times,
+        "warmup_s": t_warm,
+        "final_loss": float(losses[-1]),
+        "peak_GB": peak_GB(dev),
+    }
+
+
+def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> dict[str, Callable[[], tuple]]:
+    """name -> () -> (model, loss_fn), each made when its turn comes (one model on the device at a time)."""
+
+    def ours(kernels: str, compile_: bool, fused: bool = True) -> Callable[[], tuple]:
+        def make() -> tuple:
+            m = _ours(ck, dev, kernels, fused)
+            f = torch.compile(m, fullgraph=True, backend=a.compile_backend) if compile_ else m
+            return m, lambda x, y: f(x, targets=y, num_items_in_batch=y.numel()).loss
+
+        return make
+
+    def hf(compile_: bool) -> Callable[[], tuple]:
+        def make() -> tuple:
+            m = _hf(ck, dev)
+            f = torch.compile(m, backend=a.compile_backend) if compile_ else m
+            return m, lambda x, y: f(input_ids=x, labels=x, use_cache=False).loss
+
+        return make
+
+    sides = {
+        "ours reference eager": ours("reference", False),
+        "ours fast eager": ours("fast", False),
+        "ours fast eager, no fused loss": ours("fast", False, fused=False),
+        "transformers eager": hf(False),
+    }
+    if not a.no_compile:
+        sides |= {
+            "ours reference compiled": ours("reference", True),
+            "ours fast compiled": ours("fast", True),
+            "transformers compiled": hf(True),
+        }
+    return sides
+
+
+def trainer_loop(ck: Path, dev: torch.device, a: argparse.Namespace, batch: int, tmp: Path) -> dict:
+    """`gpt2-port train`'s loop itself (gpt2_port.train.Trainer) on random uint16 tokens, compiled, its own timing."""
+    import numpy as np
+
+    from gpt2_port.model import from_pretrained
+    from gpt2_port.train import TrainArgs, Trainer, prepare_model
+    from gpt2_port.train.data import TokenFile
+
+    data = tmp / "train.bin"
+    np.random.default_rng(0).integers(0, 50257, 4_000_000, dtype=np.uint16).tofile(data)
+    args = TrainArgs(
+        data=str(tmp), steps=a.warmup + a.steps, batch_size=batch, block_size=a.block, dtype=a.dtype,
+        kernels="auto", dropout=0.0, eval_every=0, compile=not a.no_compile, schedule="constant",
+    )  # fmt: skip
+    m, _ = from_pretrained(ck, device=dev)
+    prepare_model(m, args, dev)
+    import os
+
+    os.environ.setdefault("GPT2_PORT_COMPILE_BACKEND", a.compile_backend)
+    t = Trainer(m, args, TokenFile(data, m.config.vocab_size), None, tmp / "out", device=dev)
+    res = t.run()
+    return {"tokens_per_s": res.tokens_per_s, "mfu": res.mfu, "peak_GB": peak_GB(dev), "kernels": args.resolved_kernels}
+
+
+def head_gemm(dev: torch.device, dtype: str, rows: int, C: int, iters: int = 20) -> dict:
+    """The head's forward and backward matmuls (rows x C) @ (C x V) for V = 50257 and 50304 (padded to 64)."""
+    out = {}
+    for V in (50257, 50304):
+        w = torch.randn(V, C, device=dev, requires_grad=True)
+        h = torch.randn(rows, C, device=dev, requires_grad=True)
+        times = []
+        for i in range(iters + 3):
+            sync(dev)
+            t0 = time.perf_counter()
+            with _amp(dev, dtype):
+                y = h @ w.t()
+            y.float().sum().backward()
+            sync(dev)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        out[V] = statistics.median(times)
+        del w, h
+    return {"vocab_50257_s": out[50257], "vocab_50304_s": out[50304], "padded_speedup": out[50257] / out[50304]}
+
+
+def run_train(a: argparse.Namespace, dev: torch.device) -> dict:
+    import tempfile
+
+    from gpt2_port.train.throughput import flops_per_token, peak_flops
+
+    results: dict = {"kind": "train", "machine": machine(dev), "settings": _settings(a), "sizes": {}}
+    for size in a.sizes.split(","):
+        ck = checkpoint(size, Path(a.weights_dir))
+        cfg = TINY if size == "tiny" else PRESETS[size]
+        batch = a.batch if size in ("gpt2", "tiny") else a.xl_batch
+        T = min(a.block, cfg.n_positions)
+        g = torch.Generator().manual_seed(0)
+        batches = []
+        for _ in range(4):
+            w = torch.randint(0, cfg.vocab_size, (batch, T + 1), generator=g).to(dev)
+            batches.append((w[:, :-1], w[:, 1:]))
+        per_token = flops_per_token(cfg, T)
+        peak, peak_source = peak_flops(dev, a.dtype, tf32=True)
+        rows: dict = {}
+        for name, make in train_sides(ck, dev, a).items():
+            free(dev)
+            print(f"[{size}] {name} ...", file=sys.stderr)
+            try:
+                model, loss_fn = make()
+                r = time_steps(model, loss_fn, batches, dev, a.dtype, a.warmup, a.steps)
+            except torch.cuda.OutOfMemoryError:
+                r = {"error": "out of memory"}
+            model = loss_fn = None
+            if "step_s" in r:
+                r["tokens_per_s"] = batch * T / r["step_s"]
+                r["mfu"] = None if peak is None else r["tokens_per_s"] * per_token / peak
+            rows[name] = r
+        free(dev)
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"[{size}] gpt2-port train loop ...", file=sys.stderr)
+            rows["gpt2-port train loop"] = trainer_loop(ck, dev, a, batch, Path(tmp))
+        free(dev)
+        results["sizes"][size] = {
+            "batch": batch,
+            "block": T,
+            "flops_per_token": per_token,
+            "peak": peak_source,
+            "rows": rows,
+            "head_gemm": head_gemm(dev, a.dtype, batch * T, cfg.n_embd) if size != "tiny" else None,
+        }
+    return results
+
+
+# -- decode ---------------------------------------------------------------------------------------------------------
+def _interleaved(fns: dict[str, Callable[[], torch.Tensor]], dev: torch.device, rounds: int) -> dict[str, dict]:
+    out = {n: {"times": [], "tokens": None} for n in fns}
+    for f in fns.values():  # warm-up: kernels, the graph's capture, the allocator
+        f()
+    names = list(fns)
+    for r in range(rounds):
+        for n in names if r % 2 == 0 else names[::-1]:
+            sync(dev)
+            t0 = time.perf_counter()
+            toks = fns[n]()
+            sync(dev)
+            out[n]["times"].append(time.perf_counter() - t0)
+            out[n]["tokens"] = toks[0].tolist()
+    return out
+
+
+def run_decode(a: argparse.Namespace, dev: torch.device) -> dict:
+    from gpt2_port.model import from_pretrained
+
+    bw = bandwidth_GBps(dev)
+    results: dict = {"kind": "decode", "machine": machine(dev), "bandwidth_GBps": bw, "settings": _settings(a)}
+    results["sizes"] = {}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    for size in a.sizes.split(","):
+        ck = checkpoint(size, Path(a.weights_dir))
+        ids = torch.randint(0, 50257, (1, a.prompt_len), generator=torch.Generator().manual_seed(0)).to(dev)
+        N = a.new_tokens
+        per_dtype = {}
+        for dname, dt in dtypes.items():
+            if size not in ("gpt2", "tiny") and dname == "float32" and not a.xl_float32:
+                continue
+            free(dev)
+            ours, _ = from_pretrained(ck, dtype=dt, device=dev)
+            hf = _hf(ck, dev).to(dt).eval()
+            hf.generation_config.eos_token_id = None
+            fns = {
+                "ours": partial(greedy_ours, ours, ids, N),
+                "ours, no cuda graph": partial(greedy_ours, ours, ids, N, cuda_graph=False),
+                "transformers": partial(greedy_hf, hf, ids, N),
+                "transformers, static cache": partial(greedy_hf, hf, ids, N, static=True),
+            }
+            runs = _interleaved(fns, dev, a.rounds)
+            param_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+            ref = runs["transformers"]["tokens"]
+            per_dtype[dname] = {
+                "param_bytes": param_bytes,
+                "cap_tok_s": bw * 1e9 / param_bytes,
+                "rows": {
+                    n: {
+                        "tok_s": N / min(r["times"]),
+                        "times": r["times"],
+                        "same_tokens": same_prefix(r["tokens"], ref),
+                    }
+                    for n, r in runs.items()
+                },
+                "peak_GB": peak_GB(dev),
+            }
+            ours = hf = None
+        results["sizes"][size] = {"new_tokens": N, "batch1": per_dtype, "batched": batched(a, ck, dev)}
+    return results
+
+
+def batched(a: argparse.Namespace, ck: Path, dev: torch.device) -> dict:
+    """Sampled rows of padded prompts (left-padded, lengths 8..32), top-k 50, seeded: all rows' tokens/s."""
+    from gpt2_port.model import from_pretrained
+
+    out = {}
+    free(dev)
+    ours, _ = from_pretrained(ck, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev)
+    hf = _hf(ck, dev).to(ours.dtype).eval()
+    hf.generation_config.eos_token_id = None
+    for B in [int(b) for b in a.batches.split(",") if b]:
+        g = torch.Generator().manual_seed(B)
+        lens = torch.randint(8, 33, (B,), generator=g)
+        T = int(lens.max())
+        ids = torch.randint(0, 50257, (B, T), generator=g)
+        mask = (torch.arange(T)[None] >= (T - lens)[:, None]).long()
+        ids, mask = ids.to(dev), mask.to(dev)
+        N = a.new_tokens
+
+        def ours_fn(ids=ids, mask=mask, N=N):  # noqa: ANN001, ANN202
+            return ours.generate(ids, N, attention_mask=mask, do_sample=True, top_k=50, seed=0, eos_token_id=None)
+
+        def hf_fn(ids=ids, mask=mask, N=N):  # noqa: ANN001, ANN202
+            return hf.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=True, top_k=50, pad_token_id=0)
+
+        runs = _interleaved({"ours": ours_fn, "transformers": hf_fn}, dev, a.rounds)
+        out[B] = {n: {"tok_s": B * N / min(r["times"]), "times": r["times"]} for n, r in runs.items()}
+    return out
+
+
+# -- output ---------------------------------------------------------------------------------------------------------
+def _settings(a: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(a).items() if k != "func"}
+
+
+def render(res: dict) -> str:
+    m = res["machine"]
+    head = [
+        f"## GPU {res['kind']}: {m['device_name']} ({m['device']})",
+        "",
+        f"- Command: `python -m benchmarks.gpu {' '.join(sys.argv[1:])}`",
+        f"- Versions: torch {m['torch']}, transformers {m['transformers']}, CUDA {m.get('cuda')}, Python {m['python']}",
+        "",
+    ]
+    out = head
+    if res["kind"] == "train":
+        for size, r in res["sizes"].items():
+            out += [
+                f"### {size}: batch {r['batch']} x {r['block']}, {res['settings']['dtype']}; MFU against {r['peak']}",
+                "",
+                "| side | tokens/s | vs transformers eager | vs transformers compiled | MFU | peak GB |",
+                "|---|---|---|---|---|---|",
+            ]
+            rows = r["rows"]
+            base_e = rows.get("transformers eager", {}).get("tokens_per_s")
+            base_c = rows.get("transformers compiled", {}).get("tokens_per_s")
+            for name, x in rows.items():
+                if "tokens_per_s" not in x:
+                    out.append(f"| {name} | {x.get('error')} | | | | |")
+                    continue
+                tps = x["tokens_per_s"]
+                ve = f"{tps / base_e:.2f}x" if base_e else "-"
+                vc = f"{tps / base_c:.2f}x" if base_c else "-"
+                mfu = f"{100 * x['mfu']:.1f}%" if x.get("mfu") is not None else "-"
+                pk = f"{x['peak_GB']:.1f}" if x.get("peak_GB") is not None else "-"
+                out.append(f"| {name} | {tps:,.0f} | {ve} | {vc} | {mfu} | {pk} |")
+            if r.get("head_gemm"):
+                hg = r["head_gemm"]
+                out += [
+                    "",
+                    f"Head matmul forward + backward at {r['batch'] * r['block']} rows: vocabulary 50257 "
+                    f"{1e3 * hg['vocab_50257_s']:.2f} ms, padded to 50304 {1e3 * hg['vocab_50304_s']:.2f} ms "
+                    f"({hg['padded_speedup']:.3f}x).",
+                ]
+            out.append("")
+    else:
+        out.insert(-1, f"- Measured read bandwidth of the device: {res['bandwidth_GBps']:.0f} GB/s")
+        for size, r in res["sizes"].items():
+            for dname, d in r["batch1"].items():
+                out += [
+                    f"### {size}, {dname}, batch 1, greedy, {r['new_tokens']} new tokens (cap "
+                    f"{d['cap_tok_s']:,.0f} tok/s: the weights read once per token)",
+                    "",
+                    "| path | tok/s | vs transformers | share of cap | same tokens |",
+                    "|---|---|---|---|---|",
+                ]
+                base = d["rows"]["transformers"]["tok_s"]
+                for name, x in d["rows"].items():
+                    out.append(
+                        f"| {name} | {x['tok_s']:,.1f} | {x['tok_s'] / base:.2f}x | {x['tok_s'] / d['cap_tok_s']:.0%} "
+                        f"| {x['same_tokens']}/{r['new_tokens']} |"
+                    )
+                out.append("")
+            out += [
+                f"### {size}: sampled, padded batches (top-k 50)",
+                "",
+                "| batch | ours tok/s | transformers tok/s | ratio |",
+            ]
+            out.append("|---|---|---|---|")
+            for B, x in r["batched"].items():
+                o, h = x["ours"]["tok_s"], x["transformers"]["tok_s"]
+                out.append(f"| {B} | {o:,.0f} | {h:,.0f} | {o / h:.2f}x |")
+            out.append("")
+    return "\n".join(out) + "\n"
+
+
+def plot(res: dict, path: str) -> None:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, values = [], []
+    for size, r in res["sizes"].items():
+        if res["kind"] == "train":
+            for name, x in r["rows"].items():
+                if "tokens_per_s" in x:
+                    labels.append(f"{size}: {name}")
+                    values.append(x["tokens_per_s"])
+        else:
+            for dname, d in r["batch1"].items():
+                for name, x in d["rows"].items():
+                    labels.append(f"{size} {dname}: {name}")
+                    values.append(x["tok_s"])
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(labels) + 1))
+    ax.barh(labels[::-1], values[::-1], color=["C0" if "ours" in s else "C7" for s in labels[::-1]])
+    ax.set_xlabel("tokens/s")
+    ax.set_title(f"{res['kind']} on {res['machine']['device_name']}")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_output(path, buf.getvalue(), "--plot")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("kind", choices=["train", "decode"])
+    p.add_argument("--sizes", default="gpt2", help="comma-separated: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--weights-dir", default="weights/bench")
+    p.add_argument("--dtype", default="bf16", choices=["float32", "bf16", "fp16"], help="train: autocast dtype")
+    p.add_argument("--batch", type=int, default=16, help="train: micro-batch of 124M (and tiny)")
+    p.add_argument("--xl-batch", type=int, default=4, help="train: micro-batch of the larger sizes")
+    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=5, help="train: steps before timing (compilation happens here)")
+    p.add_argument("--steps", type=int, default=20, help="train: timed steps")
+    p.add_argument("--no-compile", action="store_true", help="train: the eager sides only")
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--new-tokens", type=int, default=128, help="decode: new tokens per row")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--batches", default="8,32,64", help="decode: sampled batch sizes")
+    p.add_argument("--rounds", type=int, default=3, help="decode: interleaved timed rounds")
+    p.add_argument("--xl-float32", action="store_true", help="decode: also float32 for the larger sizes")
+    p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--markdown", default=None, help="append the tables to this Markdown file (- for stdout)")
+    p.add_argument("--plot", default=None, help="a PNG of tokens/s per side")
+    a = p.parse_args(argv)
+    try:
+        for path, what in ((a.out, "--out"), (a.markdown, "--markdown"), (a.plot, "--plot")):
+            if path:
+                check_writable(path, what)
+        dev = parse_device(a.device)
+        res = run_train(a, dev) if a.kind == "train" else run_decode(a, dev)
+        md = render(res)
+        print(md)
+        if a.out:
+            write_output(a.out, json.dumps(res, indent=1, default=str) + "\n", "--out")
+        if a.markdown:
+            old = Path(a.markdown).read_text() if a.markdown != "-" and Path(a.markdown).is_file() else ""
+            write_output(a.markdown, old + ("\n" if old else "") + md, "--markdown")
+        if a.plot:
+            plot(res, a.plot)
+    except GPT2PortError as e:
+        print(f"python -m benchmarks.gpu: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
