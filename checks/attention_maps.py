@@ -109,4 +109,3 @@ def draw(
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (cell * rows + 0.8)))
     save_png(fig, path)
-    plt.close(fig)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from .results import PointResult
+from .results import PointResult, Verdicts, all_within_noise
 
 
 @dataclass
@@ -86,9 +86,7 @@ class BackwardReport:
 
     @property
     def as_close_as_reference(self) -> bool | None:
-        if not self.points or self.points[0].within_noise is None:
-            return None
-        return all(p.within_noise for p in self.points)
+        return all_within_noise(self.points)
 
     @property
     def steps_as_close_as_reference(self) -> bool | None:
@@ -116,18 +114,10 @@ class BackwardReport:
 
 
 @dataclass
-class BackwardSweep:
+class BackwardSweep(Verdicts):
     model: str
     reports: list[BackwardReport]
     baseline: str
-
-    @property
-    def passed(self) -> bool:
-        return all(r.passed for r in self.reports)
-
-    @property
-    def first_failing(self) -> BackwardReport | None:
-        return next((r for r in self.reports if not r.passed), None)
 
     def to_json(self) -> dict:
         """One configuration: its report (with `kind` and `baseline`). Several: the verdict over all of them and one

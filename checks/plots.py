@@ -1,46 +1,18 @@
 """A PNG of parity error per layer: norm_rel on a log scale, one line per configuration, the noise floor as a band.
 
-matplotlib is an optional extra (`pip install 'gpt2-port[plot]'`); `require_matplotlib()` says so in one line.
+matplotlib is an optional extra; gpt2_port.plots finds it (or says so in one line) and writes the file.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import os
 
-from gpt2_port.errors import UsageError
-from gpt2_port.files import atomic_write_bytes
+from gpt2_port.plots import pyplot, save_png
 
 from .noise import NOISE_MARGIN
 from .points import is_head_point
 from .results import Sweep, label
-
-PLOT_HINT = "pip install 'gpt2-port[plot]'"
-
-
-def require_matplotlib(option: str = "--plot") -> None:
-    """Fail early, in one line, when matplotlib is missing."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError(f"{option} needs matplotlib, which is not installed: {PLOT_HINT}") from None
-
-
-def pyplot():
-    require_matplotlib()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_png(fig, path: str | os.PathLike[str]) -> None:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-    atomic_write_bytes(path, buf.getvalue())
 
 
 def tolerance_marks(s: Sweep, names: list[str]) -> list[tuple[list[str], list[float]]]:
@@ -137,4 +109,3 @@ def finish(fig, ax, path: str | os.PathLike[str], any_zero: bool, bottom: float)
     ax.grid(True, which="major", axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     save_png(fig, path)
-    pyplot().close(fig)

@@ -28,6 +28,13 @@ class PointResult:
     noise_verdict: str | None = None  # "within noise", "above x12.5", "above (reference exact here)"
 
 
+def all_within_noise(points: list[PointResult]) -> bool | None:
+    """Whether every point is within transformers' own noise; None when the floor was not measured."""
+    if not points or points[0].within_noise is None:
+        return None
+    return all(p.within_noise for p in points)
+
+
 @dataclass
 class Report:
     """One configuration: the scratch model in `dtype` on `device` against the reference."""
@@ -62,9 +69,7 @@ class Report:
     @property
     def as_close_as_reference(self) -> bool | None:
         """Whether every point is within transformers' own noise (None: floor not measured)."""
-        if not self.points or self.points[0].within_noise is None:
-            return None
-        return all(p.within_noise for p in self.points)
+        return all_within_noise(self.points)
 
     @property
     def top1_passed(self) -> bool:
@@ -105,22 +110,28 @@ def label(r: Report) -> str:
     return f"{r.dtype}/{r.device}"
 
 
-@dataclass
-class Sweep:
-    """Every configuration's Report, in the order they ran."""
+class Verdicts:
+    """The verdict over a sweep's reports (forward or backward): all passed, and the first that did not."""
 
-    model: str
-    reports: list[Report]
-    baseline: str  # the reference every configuration was compared with
-    is_sweep: bool
+    reports: list
 
     @property
     def passed(self) -> bool:
         return all(r.passed for r in self.reports)
 
     @property
-    def first_failing(self) -> Report | None:
+    def first_failing(self):  # noqa: ANN201
         return next((r for r in self.reports if not r.passed), None)
+
+
+@dataclass
+class Sweep(Verdicts):
+    """Every configuration's Report, in the order they ran."""
+
+    model: str
+    reports: list[Report]
+    baseline: str  # the reference every configuration was compared with
+    is_sweep: bool
 
     def to_json(self) -> dict:
         """One configuration: its Report. A sweep: the verdict over all configurations and one Report each."""

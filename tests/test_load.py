@@ -229,10 +229,16 @@ def test_q_k_v_stay_views_of_one_c_attn_through_a_dtype_and_device_move(tiny_off
             q, k, v = (state[f"h.{i}.attn.{n}_proj.weight"] for n in "qkv")
             assert q.device.type == device and q.dtype == dtype
             assert q._base is not None and q._base is k._base is v._base  # one [C, 3C] tensor under all three
-    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16)
+    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, layout="checkpoint")
     for block in m.h:
         a = block.attn
         assert c_attn_view(
             a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias
         )
         assert fused_qkv(a.q_proj, a.k_proj, a.v_proj) is not None
+    # bf16 on the CPU by default: every weight its own contiguous [out, in] copy (the fast matmul layout there)
+    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16)
+    for block in m.h:
+        a = block.attn
+        assert all(p.is_contiguous() and p._base is None for p in (a.q_proj.weight, a.k_proj.weight, a.c_proj.weight))
+        assert fused_qkv(a.q_proj, a.k_proj, a.v_proj) is None

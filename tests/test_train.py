@@ -227,6 +227,19 @@ def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
     assert not torch.equal(weights(out)["h.0.mlp.c_fc.weight"], weights(small_ckpt)["h.0.mlp.c_fc.weight"])
 
 
+def test_without_matplotlib_train_stops_before_training_and_names_no_plot(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    out = tmp_path / "run"
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "2"]
+    assert train(*argv, *PLOT) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("gpt2-port train: error: OUT/loss.png needs matplotlib")
+    assert err.endswith("pip install 'gpt2-port[plot]' (or pass --no-plot)")
+    assert not out.exists()  # stopped before a step was taken
+
+
 @pytest.mark.exactness
 def test_resume_continues_exactly_same_losses_and_bit_identical_weights(
     small_ckpt: Path, small_data: Path, tmp_path: Path

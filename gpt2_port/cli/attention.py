@@ -46,12 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from ..files import check_writable
     from ..io.tokenizer import load_tokenizer, tokenizer_for
     from ..model import from_pretrained
+    from ..plots import require_matplotlib
 
     check_writable(args.png, "--png")
-    try:
-        from gpt2_port_checks.plots import require_matplotlib
-    except ImportError as e:  # gpt2_port_checks ships in the same wheel; this is a broken install
-        raise UsageError(f"the plotting code is not importable ({e}): reinstall gpt2-port") from None
     require_matplotlib("--png")
     if args.compare:
         if importlib.util.find_spec("transformers") is None:  # checked here, imported in checks/ only

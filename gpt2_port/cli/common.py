@@ -23,6 +23,11 @@ def add_tokenizer_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def count(n: int, noun: str) -> str:
+    """'1 token', '2 tokens': a count with its noun in the right number."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
 def add_device_arg(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     more = "; a comma-separated list (cpu,cuda) sweeps them" if sweep else ""
     p.add_argument(

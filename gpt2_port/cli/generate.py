@@ -13,6 +13,7 @@ from .common import (
     add_progress_arg,
     add_revision_arg,
     add_tokenizer_arg,
+    count,
     report_written,
 )
 
@@ -266,15 +267,17 @@ def run(args: argparse.Namespace) -> int:
     err = sys.stderr
     if g.context_limited:
         err.write(
-            f"stopped at the context limit: the prompt is {len(prompt_ids)} tokens and the model sees at most "
-            f"{n_ctx}, so {n_ctx - len(prompt_ids)} of the {args.max_new_tokens} new tokens asked for were made\n"
+            f"stopped at the context limit: the prompt is {count(len(prompt_ids), 'token')} and the model sees at "
+            f"most {n_ctx}, so {n_ctx - len(prompt_ids)} of the {count(args.max_new_tokens, 'new token')} asked for "
+            "were made\n"
         )
     peak_dev = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     memory = f"peak RSS {rss:.0f} MB" + (f", peak {device} {peak_dev:.0f} MB" if peak_dev is not None else "")
+    samples = f" in {n} samples" if n > 1 else ""
     err.write(
-        f"load {report.load_s:.2f}s | prefill {g.prefill_s * 1000:.0f} ms ({len(prompt_ids)} tokens) | decode "
-        f"{g.decode_tok_per_s:.1f} tok/s ({made} new tokens{f' in {n} samples' if n > 1 else ''}, step: "
-        f"{g.extra['step']}) | {memory} | {device} {quantize or str(dtype).removeprefix('torch.')}\n"
+        f"load {report.load_s:.2f}s | prefill {g.prefill_s * 1000:.0f} ms ({count(len(prompt_ids), 'token')}) | "
+        f"decode {g.decode_tok_per_s:.1f} tok/s ({count(made, 'new token')}{samples}, step: {g.extra['step']}) | "
+        f"{memory} | {device} {quantize or str(dtype).removeprefix('torch.')}\n"
     )
     if args.json:
         data = {

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
     outs = checked_outputs(args)
     if args.plot:
-        from gpt2_port_checks.plots import require_matplotlib
+        from ..plots import require_matplotlib
 
         require_matplotlib("--plot")
     if args.kernels is not None and not (args.backward or args.train_steps is not None):

@@ -7,12 +7,10 @@ Runs as one process, or data-parallel under torchrun (`torchrun --nproc_per_node
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 from .common import add_progress_arg
 
@@ -130,28 +128,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def require_matplotlib() -> None:
-    from ..errors import UsageError
-
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError(
-            "OUT/loss.png needs matplotlib, which is not installed: pip install 'gpt2-port[plot]' (or pass --no-plot)"
-        ) from None
-
-
 def plot_loss(records: list[dict], path: Path) -> None:
-    """Train loss per step and val loss where evaluated, written atomically."""
-    import io
+    """Train loss per step and val loss where evaluated."""
+    from ..plots import pyplot, save_png
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ..files import atomic_write_bytes
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     pts = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
     if pts:
@@ -163,101 +144,7 @@ def plot_loss(records: list[dict], path: Path) -> None:
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def given_settings(a: argparse.Namespace) -> dict[str, Any]:
-    """The TrainArgs fields set by flags on this command line. The flags' defaults are None, so a resume can tell a
-    flag given again (an override) from one left out (the saved value stands); TrainArgs holds the real defaults."""
-    from ..train.args import TrainArgs
-
-    names = [f.name for f in dataclasses.fields(TrainArgs)]
-    return {k: getattr(a, k) for k in names if getattr(a, k, None) is not None}
-
-
-def _scratch_config(init: str):  # noqa: ANN202
-    from ..config import preset, read_config_json
-    from ..errors import UsageError
-
-    p = Path(init)
-    if p.is_file():
-        return read_config_json(p)
-    if p.is_dir() and (p / "config.json").is_file():
-        return read_config_json(p / "config.json")
-    try:
-        return preset(init)
-    except Exception:
-        raise UsageError(
-            f"--init {init!r} with --from-scratch: expected a size preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl) "
-            "or a config.json"
-        ) from None
-
-
-def _init_config(init: str):  # noqa: ANN202
-    """The config of --init without loading its weights (for the resume check), or None when only a load tells."""
-    from ..config import read_config_json
-
-    p = Path(init)
-    if p.is_dir() and (p / "config.json").is_file():
-        return read_config_json(p / "config.json")
-    return None
-
-
-def _load(path: str):  # noqa: ANN202
-    """A checkpoint for training; its load report kept, so save_pretrained copies its tokenizer files along."""
-    from ..errors import UsageError
-    from ..model import from_pretrained
-
-    if Path(path).is_file() and path.endswith(".json"):
-        raise UsageError(
-            f"--init {path}: a config.json is not a checkpoint; add --from-scratch to train a new model of that shape"
-        )
-    model, _ = from_pretrained(path)
-    return model
-
-
-def _settings(args: argparse.Namespace, state, dist, warn) -> Any:  # noqa: ANN001, ANN401
-    """The run's TrainArgs: the defaults with the flags given (a new run), or the saved settings with the flags given
-    again (a resume), each override that changes the run named through `warn`."""
-    from ..errors import UsageError
-    from ..train.args import TrainArgs, resume_changes
-    from ..train.state import STATE_JSON
-
-    given = given_settings(args)
-    if state is None:
-        targs = TrainArgs(**given)
-    else:
-        saved = TrainArgs.from_saved(state.args, f"{args.resume}/{STATE_JSON}")
-        targs = dataclasses.replace(saved, **given)
-        for line in resume_changes(saved, targs, state.world_size, dist.world_size):
-            warn(line)
-        if "data" not in given and saved.data is not None and not Path(saved.data).is_dir():
-            raise UsageError(
-                f"--resume {args.resume}: the run's data directory {saved.data} is gone (moved or deleted); pass "
-                "--data DIR where it is now"
-            )
-        if "data" in given and saved.data is not None and Path(saved.data).resolve() != Path(given["data"]).resolve():
-            saved_tokens, now_tokens = state.train_tokens, _train_tokens(given["data"])
-            if saved_tokens is not None and now_tokens is not None and saved_tokens != now_tokens:
-                warn(
-                    f"resuming with --data {given['data']} ({now_tokens:,} train tokens) where the saved run used "
-                    f"{saved.data} ({saved_tokens:,}): other data, so the run is no longer the one an uninterrupted "
-                    "run would have been"
-                )
-    targs.validate()
-    if targs.data is None:
-        raise UsageError("--data DIR is required (the output of gpt2-port prepare: train.bin, val.bin)")
-    targs.data = str(targs.data)
-    return targs
-
-
-def _train_tokens(data: str) -> int | None:
-    f = Path(data) / "train.bin"
-    return f.stat().st_size // 2 if f.is_file() else None
+    save_png(fig, path)
 
 
 def _summary_line(result, targs, out: Path) -> str:  # noqa: ANN001
@@ -281,13 +168,15 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
     from ..files import atomic_write_text, check_dir_writable, check_writable
     from ..model import GPT2
+    from ..plots import require_matplotlib
     from ..train import Callbacks, Trainer, distributed, prepare_model
     from ..train import state as trainer_state
     from ..train.data import open_split
-    from ..train.loop import same_model
     from ..train.memory import check_memory
     from ..train.run_dir import LOG_FILE, read_log
+    from ..train.setup import same_model
     from .progress import Progress
+    from .train_settings import init_config, load_checkpoint, run_settings, scratch_config
 
     if args.resume is None and args.init is None:
         raise UsageError("--init MODEL is required (or --resume DIR to continue a run)")
@@ -305,26 +194,26 @@ def run(args: argparse.Namespace) -> int:
 
     state = trainer_state.load(args.resume) if args.resume is not None else None
     if state is not None and args.init is not None:
-        cfg = _scratch_config(args.init) if args.from_scratch else _init_config(args.init)
+        cfg = scratch_config(args.init) if args.from_scratch else init_config(args.init)
         if cfg is not None:
             same_model(cfg, state.model_config, f"--resume {args.resume}")
-    targs = _settings(args, state, dist, warn)
+    targs = run_settings(args, state, dist, warn)
     if dist.is_main:
         check_dir_writable(out, "--out")
         if args.json:
             check_writable(args.json)
         if not args.no_plot:
-            require_matplotlib()
+            require_matplotlib("OUT/loss.png", "--no-plot")
     if args.resume is None and (out / trainer_state.STATE_JSON).exists():
         raise UsageError(
             f"--out {out}: holds a training run already; continue it with --resume {out}, or choose another --out"
         )
     if state is not None:
-        model = _load(args.resume)
+        model = load_checkpoint(args.resume)
     elif args.from_scratch:
-        model = GPT2(_scratch_config(args.init)).init_weights(targs.seed)
+        model = GPT2(scratch_config(args.init)).init_weights(targs.seed)
     else:
-        model = _load(args.init)
+        model = load_checkpoint(args.init)
     cfg = model.config
     block = targs.block_size or cfg.n_positions
     if block > cfg.n_positions:

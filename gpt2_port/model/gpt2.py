@@ -130,9 +130,11 @@ class GPT2(GenerationMixin, nn.Module):
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
         revision: str | None = None,
+        layout: Layout = "auto",
     ) -> GPT2:
-        """Load a checkpoint (local directory, .safetensors file, or Hub id); `model.load_report` tells how it went."""
-        return from_pretrained(model, dtype=dtype, device=device, revision=revision, cls=cls)[0]
+        """Load a checkpoint (local directory, .safetensors file, or Hub id); `model.load_report` tells how it went.
+        `layout`: "checkpoint" keeps q/k/v as views of c_attn; "auto" copies them apart for bf16/fp16 on the CPU."""
+        return from_pretrained(model, dtype=dtype, device=device, revision=revision, cls=cls, layout=layout)[0]
 
     def save_pretrained(
         self, directory: str | os.PathLike[str], tokenizer_dir: str | os.PathLike[str] | None = None

@@ -1,0 +1,54 @@
+"""Making a model trainable, and the checks that tie a resumed run to its model: every parameter its own float32
+tensor on the device, dropout, checkpointing and kernels as asked; the architecture a resume must match; TF32."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import GPT2Config
+from ..errors import CheckpointError
+from ..generate.int8 import check_trainable
+from ..model import GPT2
+from .args import TrainArgs
+
+# The config fields that make two models the same model for a resume (dropout and init fields may change).
+ARCH_KEYS = ("n_layer", "n_embd", "n_head", "n_positions", "vocab_size", "tie_word_embeddings")
+
+
+def same_model(a: GPT2Config, b: dict[str, Any], source: str) -> None:
+    """Refuse a resume whose saved model differs from this one in any architectural field."""
+    ours = a.to_hf_dict()
+    diff = [f"{k}={b.get(k)!r} there, {ours.get(k)!r} here" for k in ARCH_KEYS if ours.get(k) != b.get(k)]
+    if diff:
+        raise CheckpointError(f"{source}: trained another model ({'; '.join(diff)}): cannot resume it into this one")
+
+
+def prepare_model(model: GPT2, args: TrainArgs, device: torch.device) -> GPT2:
+    """Make `model` trainable in place: every parameter its own contiguous float32 tensor on `device`, dropout,
+    gradient checkpointing and kernels as asked, train mode, gradients on.
+
+    A loaded checkpoint's q/k/v are views into one c_attn tensor, backed by a copy-on-write map of the file; the
+    optimizer updates parameters in place, so each gets its own memory (and contiguous tensors reduce the same way
+    in a fresh run and in a resumed one, which bit-identical resume needs).
+    """
+    check_trainable(model)
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:  # a tied head has no tensor of its own (it is wte.weight): nothing to re-tie
+                t = p.detach().to(device=device, dtype=torch.float32).contiguous().clone()
+                mod._parameters[name] = nn.Parameter(t)
+    if args.dropout is not None:
+        model.set_dropout(args.dropout)
+    model.gradient_checkpointing = args.grad_checkpointing
+    model.set_kernels(args.resolved_kernels)  # type: ignore[arg-type]
+    return model.train().requires_grad_(True)
+
+
+def set_tf32(device: torch.device, on: bool) -> None:
+    """float32 matmuls and convolutions on TF32 tensor cores (CUDA; `train` only, never the parity checker)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on
