@@ -22,6 +22,17 @@ def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+def compiling() -> bool:
+    """Whether torch.compile is tracing the code that asks (a data-dependent branch there would break the graph)."""
+    return getattr(torch.compiler, "is_compiling", lambda: False)()
+
+
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether reading `t`'s value costs nothing: a CPU tensor (no device sync) outside torch.compile's tracing. Checks
+    of values (token ids in range, a gradient of exactly 1) run only then."""
+    return t.device.type == "cpu" and not compiling()
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast casts matmul inputs to on this device type, or None when autocast is off."""
     if not torch.is_autocast_enabled(device_type):

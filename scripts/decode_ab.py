@@ -32,14 +32,24 @@ def extract(commit: str, into: Path) -> None:
     (into / "gpt2_port").rename(into / "gpt2_port_base")
 
 
+def first_module(pkg: str, names: list[str], attr: str):  # noqa: ANN201
+    """The first of `pkg.<name>` that exists and has `attr`: the package's layout changed over the commits (flat files
+    before the folders: load.py, generate.py, decode.py, kv_cache.py)."""
+    for name in names:
+        try:
+            mod = importlib.import_module(f"{pkg}.{name}")
+        except ModuleNotFoundError:
+            continue
+        if hasattr(mod, attr):
+            return mod
+    raise SystemExit(f"{pkg}: none of {names} defines {attr}")
+
+
 def runners(pkg: str, model_dir: str, prompt: torch.Tensor, new_tokens: int) -> dict:
-    load = importlib.import_module(f"{pkg}.load")
-    gen = importlib.import_module(f"{pkg}.generate")
-    decode = importlib.import_module(f"{pkg}.decode")
-    try:
-        kv = importlib.import_module(f"{pkg}.kv_cache")
-    except ModuleNotFoundError:  # commits before the KV cache had a file of its own
-        kv = importlib.import_module(f"{pkg}.model")
+    load = first_module(pkg, ["model", "load"], "from_pretrained")
+    gen = first_module(pkg, ["generate.loop", "generate"], "generate_full")
+    decode = first_module(pkg, ["model.decode", "decode"], "DecodePlan")
+    kv = first_module(pkg, ["generate.cache", "kv_cache", "model"], "KVCache")
     model, _ = load.from_pretrained(model_dir)
 
     def greedy() -> float:

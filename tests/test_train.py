@@ -127,6 +127,21 @@ def test_one_generator_draws_the_global_batch_and_each_rank_takes_its_share() ->
     assert not torch.equal(GlobalBatchSampler(1000, 16, 3, 2, 1, 5).next_step(0), other.next_step(0))
 
 
+def test_a_prefetched_draw_is_the_next_step_and_not_part_of_the_saved_data_position() -> None:
+    s = GlobalBatchSampler(1000, 16, batch_size=3, grad_accum=2, world_size=2, seed=5)
+    ref = GlobalBatchSampler(1000, 16, batch_size=3, grad_accum=2, world_size=2, seed=5)
+    s.next_step(1), ref.next_step(1)
+    before = s.state()
+    ahead = s.prefetch(1)
+    assert torch.equal(s.state(), before) and s.batches_drawn == 1  # the position of the steps taken
+    assert torch.equal(s.prefetch(1), ahead)  # asking again draws nothing new
+    resumed = GlobalBatchSampler(1000, 16, batch_size=3, grad_accum=2, world_size=2, seed=99)
+    resumed.restore(s.state(), s.batches_drawn)
+    assert torch.equal(s.next_step(1), ahead) and torch.equal(ref.next_step(1), ahead)
+    assert torch.equal(resumed.next_step(1), ahead)  # a resume from the saved position draws it again
+    assert s.batches_drawn == 2 and torch.equal(s.next_step(1), ref.next_step(1))
+
+
 # -- schedule and optimizer ------------------------------------------------------------------------------------------
 def test_lr_warms_up_linearly_then_follows_a_cosine_to_min_lr() -> None:
     lrs = [lr_at(s, 1.0, 0.1, 4, 20) for s in range(20)]
@@ -492,6 +507,48 @@ def test_bf16_autocast_trains_on_the_cpu_with_either_kernel_set(
     assert losses["bf16"] != losses["float32"]  # bf16 really ran
     for a, b in zip(losses["float32"], losses["bf16"]):
         assert abs(a - b) / a < 2e-2
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_a_step_reads_the_device_once(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every read of a tensor's value by gpt2_port's own code during a step with 2 micro-batches, counted over every
+    way a value reaches the host: one (the step's loss and gradient norm together, for the non-finite stop). The
+    forward's id checks are off as for a device tensor (they run only on CPU tensors); torch's own CPU AdamW reads
+    its step counts, which the fused CUDA AdamW does not, so reads from inside torch are not counted. The fused
+    loss's check for an incoming gradient of exactly 1 is off too (it reads a CPU tensor only)."""
+    import traceback
+
+    from gpt2_port.model import gpt2 as gpt2_module
+    from gpt2_port.train import distributed
+
+    model, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=3, batch_size=2, block_size=16, grad_accum=2, dropout=0.1, kernels=kernels, eval_every=0)
+    prepare_model(model, args, torch.device("cpu"))
+    split = open_split(small_data, "train", SMALL.vocab_size, 16)
+    t = Trainer(model, args, split, None, tmp_path / "out", "cpu", distributed.from_env())
+    t.step(0)
+    package = str(Path(gpt2_module.__file__).parents[1])
+    reads: list[str] = []
+    from gpt2_port.model import fused
+
+    for module in (gpt2_module, fused):  # the checks that read values run on CPU tensors only: as on a device
+        monkeypatch.setattr(module, "host_readable", lambda tensor: False)
+    for name in ("tolist", "item", "__bool__", "__float__", "__int__", "__index__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            caller = traceback.extract_stack(limit=2)[0]
+            if caller.filename.startswith(package):
+                reads.append(f"{_name} at {Path(caller.filename).name}:{caller.lineno}")
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    record = t.step(1)
+    monkeypatch.undo()
+    assert len(reads) == 1 and reads[0].startswith("tolist at loop.py"), reads
+    assert math.isfinite(record["train_loss"]) and record["grad_norm"] > 0
 
 
 def test_default_kernels_are_the_reference_in_float32_and_fast_under_autocast() -> None:

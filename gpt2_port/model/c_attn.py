@@ -26,11 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..devices import autocast_dtype
-
-
-def _compiling() -> bool:
-    return getattr(torch.compiler, "is_compiling", lambda: False)()
+from ..devices import autocast_dtype, compiling
 
 
 def c_attn_view(
@@ -39,7 +35,7 @@ def c_attn_view(
     """The `[C, 3C]` weight and (3C,) bias that q/k/v's (C, C) [out, in] weights and biases are adjacent views of,
     as views of that storage (no copy), or None when they are not laid out so (or under torch.compile, which does
     not trace storage pointers)."""
-    if _compiling():
+    if compiling():
         return None
     C = wq.shape[1]
     if not (wq.shape == wk.shape == wv.shape == (C, C) and wq.dtype == wk.dtype == wv.dtype == bq.dtype):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..devices import autocast_dtype
+from ..devices import autocast_dtype, host_readable
 from .loss import IGNORE_INDEX
 
 # Rows of logits made at once: 256 x 50257 float32 is 51 MB, large enough that each chunk's two matmuls run at the
@@ -161,8 +161,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         made, ctx.made = ctx.made, None
         # the usual incoming gradient of 1, known without a device sync (on the CPU, outside torch.compile): the made
         # tensors are the gradients; otherwise they are scaled (by 1.0 the values stay the same)
-        compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
-        one = grad_out.device.type == "cpu" and not compiling and float(grad_out) == 1.0
+        one = host_readable(grad_out) and float(grad_out) == 1.0
         grads = [t if t is None or one else t * grad_out.to(t.dtype) for t in made]
         return grads[0], grads[1], grads[2], None, None, None, None
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import GPT2Config
+from ..devices import compiling, host_readable
 from ..errors import UsageError
 from ..generate.cache import KVCache
 from ..generate.mixin import GenerationMixin
@@ -48,13 +49,6 @@ log = logging.getLogger(__name__)
 class CausalLMOutput(NamedTuple):
     loss: torch.Tensor  # scalar, float32: transformers' causal-LM loss
     logits: torch.Tensor | None  # (B, T, V); None when the fast kernels computed the loss without them
-
-
-def checked_on_host(t: torch.Tensor) -> bool:
-    """Whether the forward range-checks `t`: only a CPU tensor (no device sync), and never while torch.compile
-    traces (a data-dependent check would break the graph)."""
-    compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
-    return t.device.type == "cpu" and not compiling
 
 
 @contextlib.contextmanager
@@ -255,7 +249,7 @@ class GPT2(GenerationMixin, nn.Module):
         V = self.config.vocab_size
         if S > self.config.n_positions:
             raise UsageError(f"sequence of {S} tokens exceeds the context of {self.config.n_positions}")
-        if input_ids.numel() and checked_on_host(input_ids):
+        if input_ids.numel() and host_readable(input_ids):
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= V:
                 raise UsageError(f"input_ids: token id {lo if lo < 0 else hi} is out of range (expected 0 <= id < {V})")
@@ -270,7 +264,7 @@ class GPT2(GenerationMixin, nn.Module):
                 raise UsageError(f"num_items_in_batch must be a positive count of targets, got {float(n):g}")
         for t in (labels, targets):
             if t is not None:
-                check_labels(t, input_ids, V, partial=last_only or hidden_only, values=checked_on_host(t))
+                check_labels(t, input_ids, V, partial=last_only or hidden_only, values=host_readable(t))
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = positions_from_mask(attention_mask)[:, past:]
@@ -309,7 +303,7 @@ class GPT2(GenerationMixin, nn.Module):
         tensor added into the head's dense one, instead of a dense (V, C) gradient made, filled and summed (a sparse
         gradient does not compile; under torch.compile the compiler fuses the dense one instead)."""
         fast = self.kernels == "fast" and self.lm_head is None and self.wants_grad() and self.wte.weight.requires_grad
-        if fast and not getattr(torch.compiler, "is_compiling", lambda: False)():
+        if fast and not compiling():
             return F.embedding(input_ids, self.wte.weight, sparse=True)
         return self.wte(input_ids)
 

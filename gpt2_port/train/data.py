@@ -51,14 +51,36 @@ class GlobalBatchSampler:
         self.batch_size, self.grad_accum, self.world_size = batch_size, grad_accum, world_size
         self.generator = torch.Generator().manual_seed(seed)
         self.batches_drawn = 0
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (offsets (A, W, B), generator state before)
 
     @property
     def global_batch(self) -> int:
         return self.batch_size * self.grad_accum * self.world_size
 
-    def next_step(self, rank: int) -> torch.Tensor:
-        """(grad_accum, batch_size) offsets this process uses for the next step (the others' are drawn too)."""
+    def _draw(self) -> torch.Tensor:
         shape = (self.grad_accum, self.world_size, self.batch_size)
-        offsets = torch.randint(self.high, shape, generator=self.generator)  # (A, W, B)
+        return torch.randint(self.high, shape, generator=self.generator)  # (A, W, B)
+
+    def next_step(self, rank: int) -> torch.Tensor:
+        """(grad_accum, batch_size) offsets this process uses for the next step (the others' are drawn too): the
+        prefetched ones when `prefetch` drew them already."""
+        offsets = self._pending[0] if self._pending is not None else self._draw()
+        self._pending = None
         self.batches_drawn += 1
         return offsets[:, rank]  # (A, B)
+
+    def prefetch(self, rank: int) -> torch.Tensor:
+        """The next step's offsets for this process, drawn ahead (so its batch can be on its way to the device while
+        this step finishes); `next_step` returns them. The data position (`state`) stays where it was until then."""
+        if self._pending is None:
+            before = self.generator.get_state()
+            self._pending = (self._draw(), before)
+        return self._pending[0][:, rank]
+
+    def state(self) -> torch.Tensor:
+        """The generator's state as of the steps taken (a prefetched draw not counted): what a resume restores."""
+        return self._pending[1] if self._pending is not None else self.generator.get_state()
+
+    def restore(self, state: torch.Tensor, batches_drawn: int) -> None:
+        self.generator.set_state(state)
+        self.batches_drawn, self._pending = batches_drawn, None

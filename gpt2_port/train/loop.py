@@ -10,8 +10,9 @@ processes and micro-steps, or on where a run was resumed.
 On an accelerator a step waits for the device once: the step's loss and gradient norm come back together, after
 the backward pass and before the optimizer step, so the non-finite stop is exact (a bad step is never applied). The
 loss accumulates on the device, batches come from pinned memory without waiting, and the next micro-batch is copied
-while the current one computes. With `compile`, torch.compile runs the forward and backward (one graph, no break)
-and the evaluation forward.
+while the current one computes; the next step's first batch is drawn and sent before the step's wait (the data
+position saved with a checkpoint is that of the steps taken, so a resume draws the same batch again). With
+`compile`, torch.compile runs the forward and backward (one graph, no break) and the evaluation forward.
 
 Outputs go through run_dir.RunDir (the process of rank 0 writes); progress reaches the caller through `Callbacks`.
 """
@@ -122,6 +123,7 @@ class Trainer:
             len(train_data), self.block_size, args.batch_size, args.grad_accum, d.world_size, args.seed
         )
         self.batches = Batches(train_data, self.block_size, self.device)
+        self._next_batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the next step's first batch, sent ahead
         self.optimizer = make_optimizer(
             model, args.lr, args.weight_decay, (args.beta1, args.beta2), args.eps, fused=self.device.type == "cuda"
         )
@@ -176,8 +178,7 @@ class Trainer:
         if st.step > self.args.steps:
             raise UsageError(f"--steps {self.args.steps}: the run in {source} is already at step {st.step}")
         trainer_state.load_optimizer_tensors(self.model, self.optimizer, st.tensors, source)
-        trainer_state.restore_rng(st.tensors, self.sampler.generator)
-        self.sampler.batches_drawn = st.batches_drawn
+        self.sampler.restore(trainer_state.restore_rng(st.tensors), st.batches_drawn)
         if self.scaler is not None and st.scaler:
             self.scaler.load_state_dict(st.scaler)
         self.start_step, self.best_val, self.best_step = st.step, st.best_val_loss, st.best_step
@@ -206,7 +207,8 @@ class Trainer:
         n_items = a.grad_accum * a.batch_size * self.block_size
         acc = torch.float32 if self.device.type == "mps" else torch.float64
         total = torch.zeros((), dtype=acc, device=self.device)
-        x, y = self.batches.get(offsets[0])
+        x, y = self._next_batch if self._next_batch is not None else self.batches.get(offsets[0])
+        self._next_batch = None
         for m in range(a.grad_accum):
             torch.manual_seed(self._dropout_seed(step, m))
             last = m == a.grad_accum - 1
@@ -223,6 +225,8 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         max_norm = a.clip if a.clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        # the next step's first batch is gathered and sent now, so it is on the device before that step's forward
+        self._next_batch = self.batches.get(self.sampler.prefetch(d.rank)[0])
         loss_sum, grad_norm = torch.stack([total.to(norm.dtype), norm]).tolist()  # the step's one wait
         train_loss = loss_sum / d.world_size
         finite = math.isfinite(train_loss) and (math.isfinite(grad_norm) or self.scaler is not None)
@@ -303,7 +307,7 @@ class Trainer:
     # saving (rank 0)
     def _state(self, step: int, elapsed: float, tokens: int) -> trainer_state.TrainerState:
         tensors = trainer_state.optimizer_tensors(self.model, self.optimizer)
-        tensors.update(trainer_state.rng_tensors(self.sampler.generator))
+        tensors.update(trainer_state.rng_tensors(self.sampler.state()))
         return trainer_state.TrainerState(
             step=step,
             model_config=self.model.config.to_hf_dict(),

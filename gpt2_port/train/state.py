@@ -94,20 +94,22 @@ def load_optimizer_tensors(
         optimizer.state[p] = st
 
 
-def rng_tensors(data_generator: torch.Generator) -> dict[str, torch.Tensor]:
-    out = {"rng.torch_cpu": torch.get_rng_state(), "rng.data": data_generator.get_state()}
+def rng_tensors(data_state: torch.Tensor) -> dict[str, torch.Tensor]:
+    """torch's CPU and CUDA generator states, and the data sampler's (`GlobalBatchSampler.state()`)."""
+    out = {"rng.torch_cpu": torch.get_rng_state(), "rng.data": data_state}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             out[f"rng.cuda.{i}"] = s
     return out
 
 
-def restore_rng(tensors: dict[str, torch.Tensor], data_generator: torch.Generator) -> None:
+def restore_rng(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Restore torch's CPU and CUDA generators; return the data sampler's state (for `GlobalBatchSampler.restore`)."""
     torch.set_rng_state(tensors["rng.torch_cpu"])
-    data_generator.set_state(tensors["rng.data"])
     cuda = [tensors[k] for k in sorted(t for t in tensors if t.startswith("rng.cuda."))]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+    return tensors["rng.data"]
 
 
 def save(state: TrainerState, directory: Path) -> None:
