@@ -497,7 +497,7 @@ def plot(res: dict, path: str) -> None:
     write_output(path, buf.getvalue(), "--plot")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("kind", choices=["train", "decode"])
     p.add_argument("--sizes", default="gpt2", help="comma-separated: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
@@ -519,7 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--markdown", default=None, help="append the tables to this Markdown file (- for stdout)")
     p.add_argument("--plot", default=None, help="a PNG of tokens/s per side")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
         for path, what in ((a.out, "--out"), (a.markdown, "--markdown"), (a.plot, "--plot")):
             if path:

@@ -4,6 +4,9 @@ assertions), and the decode loops it times."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,8 @@ from benchmarks.__main__ import main as bench_main
 from benchmarks.decode import greedy_hf, greedy_ours, same_prefix
 from benchmarks.report import BEGIN, END, update_markdown
 from gpt2_port.model import from_pretrained
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_greedy_loops_agree(tiny_official: Path) -> None:
@@ -129,3 +134,42 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     rows = d["sizes"]["tiny"]["batch1"]["float32"]["rows"]
     assert rows["ours"]["same_tokens"] == 4 and d["bandwidth_GBps"] > 0
     assert set(d["sizes"]["tiny"]["batched"]["2"]) == {"ours", "transformers"}
+
+
+def gpu_check_commands() -> list[tuple[str, list[str]]]:
+    """scripts/gpu_check.sh's gpt2-port and benchmarks.gpu command lines (continuations joined), "$OUT/x" read
+    as out/x and the checkpoint helper's "$1" as gpt2."""
+    text = (REPO / "scripts" / "gpu_check.sh").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        line = re.sub(r'"\$OUT/([^"]*)"', r"out/\1", line.strip())
+        line = line.replace("$1", "gpt2")
+        for marker, tool in (('"${G[@]}" ', "gpt2-port"), ("-m benchmarks.gpu ", "benchmarks.gpu")):
+            if marker in line:
+                out.append((tool, shlex.split(line.split(marker, 1)[1])))
+    return out
+
+
+def test_the_gpu_check_scripts_commands_parse() -> None:
+    """Every command scripts/gpu_check.sh runs on a GPU machine parses with the real parsers here, so a renamed flag
+    is caught before a lent GPU's minutes are spent on it."""
+    from benchmarks import gpu
+    from gpt2_port.cli.main import build_parser
+
+    cmds = gpu_check_commands()
+    assert {c[1][0] for c in cmds} == {"demo-checkpoint", "parity", "train", "decode"}
+    assert sum(c[1][0] == "parity" for c in cmds) >= 5
+    for tool, argv in cmds:
+        parser = build_parser() if tool == "gpt2-port" else gpu.build_parser()
+        assert "$" not in " ".join(argv), argv
+        parser.parse_args(argv)
+
+
+def test_the_gpu_check_script_refuses_an_unknown_phase() -> None:
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "tests", "benchmark"], capture_output=True)
+    assert r.returncode == 2 and r.stdout == b""
+    assert r.stderr.decode().strip().splitlines() == [
+        "gpu_check: unknown phase 'benchmark' (expected tests, parity, train, decode or smoke)"
+    ]

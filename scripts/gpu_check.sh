@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU half of the project's checks, in a few long commands, on a machine with CUDA whose python already has torch,
+# transformers and safetensors (no network needed: the checkpoints are random weights in the official layout, written
+# there). Each phase writes its log and its JSON/Markdown/PNG into OUT and prints a one-line verdict.
+#
+#   scripts/gpu_check.sh PHASE [PHASE ...]
+#     tests    the `cuda` tests (tests/test_cuda.py), then the whole suite on that machine (its CPU and its torch)
+#     parity   gpt2-port parity --device cuda: 124M and 1.5B float32 forward (expect 0 at every point), 124M
+#              backward with 10 AdamW steps (reference kernels: bit-identical; fast: within the noise), 124M bf16
+#     train    python -m benchmarks.gpu train  --sizes gpt2,gpt2-xl (tokens/s, MFU, peak memory beside transformers)
+#     decode   python -m benchmarks.gpu decode --sizes gpt2,gpt2-xl (tokens/s beside transformers' generate)
+#     smoke    the same commands at toy sizes on the CPU (checks this script, not the GPU)
+#
+# Environment: OUT (default gpu-results), PYTHON (default python3), INSTALL=0 to skip `pip install -e .`,
+# SHARED_FROM (the tests need ../shared beside the checkout: GPT-2's BPE files and tiny shakespeare; where it is
+# missing, a copy of it at SHARED_FROM is put there).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-gpu-results}
+[ $# -gt 0 ] || { sed -n '6,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+for phase in "$@"; do
+  case "$phase" in tests | parity | train | decode | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, parity, train, decode or smoke)" >&2; exit 2 ;; esac
+done
+mkdir -p "$OUT" weights
+
+if [ "${INSTALL:-1}" = 1 ]; then
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log" >&2; exit 1; }
+fi
+G=("$PY" -m gpt2_port)
+failed=0
+
+step() {  # step NAME COMMAND...: run it, its output into OUT/NAME.log, one line of verdict
+  local name=$1 t0 rc
+  shift
+  t0=$(date +%s)
+  echo "== $name: $*" >&2
+  PYTHONUNBUFFERED=1 "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "== $name: exit $rc in $(($(date +%s) - t0)) s (log $OUT/$name.log)" >&2
+  [ $rc -eq 0 ] || { failed=1; tail -20 "$OUT/$name.log" >&2; }
+}
+
+checkpoint() {  # checkpoint SIZE: weights/SIZE-random, written once
+  [ -f "weights/$1-random/model.safetensors" ] || step "checkpoint-$1" "${G[@]}" demo-checkpoint --size "$1" --out "weights/$1-random"
+}
+
+for phase in "$@"; do
+  case "$phase" in
+    tests)
+      if [ -n "${SHARED_FROM:-}" ] && [ ! -e ../shared ]; then cp -r "$SHARED_FROM" ../shared; fi
+      step tests-cuda "$PY" -m pytest -q -m cuda -rs
+      step tests-all "$PY" -m pytest -q -rs
+      ;;
+    parity)
+      checkpoint gpt2
+      checkpoint gpt2-xl
+      step parity-124m "${G[@]}" parity weights/gpt2-random --device cuda --json "$OUT/parity-124m.json"
+      step parity-1.5b "${G[@]}" parity weights/gpt2-xl-random --device cuda --json "$OUT/parity-1.5b.json"
+      step parity-124m-backward "${G[@]}" parity weights/gpt2-random --device cuda --backward --train-steps 10 \
+        --json "$OUT/parity-124m-backward.json"
+      step parity-124m-backward-fast "${G[@]}" parity weights/gpt2-random --device cuda --backward --train-steps 10 \
+        --kernels fast --json "$OUT/parity-124m-backward-fast.json"
+      step parity-124m-bf16 "${G[@]}" parity weights/gpt2-random --device cuda --dtype float32,bfloat16 --backward \
+        --json "$OUT/parity-124m-bf16.json"
+      ;;
+    train)
+      step bench-train "$PY" -m benchmarks.gpu train --sizes gpt2,gpt2-xl --out "$OUT/train.json" \
+        --markdown "$OUT/train.md" --plot "$OUT/train.png"
+      ;;
+    decode)
+      step bench-decode "$PY" -m benchmarks.gpu decode --sizes gpt2,gpt2-xl --out "$OUT/decode.json" \
+        --markdown "$OUT/decode.md" --plot "$OUT/decode.png"
+      ;;
+    smoke)
+      checkpoint gpt2
+      step smoke-parity "${G[@]}" parity weights/gpt2-random --device cpu --ids "464 2444 4721" \
+        --json "$OUT/smoke-parity.json"
+      step smoke-train "$PY" -m benchmarks.gpu train --device cpu --sizes tiny --batch 2 --block 64 --warmup 1 \
+        --steps 2 --compile-backend aot_eager --out "$OUT/smoke-train.json"
+      step smoke-decode "$PY" -m benchmarks.gpu decode --device cpu --sizes tiny --new-tokens 8 --batches 2 \
+        --rounds 1 --out "$OUT/smoke-decode.json"
+      ;;
+  esac
+done
+exit $failed
