@@ -123,7 +123,7 @@ PER_INVOCATION = {"stop_at"}
 
 # What a changed setting does to a resumed run, by setting (the rest change the trained weights).
 _LOG_ONLY = {"eval_every", "eval_batches", "save_every", "sample_every"}  # what is evaluated, saved and logged
-_NEUTRAL = {"data", "grad_checkpointing", "compile", "skip_nonfinite"}  # the same weights (data: checked apart)
+_NEUTRAL = {"data", "grad_checkpointing", "skip_nonfinite"}  # the same weights (data: checked apart)
 
 
 def resume_changes(saved: TrainArgs, now: TrainArgs, saved_world: int, world: int) -> list[str]:
@@ -146,6 +146,13 @@ def resume_changes(saved: TrainArgs, now: TrainArgs, saved_world: int, world: in
             effect = "evaluations, samples and checkpoints follow the new value from here on"
         elif name == "steps":
             effect = f"the {now.schedule} schedule now spans {new} steps, so the learning rates differ from here on"
+        elif name == "compile":
+            # measured with inductor on the CPU: 24 of 28 tensors differ after 6 steps without dropout (rel 4e-5),
+            # all of them with dropout 0.1 (rel 0.1); a run kept compiled or kept eager resumes bit for bit
+            effect = (
+                "compiled and eager steps round differently and draw different dropout masks, so the weights are "
+                "no longer bit for bit those of an uninterrupted run"
+            )
         else:
             effect = "the run is no longer the one an uninterrupted run would have been"
         out.append(f"resuming with {flag} {new!r} where the saved run used {old!r}: {effect}")
