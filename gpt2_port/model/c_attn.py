@@ -23,10 +23,10 @@ the compiler folds into the matmul's input; the arithmetic is the same.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..devices import autocast_dtype, compiling
+from .lowp import linear, linear_wb
 
 
 def c_attn_view(
@@ -125,5 +125,5 @@ def project_qkv(
         return y.view(B, T, 3 * C).split(C, dim=-1)
     fused = None if grad else fused_qkv(q, k, v)
     if fused is not None:  # the checkpoint's own c_attn storage, viewed: no copy
-        return F.linear(x, *fused).split(C, dim=-1)
-    return q(x), k(x), v(x)
+        return linear_wb(x, *fused).split(C, dim=-1)
+    return linear(q, x), linear(k, x), linear(v, x)

@@ -39,6 +39,7 @@ from .decode import DecodePlan
 from .fused import linear_cross_entropy
 from .init import init_tensor_
 from .loss import check_labels, cross_entropy, shift_labels
+from .lowp import linear_wb
 from .masks import build_mask, positions_from_mask
 from .modules import AttnImpl, Block, Kernels, LayerNorm
 from .taps import Recorder, Taps
@@ -328,7 +329,7 @@ class GPT2(GenerationMixin, nn.Module):
             return self.lm_head(x)
         w = self.head_weight
         b = None if self.lm_head is None else self.lm_head.bias
-        return F.linear(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])  # (N, C) -> (..., V)
+        return linear_wb(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])  # (N, C) -> (..., V)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied head is one parameter, counted once

@@ -20,6 +20,7 @@ from torch import nn
 from ..config import GPT2Config
 from .c_attn import project_qkv
 from .fused import gelu_tanh
+from .lowp import linear
 from .masks import causal
 from .taps import Taps
 
@@ -101,7 +102,7 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads side by side
         if rec is not None:
             rec(f"{self.tag}.merged", y)
-        y = self.c_proj(y)
+        y = linear(self.c_proj, y)
         if rec is not None:
             rec(f"{self.tag}.c_proj", y)
         return self.resid_dropout(y)
@@ -118,11 +119,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         act = gelu_tanh if self.kernels == "fast" and wants_grad(self) else gelu_new
-        h = act(self.c_fc(x))  # (B, T, 4C)
+        h = act(linear(self.c_fc, x))  # (B, T, 4C)
         rec = self.taps.rec
         if rec is not None:
             rec(f"{self.tag}.act", h)
-        y = self.c_proj(h)
+        y = linear(self.c_proj, h)
         if rec is not None:
             rec(f"{self.tag}.c_proj", y)
         return self.dropout(y)

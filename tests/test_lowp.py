@@ -1,0 +1,83 @@
+"""bf16/fp16 inference on a CPU without bf16/fp16 matrix instructions: from UPCAST_MIN_ROWS rows the matmuls run
+from float32 copies and round once (model/lowp.py); fewer rows, training and float32 keep their kernels. The choice
+is pinned here; the arithmetic is checked with the CPU probe forced either way, so it runs on any CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY
+
+from gpt2_port.model import GPT2, lowp
+
+pytestmark = pytest.mark.exactness
+
+
+@pytest.fixture
+def no_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lowp, "cpu_lacks_matrix_units", lambda dtype: True)
+
+
+def _xwb(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 256, generator=g), torch.randn(512, 256, generator=g), torch.randn(512, generator=g)
+    return x.to(dtype), w.to(dtype), b.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_float32_product_rounds_once_and_is_as_close_as_the_low_precision_kernel(dtype, no_bf16_units) -> None:  # noqa: ANN001
+    x, w, b = _xwb(64, dtype)
+    got = lowp.linear_wb(x, w, b)
+    assert got.dtype == dtype
+    assert torch.equal(got, F.linear(x.float(), w.float(), b.float()).to(dtype))  # widened exactly, rounded once
+    truth = F.linear(x.double(), w.double(), b.double())
+    ours = (got.double() - truth).norm() / truth.norm()
+    kernel = (F.linear(x, w, b).double() - truth).norm() / truth.norm()
+    assert ours <= 1.05 * kernel, (ours, kernel)  # measured: equal to 3 digits (one rounding of a float32 sum each)
+
+
+def test_the_choice_rows_training_float32_and_the_cpu(no_bf16_units) -> None:  # noqa: ANN001
+    few, many = _xwb(lowp.UPCAST_MIN_ROWS - 1, torch.bfloat16), _xwb(lowp.UPCAST_MIN_ROWS, torch.bfloat16)
+    assert not lowp.upcasts(few[0], few[1]) and lowp.upcasts(many[0], many[1])  # decoding rows keep bf16
+    assert not lowp.upcasts(many[0].float(), many[1].float())
+    w = many[1].clone().requires_grad_(True)
+    assert not lowp.upcasts(many[0], w)  # training: autocast's arithmetic, untouched
+    with torch.no_grad():
+        assert lowp.upcasts(many[0], w)
+
+
+def test_the_probe_decides_on_a_cpu_with_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lowp, "cpu_lacks_matrix_units", lambda dtype: False)
+    x, w, b = _xwb(64, torch.bfloat16)
+    assert not lowp.upcasts(x, w) and torch.equal(lowp.linear_wb(x, w, b), F.linear(x, w, b))
+
+
+def test_this_cpus_probe_is_torchs() -> None:
+    has = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert lowp.cpu_lacks_matrix_units(torch.bfloat16) is (not has)
+
+
+def test_a_bf16_prefill_runs_every_matmul_in_float32_and_a_decode_step_in_bf16(
+    no_bf16_units, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:  # noqa: ANN001
+    model = GPT2(TINY).init_weights(0).to(torch.bfloat16).eval().requires_grad_(False)
+    seen: list[torch.dtype] = []
+    real = F.linear
+
+    def spy(x, w, b=None):  # noqa: ANN001, ANN202
+        seen.append(w.dtype)
+        return real(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    ids = torch.randint(0, TINY.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids)
+    assert logits.dtype == torch.bfloat16
+    assert len(seen) == 6 * TINY.n_layer + 1 and set(seen) == {torch.float32}  # q, k, v, c_proj, c_fc, c_proj, head
+    seen.clear()
+    with torch.no_grad():
+        model(ids[:, :1])
+    assert seen and set(seen) == {torch.bfloat16}
