@@ -47,16 +47,19 @@ def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def linear_wb(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias), from float32 copies where `upcasts` says so."""
-    if not upcasts(x, weight):
-        return F.linear(x, weight, bias)
+def _from_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     b = None if bias is None else bias.float()
     return F.linear(x.float(), weight.float(), b).to(x.dtype)
 
 
+def linear_wb(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias), from float32 copies where `upcasts` says so."""
+    return _from_float32(x, weight, bias) if upcasts(x, weight) else F.linear(x, weight, bias)
+
+
 def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """m(x) for a Linear module; a plain nn.Linear through `linear_wb` (another module, e.g. int8, is called)."""
+    """m(x) for a Linear module: a plain nn.Linear from float32 copies where `upcasts` says so; otherwise (and for
+    another module, e.g. int8) the module is called."""
     if type(m) is nn.Linear and upcasts(x, m.weight):
-        return linear_wb(x, m.weight, m.bias)
+        return _from_float32(x, m.weight, m.bias)
     return m(x)
