@@ -10,8 +10,8 @@ transformers' GPT2LMHeadModel (sdpa attention) eager and compiled; then `gpt2-po
 compiled, with its data pipeline and its one device wait per step). Reported per side: tokens/s (the median of the
 timed steps, after warm-up and compilation), MFU (gpt2_port.train.throughput: 6N + 12*L*C*T FLOPs per token against
 the device's dense peak for the dtype) and peak device memory. Also timed: the features the anchors use, on and off:
-the fused head-and-loss (the fast kernels with and without it) and the head's matmul over a vocabulary padded to a
-multiple of 64 (50304 rows, nanoGPT's) against GPT-2's 50257.
+the fused head-and-loss (the fast kernels with and without it), the fused head over a vocabulary padded to a multiple
+of 64 (50304 rows, nanoGPT's; `train`'s default on CUDA) against GPT-2's 50257, and the bare head matmul either way.
 
 decode: greedy decoding at batch 1 (ours through `generate`: the fixed-shape step replayed as a CUDA graph, and the
 same step run eagerly; transformers' `generate` with its dynamic and its static cache), in float32 and bfloat16,
@@ -115,12 +115,12 @@ def _amp(dev: torch.device, dtype: str) -> contextlib.AbstractContextManager:
     return torch.autocast(dev.type, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
 
 
-def _ours(ck: Path, dev: torch.device, kernels: str, fused_loss: bool = True):  # noqa: ANN202
+def _ours(ck: Path, dev: torch.device, kernels: str, fused_loss: bool = True, pad_vocab: int | None = None):  # noqa: ANN202
     from gpt2_port.model import from_pretrained
     from gpt2_port.train import TrainArgs, prepare_model
 
     m, _ = from_pretrained(ck, device=dev)
-    prepare_model(m, TrainArgs(dropout=0.0, kernels=kernels), dev)
+    prepare_model(m, TrainArgs(dropout=0.0, kernels=kernels, pad_vocab=pad_vocab), dev)
     if not fused_loss:
         m._fused_loss = lambda: False  # the fast kernels without their fused head-and-loss
     return m
@@ -174,9 +174,9 @@ def time_steps(model, loss_fn, batches, dev: torch.device, dtype: str, warmup: i
 def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> dict[str, Callable[[], tuple]]:
     """name -> () -> (model, loss_fn), each made when its turn comes (one model on the device at a time)."""
 
-    def ours(kernels: str, compile_: bool, fused: bool = True) -> Callable[[], tuple]:
+    def ours(kernels: str, compile_: bool, fused: bool = True, pad_vocab: int | None = None) -> Callable[[], tuple]:
         def make() -> tuple:
-            m = _ours(ck, dev, kernels, fused)
+            m = _ours(ck, dev, kernels, fused, pad_vocab)
             f = torch.compile(m, fullgraph=True, backend=a.compile_backend) if compile_ else m
             return m, lambda x, y: f(x, targets=y, num_items_in_batch=y.numel()).loss
 
@@ -190,9 +190,12 @@ def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> dict[str,
 
         return make
 
+    # "ours fast": `train`'s defaults for the device (on CUDA the fused head padded to a multiple of 64); beside it
+    # the same kernels with the head's own 50257 rows, and without the fused head-and-loss
     sides = {
         "ours reference eager": ours("reference", False),
         "ours fast eager": ours("fast", False),
+        "ours fast eager, head not padded": ours("fast", False, pad_vocab=1),
         "ours fast eager, no fused loss": ours("fast", False, fused=False),
         "transformers eager": hf(False),
     }
@@ -200,6 +203,7 @@ def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> dict[str,
         sides |= {
             "ours reference compiled": ours("reference", True),
             "ours fast compiled": ours("fast", True),
+            "ours fast compiled, head not padded": ours("fast", True, pad_vocab=1),
             "transformers compiled": hf(True),
         }
     return sides

@@ -7,7 +7,9 @@
 #     tests    the `cuda` tests (tests/test_cuda.py), then the whole suite on that machine (its CPU and its torch)
 #     parity   gpt2-port parity --device cuda: 124M and 1.5B float32 forward (expect 0 at every point), 124M
 #              backward with 10 AdamW steps (reference kernels: bit-identical; fast: within the noise), 124M bf16
-#     train    python -m benchmarks.gpu train  --sizes gpt2,gpt2-xl (tokens/s, MFU, peak memory beside transformers)
+#     train    the fused head padded and not (benchmarks.head_padding), then python -m benchmarks.gpu train --sizes
+#              gpt2 (tokens/s, MFU, peak memory beside transformers)
+#     train-xl the same for gpt2-xl (a phase of its own: each call to the GPU machine runs at most 10 minutes)
 #     decode   python -m benchmarks.gpu decode --sizes gpt2,gpt2-xl (tokens/s beside transformers' generate)
 #     smoke    the same commands at toy sizes on the CPU (checks this script, not the GPU)
 #
@@ -18,9 +20,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-gpu-results}
-[ $# -gt 0 ] || { sed -n '6,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { sed -n '6,14p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 for phase in "$@"; do
-  case "$phase" in tests | parity | train | decode | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, parity, train, decode or smoke)" >&2; exit 2 ;; esac
+  case "$phase" in tests | parity | train | train-xl | decode | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, parity, train, train-xl, decode or smoke)" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT" weights
 
@@ -65,8 +67,15 @@ for phase in "$@"; do
         --json "$OUT/parity-124m-bf16.json"
       ;;
     train)
-      step bench-train "$PY" -m benchmarks.gpu train --sizes gpt2,gpt2-xl --out "$OUT/train.json" \
+      step bench-head-padding "$PY" -m benchmarks.head_padding --device cuda --dtype bf16 --rows 16384 \
+        --json "$OUT/head-padding.json"
+      step bench-train "$PY" -m benchmarks.gpu train --sizes gpt2 --out "$OUT/train.json" \
         --markdown "$OUT/train.md" --plot "$OUT/train.png"
+      ;;
+    train-xl)
+      checkpoint gpt2-xl
+      step bench-train-xl "$PY" -m benchmarks.gpu train --sizes gpt2-xl --out "$OUT/train-xl.json" \
+        --markdown "$OUT/train-xl.md" --plot "$OUT/train-xl.png"
       ;;
     decode)
       step bench-decode "$PY" -m benchmarks.gpu decode --sizes gpt2,gpt2-xl --out "$OUT/decode.json" \
@@ -78,6 +87,8 @@ for phase in "$@"; do
         --json "$OUT/smoke-parity.json"
       step smoke-train "$PY" -m benchmarks.gpu train --device cpu --sizes tiny --batch 2 --block 64 --warmup 1 \
         --steps 2 --compile-backend aot_eager --out "$OUT/smoke-train.json"
+      step smoke-head-padding "$PY" -m benchmarks.head_padding --device cpu --rows 8 --width 16 --vocab 97 \
+        --rounds 1 --json "$OUT/smoke-head-padding.json"
       step smoke-decode "$PY" -m benchmarks.gpu decode --device cpu --sizes tiny --new-tokens 8 --batches 2 \
         --rounds 1 --out "$OUT/smoke-decode.json"
       ;;

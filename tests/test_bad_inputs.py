@@ -1142,6 +1142,12 @@ def c_train_batch_size_zero(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_train_pad_vocab_zero(tmp: Path, base: Path) -> dict:
+    argv = [*train_argv(base, _train_data(tmp), tmp / "out"), "--pad-vocab", "0"]
+    return {"argv": argv, "expect": ["--pad-vocab", "positive integer", "got 0"]}
+
+
+@case
 def c_train_resume_from_another_model(tmp: Path, base: Path) -> dict:
     from gpt2_port.train import state as trainer_state
 

@@ -146,7 +146,11 @@ def gpu_check_commands() -> list[tuple[str, list[str]]]:
             continue
         line = re.sub(r'"\$OUT/([^"]*)"', r"out/\1", line.strip())
         line = line.replace("$1", "gpt2")
-        for marker, tool in (('"${G[@]}" ', "gpt2-port"), ("-m benchmarks.gpu ", "benchmarks.gpu")):
+        for marker, tool in (
+            ('"${G[@]}" ', "gpt2-port"),
+            ("-m benchmarks.gpu ", "benchmarks.gpu"),
+            ("-m benchmarks.head_padding ", "benchmarks.head_padding"),
+        ):
             if marker in line:
                 out.append((tool, shlex.split(line.split(marker, 1)[1])))
     return out
@@ -155,14 +159,21 @@ def gpu_check_commands() -> list[tuple[str, list[str]]]:
 def test_the_gpu_check_scripts_commands_parse() -> None:
     """Every command scripts/gpu_check.sh runs on a GPU machine parses with the real parsers here, so a renamed flag
     is caught before a lent GPU's minutes are spent on it."""
-    from benchmarks import gpu
+    from benchmarks import gpu, head_padding
     from gpt2_port.cli.main import build_parser
 
     cmds = gpu_check_commands()
-    assert {c[1][0] for c in cmds} == {"demo-checkpoint", "parity", "train", "decode"}
+    parsers = {
+        "gpt2-port": build_parser,
+        "benchmarks.gpu": gpu.build_parser,
+        "benchmarks.head_padding": head_padding.build_parser,
+    }
+    subcommands = {c[1][0] for c in cmds if c[0] != "benchmarks.head_padding"}
+    assert subcommands == {"demo-checkpoint", "parity", "train", "decode"}
     assert sum(c[1][0] == "parity" for c in cmds) >= 5
+    assert sum(c[0] == "benchmarks.head_padding" for c in cmds) == 2  # on the GPU, and its smoke run
     for tool, argv in cmds:
-        parser = build_parser() if tool == "gpt2-port" else gpu.build_parser()
+        parser = parsers[tool]()
         assert "$" not in " ".join(argv), argv
         parser.parse_args(argv)
 
@@ -171,5 +182,21 @@ def test_the_gpu_check_script_refuses_an_unknown_phase() -> None:
     r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "tests", "benchmark"], capture_output=True)
     assert r.returncode == 2 and r.stdout == b""
     assert r.stderr.decode().strip().splitlines() == [
-        "gpu_check: unknown phase 'benchmark' (expected tests, parity, train, decode or smoke)"
+        "gpu_check: unknown phase 'benchmark' (expected tests, parity, train, train-xl, decode or smoke)"
     ]
+
+
+def test_the_head_padding_benchmark_times_each_multiple_with_the_same_loss(tmp_path: Path) -> None:
+    from benchmarks import head_padding
+
+    out = tmp_path / "h.json"
+    argv = ["--device", "cpu", "--rows", "8", "--width", "16", "--vocab", "97", "--rounds", "2", "--json", str(out)]
+    assert head_padding.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["kind"] == "head_padding" and res["machine"]["device"] == "cpu"
+    rows = res["multiples"]
+    assert [rows[m]["vocab"] for m in ("1", "64", "128")] == [97, 128, 128]
+    assert all(len(x["runs_s"]) == 2 and x["median_s"] > 0 for x in rows.values())
+    assert rows["1"]["speed_vs_unpadded"] == 1.0
+    for x in rows.values():  # the pad takes no probability: the loss is the real rows'
+        assert abs(x["loss"] - rows["1"]["loss"]) <= 1e-6 * rows["1"]["loss"]

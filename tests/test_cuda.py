@@ -123,6 +123,27 @@ def test_train_compile_with_inductor_on_cuda(small: tuple[Path, Path], tmp_path:
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=2e-2)
 
 
+def test_bf16_training_on_cuda_pads_the_fused_head_by_default_and_keeps_the_real_rows(
+    small: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`train`'s CUDA default pads the fast kernels' head (SMALL's 512 rows are already a multiple of 64, so 96 is
+    asked for here: 576 rows); the padded run's losses track the unpadded one's, and the saved head has 512 rows."""
+    ck, data = small
+    runs = {}
+    for pad in ("1", "96"):
+        js = tmp_path / f"{pad}.json"
+        common = ["--device", "cuda", "--dtype", "bf16", "--steps", "4", "--dropout", "0", "--json", str(js)]
+        assert _train(ck, data, tmp_path / pad, *common, "--pad-vocab", pad) == 0
+        runs[pad] = (_log(tmp_path / pad), json.loads(js.read_text()))
+        assert _weights(tmp_path / pad)["wte.weight"].shape[0] == SMALL.vocab_size
+    assert runs["1"][1]["head_vocab"] == 512 and runs["96"][1]["head_vocab"] == 576
+    for a, b in zip(runs["1"][0], runs["96"][0]):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-2)
+    from gpt2_port.train import TrainArgs
+
+    assert TrainArgs(dtype="bf16").resolved_pad_vocab("cuda") == 64
+
+
 def test_the_cuda_graph_decode_gives_the_eager_steps_tokens(tiny_official: Path) -> None:
     from gpt2_port import GPT2
 

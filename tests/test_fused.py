@@ -152,7 +152,7 @@ def test_fast_kernels_leave_inference_and_recorded_logits_alone(tiny_official: P
         assert torch.equal(ref.eval()(ids), fast.eval()(ids))  # eval, no grad: the reference arithmetic, bit for bit
     with torch.no_grad():  # a validation loss: the fused loss without gradients, no logits made
         a, b = ref(ids, labels=ids), fast(ids, labels=ids)
-    assert b.logits is None and abs(float(b.loss - a.loss)) <= LOSS_REL * abs(float(a.loss))
+    assert b.logits is None and abs(float(b.loss - a.loss)) <= LOSS_REL * abs(float(a.loss.detach()))
     fast.train()
     with fast.record(["logits"]) as acts:
         out = fast(ids, labels=ids)
@@ -195,3 +195,62 @@ def test_the_public_fallback_gives_the_references_loss_and_gradients_to_rounding
     monkeypatch.setattr(fused, "USE_PRIVATE_OPS", True)
     _, private_g = _grads(fused.linear_cross_entropy, h, w, b, t, num_items)
     assert any(not torch.equal(x, y) for x, y in zip(got_g, private_g))
+
+
+@pytest.mark.parametrize("multiple", [8, 64])  # 97 -> 104 and 128 rows: a pad of 7 and of 31
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("private", [True, False])
+def test_a_padded_head_gives_the_loss_and_gradients_of_the_real_rows(monkeypatch, multiple, bias, private) -> None:
+    monkeypatch.setattr(fused, "USE_PRIVATE_OPS", private)
+    monkeypatch.setattr(fused, "CHUNK_ROWS", 5)
+    h, w, b, t = _case(6, 23, 16, 97, bias)
+    want, want_g = _grads(_reference, h, w, b, t, 7)
+    got, got_g = _grads(lambda *a: fused.linear_cross_entropy(*a, pad_multiple=multiple), h, w, b, t, 7)
+    assert abs(float(got - want)) <= LOSS_REL * abs(float(want))
+    for x, y in zip(got_g, want_g):
+        if y is None:
+            assert x is None
+        else:
+            assert x.shape == y.shape  # the weight's own rows: the pad never reaches a parameter
+            assert _norm_rel(x, y) <= GRAD_NORM_REL
+
+
+def test_the_pad_takes_no_probability(monkeypatch) -> None:
+    """Without the -inf the pad's logits are 0 and take exp(0) of every row's softmax: the loss changes."""
+    h, w, b, t = _case(7, 23, 16, 97, False)
+    want = _reference(h, w, b, t, None)
+    assert abs(float(fused.linear_cross_entropy(h, w, b, t, pad_multiple=64) - want)) <= LOSS_REL * float(want)
+    unpadded_logits = F.linear(h, F.pad(w, (0, 0, 0, 128 - 97)))  # what the pad alone would give
+    assert abs(float(cross_entropy(unpadded_logits, t) - want)) > 1e-3 * float(want)
+
+
+def test_padding_under_bf16_autocast_keeps_the_real_rows() -> None:
+    h, w, b, t = _case(8, 23, 16, 97, False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_g = _grads(fused.linear_cross_entropy, h, w, b, t)
+        got, got_g = _grads(lambda *a: fused.linear_cross_entropy(*a, pad_multiple=64), h, w, b, t)
+    assert got.dtype == torch.float32 and abs(float(got - want)) <= LOSS_REL * abs(float(want))
+    for x, y in zip(got_g[:2], want_g[:2]):
+        assert x.shape == y.shape and x.dtype == torch.float32
+        assert _norm_rel(x, y) <= GRAD_NORM_REL  # the same bf16 products: only the softmax's row length differs
+
+
+def test_the_model_pads_the_fused_head_only(tiny_official: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50257, (2, 16), generator=g)
+    ref, fast = _ours(tiny_official, "reference"), _ours(tiny_official, "fast").set_head_padding(128)
+    a, b = ref(ids, labels=ids), fast(ids, labels=ids)
+    assert b.logits is None and abs(float(b.loss.detach() - a.loss.detach())) <= LOSS_REL * abs(float(a.loss.detach()))
+    a.loss.backward()
+    b.loss.backward()
+    assert fast.wte.weight.grad.shape == (50257, fast.config.n_embd)
+    assert _norm_rel(fast.wte.weight.grad.to_dense(), ref.wte.weight.grad) <= GRAD_NORM_REL
+    assert fast.state_dict()["wte.weight"].shape[0] == 50257  # what save_pretrained writes
+    with torch.no_grad():
+        assert fast(ids, labels=ids).loss.shape == ()  # a validation loss runs padded too
+        assert fast.eval()(ids).shape[-1] == 50257  # logits keep the vocabulary's own columns
+    for bad in (0, -64, 1.5, True, "64"):
+        with pytest.raises(UsageError, match="head padding must be a positive integer"):
+            fast.set_head_padding(bad)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="pad_multiple must be a positive integer"):
+        fused.linear_cross_entropy(*_case(9, 4, 8, 31, False), pad_multiple=0)

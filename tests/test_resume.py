@@ -146,3 +146,15 @@ def test_toggling_compile_on_resume_is_named_and_grad_checkpointing_is_not() -> 
     assert len(lines) == 1 and lines[0].startswith("resuming with --compile True where the saved run used False")
     assert "dropout masks" in lines[0] and "uninterrupted" in lines[0]
     assert resume_changes(saved, dataclasses.replace(saved, grad_checkpointing=True), 1, 1) == []
+
+
+def test_changing_the_head_padding_on_resume_is_named_only_where_the_head_is_fused() -> None:
+    """The padded head's softmax rows are longer, so they round differently: with the fast kernels (the fused head)
+    a new --pad-vocab changes the run; the reference kernels never pad, so there it says nothing."""
+    from gpt2_port.train.args import TrainArgs, resume_changes
+
+    fast = TrainArgs(data="d", kernels="fast")
+    lines = resume_changes(fast, dataclasses.replace(fast, pad_vocab=64), 1, 1)
+    assert len(lines) == 1 and lines[0].startswith("resuming with --pad-vocab 64 where the saved run used None")
+    ref = TrainArgs(data="d", dtype="float32")  # auto: the reference kernels
+    assert resume_changes(ref, dataclasses.replace(ref, pad_vocab=64), 1, 1) == []

@@ -104,6 +104,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default): reference in float32, fast under bf16/fp16 (docs/training.md)",
     )
     g.add_argument(
+        "--pad-vocab",
+        type=int,
+        metavar="N",
+        help="the fast kernels' fused head computes over the vocabulary padded to a multiple of N (50257 -> 50304 "
+        "for 64; the pad's logits are -inf, saved files keep 50257 rows); 1: none (default: 64 on CUDA, 1 elsewhere)",
+    )
+    g.add_argument(
         "--compile", action=bool_flag, help="torch.compile the training and evaluation forward (one graph; off)"
     )
     g = p.add_argument_group("evaluation and saving")
@@ -244,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
             nonlocal bar
             sys.stderr.write(
                 f"run: {info['params'] / 1e6:.1f}M parameters on {device}, {info['dtype']}, kernels "
-                f"{info['kernels']}, attention {info['attention']}, compile {'on' if info['compile'] else 'off'}; "
+                f"{info['kernels']}{info['head']}, attention {info['attention']}, "
+                f"compile {'on' if info['compile'] else 'off'}; "
                 f"global batch {info['global_batch']} x {info['block_size']} tokens on {info['world_size']} "
                 f"process(es); MFU against {info['peak']}\n"
             )
@@ -344,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
         "block_size": block,
         "world_size": dist.world_size,
         "kernels": targs.resolved_kernels,
+        "head_vocab": trainer.head_vocab,
         "dtype": targs.dtype,
         "compile": targs.compile,
         "device": str(device),

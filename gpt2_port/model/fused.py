@@ -13,7 +13,9 @@
   gradient is 1 (`loss.backward()`; gradient accumulation through `num_items_in_batch`), the logits' gradient is
   the reference's bit for bit, and so are the hidden states' (their matmul runs row by row). The head weight's
   gradient is summed over the chunks, so it is rounded differently; another incoming gradient scales the made
-  gradients afterwards (the reference scales before), also rounded differently.
+  gradients afterwards (the reference scales before), also rounded differently. Its matmuls can run over the head
+  padded with zero rows to a multiple of 64 (`pad_multiple`, GPT2.set_head_padding: GPU GEMMs are faster on aligned
+  sizes), the pad's logits set to -inf; the weight and its gradient keep their V rows.
 
 Neither is bit-identical to transformers; the parity report (`gpt2-port parity MODEL --backward --kernels fast`)
 measures them against transformers and against its own eager-vs-sdpa noise. The model uses them only when asked
@@ -22,10 +24,13 @@ measures them against transformers and against its own eager-vs-sdpa noise. The 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from ..devices import autocast_dtype, host_readable
+from ..errors import UsageError
 from .loss import IGNORE_INDEX
 
 # Rows of logits made at once: 256 x 50257 float32 is 51 MB, large enough that each chunk's two matmuls run at the
@@ -100,21 +105,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         divisor: torch.Tensor,  # () float32: the number of kept targets (or the caller's num_items)
         grads: bool,  # autograd is recording: make the gradients (else the loss only, as for a validation loss)
         compute: torch.dtype | None,  # autocast's dtype for the two matmuls (None: the inputs' own)
+        padded: int,  # the vocabulary the matmuls run over, >= V (padded_vocab)
     ) -> torch.Tensor:
         N, V = h.shape[0], w.shape[0]
+        Vp = max(V, padded)
         keep = targets != IGNORE_INDEX  # (N,)
         safe = torch.where(keep, targets, 0)
         need = [grads and n for n in ctx.needs_input_grad[:3]]
         grad_h = torch.empty_like(h) if need[0] else None
-        grad_w = torch.zeros_like(w) if need[1] else None
-        grad_b = torch.zeros_like(b) if b is not None and need[2] else None
+        grad_w = w.new_zeros((Vp, w.shape[1])) if need[1] else None  # (Vp, C); its first V rows are returned
+        grad_b = b.new_zeros(Vp) if b is not None and need[2] else None
         # Under autocast the matmuls run as autocast runs the head (inputs cast, products in that dtype) and the
         # logits are upcast to float32 before the log-softmax, as transformers' loss upcasts them.
-        hm, wm, bm = (
-            (h, w, b) if compute is None else (h.to(compute), w.to(compute), None if b is None else b.to(compute))
-        )
+        hm = h if compute is None else h.to(compute)
+        wm, bm = _padded(w, Vp, compute), None if b is None else _padded(b, Vp, compute)
         rows = min(N, CHUNK_ROWS)
-        buf = torch.empty((rows, V), dtype=torch.float32, device=h.device)  # logits -> log-probs -> gradient
+        buf = torch.empty((rows, Vp), dtype=torch.float32, device=h.device)  # logits -> log-probs -> gradient
         nll_grad = torch.zeros_like(buf) if any(need) else None
         step = -(1.0 / divisor)  # () float32, rounded as nll_loss's backward rounds it
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -123,11 +129,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 hc = hm[s : s + CHUNK_ROWS]
                 logits = buf[: hc.shape[0]]
                 if compute is not None:
-                    logits.copy_(F.linear(hc, wm, bm))  # (n, C) @ (C, V) in `compute`, upcast
-                elif b is None:
-                    torch.mm(hc, w.t(), out=logits)  # (n, C) @ (C, V), as F.linear runs it
+                    logits.copy_(F.linear(hc, wm, bm))  # (n, C) @ (C, Vp) in `compute`, upcast
+                elif bm is None:
+                    torch.mm(hc, wm.t(), out=logits)  # (n, C) @ (C, Vp), as F.linear runs it
                 else:
-                    torch.addmm(b, hc, w.t(), out=logits)
+                    torch.addmm(bm, hc, wm.t(), out=logits)
+                if Vp > V:
+                    logits[:, V:] = -math.inf  # the pad takes no probability and gets no gradient
                 go = None if nll_grad is None else nll_grad[: hc.shape[0]]
                 nll, g = nll_and_logit_grad(logits, safe[s : s + CHUNK_ROWS], keep[s : s + CHUNK_ROWS], step, go)
                 total += nll
@@ -137,19 +145,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     g = g.to(compute)
                 if grad_h is not None:
                     if compute is None:
-                        torch.mm(g, w, out=grad_h[s : s + CHUNK_ROWS])  # (n, V) @ (V, C)
+                        torch.mm(g, wm, out=grad_h[s : s + CHUNK_ROWS])  # (n, Vp) @ (Vp, C)
                     else:
                         grad_h[s : s + CHUNK_ROWS] = g.mm(wm)
                 if grad_w is not None:
                     if compute is None:
-                        grad_w.addmm_(g.t(), hc)  # (V, n) @ (n, C)
+                        grad_w.addmm_(g.t(), hc)  # (Vp, n) @ (n, C)
                     else:  # each chunk's product in `compute`, summed in float32
                         grad_w += g.t().mm(hc)
                 if grad_b is not None:
                     grad_b.add_(g.sum(0))
         # Intermediates (not inputs or outputs), so kept on ctx and handed over in backward: with the usual incoming
         # gradient of 1 the tensors themselves become the gradients (no copy of the (V, C) head gradient).
-        ctx.made = [grad_h, grad_w, grad_b]
+        ctx.made = [grad_h, None if grad_w is None else grad_w[:V], None if grad_b is None else grad_b[:V]]
         return total / divisor
 
     @staticmethod
@@ -163,7 +171,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # tensors are the gradients; otherwise they are scaled (by 1.0 the values stay the same)
         one = host_readable(grad_out) and float(grad_out) == 1.0
         grads = [t if t is None or one else t * grad_out.to(t.dtype) for t in made]
-        return grads[0], grads[1], grads[2], None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None, None
+
+
+def padded_vocab(V: int, multiple: int) -> int:
+    """V rounded up to a multiple of `multiple` (50257 -> 50304 for 64, 50304 for 128 too; 1: V itself)."""
+    return -(-V // multiple) * multiple
+
+
+def _padded(t: torch.Tensor, rows: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """t in `dtype` (None: its own) with zero rows appended up to `rows`; t itself (or its cast) when it has them."""
+    dtype = dtype or t.dtype
+    if t.shape[0] == rows:
+        return t if t.dtype == dtype else t.to(dtype)
+    out = t.new_zeros((rows, *t.shape[1:]), dtype=dtype)  # (Vp, C) or (Vp,)
+    out[: t.shape[0]] = t  # cast while copied: one pass, as the cast alone would be
+    return out
 
 
 def linear_cross_entropy(
@@ -172,11 +195,15 @@ def linear_cross_entropy(
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     num_items: int | torch.Tensor | None = None,
+    pad_multiple: int = 1,
 ) -> torch.Tensor:
     """Mean float32 cross-entropy of `F.linear(h, weight, bias)` against `targets` already aligned (loss.cross_entropy's
     rule: IGNORE_INDEX skipped, the mean over kept targets or the sum / num_items), without the logits.
 
     h: (..., C); targets: (...). Called once per forward: its backward hands out gradients made in its forward.
+    pad_multiple: the matmuls run over the head padded with zero rows to a multiple of this (GPU GEMMs run their
+    fast kernels on aligned sizes: nanoGPT's 50304); the pad's logits are -inf, so the loss and the gradients are
+    those of the V real rows (rounded as the longer rows round), and the weight keeps its V rows.
     """
     C = h.shape[-1]
     flat_t = targets.reshape(-1).long()  # (N,)
@@ -186,4 +213,7 @@ def linear_cross_entropy(
         divisor = torch.as_tensor(num_items, dtype=torch.float32, device=h.device)
     grads = torch.is_grad_enabled()
     compute = autocast_dtype(h.device.type)
-    return _LinearCrossEntropy.apply(h.reshape(-1, C), weight, bias, flat_t, divisor, grads, compute)
+    if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
+        raise UsageError(f"pad_multiple must be a positive integer, got {pad_multiple!r}")
+    padded = padded_vocab(weight.shape[0], pad_multiple)
+    return _LinearCrossEntropy.apply(h.reshape(-1, C), weight, bias, flat_t, divisor, grads, compute, padded)

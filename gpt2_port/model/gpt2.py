@@ -117,6 +117,7 @@ class GPT2(GenerationMixin, nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False  # recompute each block in backward (train mode only)
         self.kernels: Kernels = "reference"  # "fast": gpt2_port.fused's kernels when training
+        self.head_pad_multiple = 1  # the fused head-and-loss's vocabulary padded to a multiple of this (1: none)
 
     @classmethod
     def from_pretrained(
@@ -184,6 +185,16 @@ class GPT2(GenerationMixin, nn.Module):
         self.kernels = kernels
         for b in self.h:
             b.mlp.kernels = kernels
+        return self
+
+    def set_head_padding(self, multiple: int) -> GPT2:
+        """The fast kernels' fused head-and-loss runs its matmuls over the head padded with zero rows to a multiple
+        of `multiple` (64: GPT-2's 50257 -> 50304, nanoGPT's; 1: none). The pad's logits are -inf: the loss and the
+        gradients are those of the real rows, rounded as the longer rows round. The weights, the saved files and
+        every forward that returns logits keep the vocabulary's own rows."""
+        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+            raise UsageError(f"head padding must be a positive integer (1: none), got {multiple!r}")
+        self.head_pad_multiple = multiple
         return self
 
     def set_dropout(self, p: float) -> GPT2:
@@ -291,7 +302,8 @@ class GPT2(GenerationMixin, nn.Module):
             targets = shift_labels(labels)
         if targets is not None and self._fused_loss():
             bias = None if self.lm_head is None else self.lm_head.bias
-            return CausalLMOutput(linear_cross_entropy(x, self.head_weight, bias, targets, num_items_in_batch), None)
+            loss = linear_cross_entropy(x, self.head_weight, bias, targets, num_items_in_batch, self.head_pad_multiple)
+            return CausalLMOutput(loss, None)
         logits = self.head(x)  # (B, T, V)
         if self.taps.rec is not None:
             self.taps.rec("logits", logits)

@@ -41,6 +41,10 @@ class TrainArgs:
     # "auto": reference in float32 (bit-identical to transformers), fast under bf16/fp16 autocast (its error is far
     # inside transformers' own bf16 noise there); see `resolved_kernels` and docs/training.md
     kernels: str = "auto"
+    # the fast kernels' fused head-and-loss over a vocabulary padded to a multiple of this (1: none); None: 64 on
+    # CUDA (GPU GEMMs take their fast kernels on aligned sizes: nanoGPT's 50304), none elsewhere (on this CPU no
+    # gain beyond the noise: benchmarks/head_padding.py); see `resolved_pad_vocab`
+    pad_vocab: int | None = None
     eval_every: int = 50  # 0: never (the last step still evaluates when val.bin is given)
     eval_batches: int = 20
     save_every: int = 0  # 0: only at the end (and on Ctrl-C)
@@ -84,6 +88,10 @@ class TrainArgs:
             raise UsageError(f"--stop-at must be a positive integer, got {self.stop_at!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise UsageError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.pad_vocab is not None and (
+            isinstance(self.pad_vocab, bool) or not isinstance(self.pad_vocab, int) or self.pad_vocab < 1
+        ):
+            raise UsageError(f"--pad-vocab must be a positive integer (1: no padding), got {self.pad_vocab!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
 
@@ -98,6 +106,13 @@ class TrainArgs:
         if self.kernels != "auto":
             return self.kernels
         return "reference" if self.dtype == "float32" else "fast"
+
+    def resolved_pad_vocab(self, device_type: str) -> int:
+        """The multiple the fused head's vocabulary is padded to on this device (1: none; only the fast kernels
+        fuse the head)."""
+        if self.pad_vocab is not None:
+            return self.pad_vocab
+        return 64 if device_type == "cuda" else 1
 
     def lr_at(self, step: int) -> float:
         return lr_at(step, self.lr, self.final_min_lr, self.warmup, self.steps, self.schedule)  # type: ignore[arg-type]
@@ -141,6 +156,8 @@ def resume_changes(saved: TrainArgs, now: TrainArgs, saved_world: int, world: in
             continue  # a constant schedule after warmup does not depend on the length of the run
         if name == "kernels" and saved.resolved_kernels == now.resolved_kernels:
             continue
+        if name == "pad_vocab" and saved.resolved_kernels == now.resolved_kernels == "reference":
+            continue  # only the fast kernels' fused head is padded
         flag = "--" + name.replace("_", "-")
         if name in _LOG_ONLY:
             effect = "evaluations, samples and checkpoints follow the new value from here on"

@@ -36,11 +36,12 @@ from ..errors import GPT2PortError, UsageError
 from ..generate import generate
 from ..model import GPT2
 from ..model.attention_kernel import attention_kernels
+from ..model.fused import padded_vocab
 from . import state as trainer_state
 from .args import TrainArgs
 from .data import Batches, GlobalBatchSampler, TokenFile
 from .distributed import Dist
-from .memory import check_measured
+from .memory import check_measured, dry_step_peak
 from .run_dir import LOG_FILE, RunDir, read_log
 from .schedule import make_optimizer
 from .setup import same_model, set_tf32
@@ -343,29 +344,24 @@ class Trainer:
             self.cb.on_save("best", where, step)
 
     def check_cuda_memory(self) -> dict:
-        """On CUDA, the memory check measured: one dry forward and backward at the run's micro-batch (on token 0,
-        the random generators kept, the gradients dropped after) gives the peak, AdamW's moments come on top; one
-        line naming what to change when it does not fit (memory.check_measured). It also warms up (and compiles)."""
+        """On CUDA, the memory check measured: a dry step's peak (memory.dry_step_peak) with AdamW's moments on top;
+        one line naming what to change when it does not fit (memory.check_measured). It also warms up (and
+        compiles)."""
         dev, a = self.device, self.args
-        x = torch.zeros(a.batch_size, self.block_size, dtype=torch.long, device=dev)
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        peak: int | None
-        try:
-            with torch.random.fork_rng(devices=[dev]):
-                with self._autocast():
-                    loss = self.train_forward(x, targets=x, num_items_in_batch=x.numel()).loss
-                loss.backward()
-            torch.cuda.synchronize(dev)
-            peak = torch.cuda.max_memory_allocated(dev)
-        except torch.cuda.OutOfMemoryError:
-            peak = None
-        finally:
-            self.model.zero_grad(set_to_none=True)
-            loss = None
-            torch.cuda.empty_cache()
+
+        def loss(x: torch.Tensor) -> torch.Tensor:
+            with self._autocast():
+                return self.train_forward(x, targets=x, num_items_in_batch=x.numel()).loss
+
+        peak = dry_step_peak(self.model, loss, a.batch_size, self.block_size, dev)
         params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return check_measured(self.model.config, a, self.block_size, dev, peak, params)
+
+    @property
+    def head_vocab(self) -> int:
+        """The vocabulary the training loss's head computes over: padded only where the fast kernels fuse it."""
+        V = self.model.config.vocab_size
+        return padded_vocab(V, self.model.head_pad_multiple) if self.model.kernels == "fast" else V
 
     def describe(self) -> dict[str, Any]:
         """What the run is, for the caller's first lines: sizes, kernels, the attention kernel SDPA picks for this
@@ -382,6 +378,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "params": self.model.num_params(),
             "kernels": self.args.resolved_kernels,
+            "head": "" if self.head_vocab == self.model.config.vocab_size else f" (head padded to {self.head_vocab})",
             "attention": ", ".join(kernels) if kernels else "hand-written (the reference's eager arithmetic)",
             "compile": self.args.compile,
             "dtype": self.args.dtype,

@@ -14,6 +14,7 @@ out-of-memory kill.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 
 from ..config import GPT2Config
 from ..errors import UsageError
-from ..model.fused import CHUNK_ROWS
+from ..model.fused import CHUNK_ROWS, padded_vocab
 from .args import TrainArgs
 from .distributed import Dist
 
@@ -72,10 +73,13 @@ def estimate(
     amp: bool = False,
     grad_checkpointing: bool = False,
     kernels: str = "reference",
+    pad_multiple: int = 1,
 ) -> MemoryEstimate:
     """Peak bytes of one process training `cfg` at this micro-batch (weights and AdamW state in float32).
 
     kernels: the model's training kernels ("fast": gpt2_port.fused, which never holds the (N, V) logits).
+    pad_multiple: the fused head's vocabulary padding (fast kernels: its chunks and gradient have the padded rows,
+    and in float32 the padded copy of the head is one more (Vp, C) tensor).
     """
     P = cfg.num_params()
     act = 2 if amp else 4  # bytes per activation: bf16/fp16 under autocast, else float32
@@ -88,7 +92,8 @@ def estimate(
         activations = cfg.n_layer * per_block
     activations += 2 * BT * C * 4  # embeddings and ln_f
     if kernels == "fast" and not amp:  # a few chunks of logits, and the gradients the fused loss makes in forward
-        logits = 3 * min(BT, CHUNK_ROWS) * V * 4 + V * C * 4 + BT * C * 4
+        Vp = padded_vocab(V, pad_multiple)
+        logits = 3 * min(BT, CHUNK_ROWS) * Vp * 4 + Vp * C * 4 + BT * C * 4 + (Vp * C * 4 if Vp > V else 0)
     else:
         logits = BT * V * LOGIT_BYTES
     casts = 2 * P if amp else 0  # autocast's low-precision copies of the weights
@@ -184,7 +189,8 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
     amp = args.dtype != "float32"
     if args.dropout is not None:
         cfg = cfg.with_dropout(args.dropout)
-    est = estimate(cfg, args.batch_size, block_size, amp, args.grad_checkpointing, args.resolved_kernels)
+    pad = args.resolved_pad_vocab(device.type)
+    est = estimate(cfg, args.batch_size, block_size, amp, args.grad_checkpointing, args.resolved_kernels, pad)
     avail, source = available_memory(device)
     share = d.local_world_size if device.type == "cpu" else 1  # processes on one host share its memory
     budget = int(avail * MEMORY_HEADROOM) // share
@@ -203,6 +209,30 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
         f"{block_size}, but only {avail / GiB:.1f} GiB is available ({source}); "
         f"try {_hints(cfg, args, block_size, budget)}"
     )
+
+
+def dry_step_peak(
+    model: torch.nn.Module,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    batch_size: int,
+    block_size: int,
+    device: torch.device,
+) -> int | None:
+    """CUDA: the peak bytes allocated by one forward and backward of `loss_of` on a (batch_size, block_size) batch
+    of token 0, the random generators kept and the gradients dropped after; None when it ran out of memory."""
+    x = torch.zeros(batch_size, block_size, dtype=torch.long, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with torch.random.fork_rng(devices=[device]):
+            loss_of(x).backward()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
 
 
 def check_measured(

@@ -28,7 +28,7 @@ def same_model(a: GPT2Config, b: dict[str, Any], source: str) -> None:
 
 def prepare_model(model: GPT2, args: TrainArgs, device: torch.device) -> GPT2:
     """Make `model` trainable in place: every parameter its own contiguous float32 tensor on `device`, dropout,
-    gradient checkpointing and kernels as asked, train mode, gradients on.
+    gradient checkpointing, kernels and the fused head's padding as asked, train mode, gradients on.
 
     A loaded checkpoint's q/k/v are views into one c_attn tensor, backed by a copy-on-write map of the file; the
     optimizer updates parameters in place, so each gets its own memory (and contiguous tensors reduce the same way
@@ -44,6 +44,7 @@ def prepare_model(model: GPT2, args: TrainArgs, device: torch.device) -> GPT2:
         model.set_dropout(args.dropout)
     model.gradient_checkpointing = args.grad_checkpointing
     model.set_kernels(args.resolved_kernels)  # type: ignore[arg-type]
+    model.set_head_padding(args.resolved_pad_vocab(device.type))
     return model.train().requires_grad_(True)
 
 
