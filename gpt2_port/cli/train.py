@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         "block_size": block,
         "world_size": dist.world_size,
         "kernels": targs.resolved_kernels,
-        "head_vocab": trainer.head_vocab,
+        "head_vocab": model.loss_vocab,
         "dtype": targs.dtype,
         "compile": targs.compile,
         "device": str(device),

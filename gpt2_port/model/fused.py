@@ -174,6 +174,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grads[0], grads[1], grads[2], None, None, None, None, None
 
 
+def check_pad_multiple(multiple: object, what: str) -> int:
+    """`multiple` when it is a valid padding multiple (a positive integer, 1: no padding); else UsageError naming
+    `what` (the flag or argument it came from)."""
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise UsageError(f"{what} must be a positive integer (1: no padding), got {multiple!r}")
+    return multiple
+
+
 def padded_vocab(V: int, multiple: int) -> int:
     """V rounded up to a multiple of `multiple` (50257 -> 50304 for 64, 50304 for 128 too; 1: V itself)."""
     return -(-V // multiple) * multiple
@@ -213,7 +221,5 @@ def linear_cross_entropy(
         divisor = torch.as_tensor(num_items, dtype=torch.float32, device=h.device)
     grads = torch.is_grad_enabled()
     compute = autocast_dtype(h.device.type)
-    if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
-        raise UsageError(f"pad_multiple must be a positive integer, got {pad_multiple!r}")
-    padded = padded_vocab(weight.shape[0], pad_multiple)
+    padded = padded_vocab(weight.shape[0], check_pad_multiple(pad_multiple, "pad_multiple"))
     return _LinearCrossEntropy.apply(h.reshape(-1, C), weight, bias, flat_t, divisor, grads, compute, padded)

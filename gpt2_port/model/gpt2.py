@@ -36,7 +36,7 @@ from ..io.save import write_checkpoint
 from ..io.tokenizer import find_files
 from . import modules
 from .decode import DecodePlan
-from .fused import linear_cross_entropy
+from .fused import check_pad_multiple, linear_cross_entropy, padded_vocab
 from .init import init_tensor_
 from .loss import check_labels, cross_entropy, shift_labels
 from .lowp import linear_wb
@@ -192,9 +192,7 @@ class GPT2(GenerationMixin, nn.Module):
         of `multiple` (64: GPT-2's 50257 -> 50304, nanoGPT's; 1: none). The pad's logits are -inf: the loss and the
         gradients are those of the real rows, rounded as the longer rows round. The weights, the saved files and
         every forward that returns logits keep the vocabulary's own rows."""
-        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
-            raise UsageError(f"head padding must be a positive integer (1: none), got {multiple!r}")
-        self.head_pad_multiple = multiple
+        self.head_pad_multiple = check_pad_multiple(multiple, "head padding")
         return self
 
     def set_dropout(self, p: float) -> GPT2:
@@ -329,6 +327,13 @@ class GPT2(GenerationMixin, nn.Module):
             and (self.lm_head is None or type(self.lm_head) is nn.Linear)
             and not self.taps.wants("logits")
         )
+
+    @property
+    def loss_vocab(self) -> int:
+        """The rows the head computes over in a forward given labels or targets: padded where it is fused with the
+        loss (set_head_padding), the vocabulary's own elsewhere."""
+        V = self.config.vocab_size
+        return padded_vocab(V, self.head_pad_multiple) if self._fused_loss() else V
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """(..., C) final hidden states -> (..., V) logits. A replaced head (e.g. quantize's int8 head) is a module.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
+from ..model.fused import check_pad_multiple
 from .schedule import lr_at
 
 DTYPE_CHOICES = ("float32", "bf16", "fp16")
@@ -88,10 +89,8 @@ class TrainArgs:
             raise UsageError(f"--stop-at must be a positive integer, got {self.stop_at!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise UsageError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
-        if self.pad_vocab is not None and (
-            isinstance(self.pad_vocab, bool) or not isinstance(self.pad_vocab, int) or self.pad_vocab < 1
-        ):
-            raise UsageError(f"--pad-vocab must be a positive integer (1: no padding), got {self.pad_vocab!r}")
+        if self.pad_vocab is not None:
+            check_pad_multiple(self.pad_vocab, "--pad-vocab")
         if self.dtype not in DTYPE_CHOICES:
             raise UsageError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
 

@@ -36,7 +36,6 @@ from ..errors import GPT2PortError, UsageError
 from ..generate import generate
 from ..model import GPT2
 from ..model.attention_kernel import attention_kernels
-from ..model.fused import padded_vocab
 from . import state as trainer_state
 from .args import TrainArgs
 from .data import Batches, GlobalBatchSampler, TokenFile
@@ -357,18 +356,13 @@ class Trainer:
         params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return check_measured(self.model.config, a, self.block_size, dev, peak, params)
 
-    @property
-    def head_vocab(self) -> int:
-        """The vocabulary the training loss's head computes over: padded only where the fast kernels fuse it."""
-        V = self.model.config.vocab_size
-        return padded_vocab(V, self.model.head_pad_multiple) if self.model.kernels == "fast" else V
-
     def describe(self) -> dict[str, Any]:
         """What the run is, for the caller's first lines: sizes, kernels, the attention kernel SDPA picks for this
         batch (one probe forward of a single window; the random generators are left as they were), the MFU peak."""
         x, _ = self.train_data.windows(torch.zeros(1, dtype=torch.long), self.block_size)
         with self._autocast():
             kernels = attention_kernels(lambda: self.model(x.to(self.device), hidden_only=True), self.device)
+        head = self.model.loss_vocab
         return {
             "start_step": self.start_step,
             "steps": self.args.steps,
@@ -378,7 +372,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "params": self.model.num_params(),
             "kernels": self.args.resolved_kernels,
-            "head": "" if self.head_vocab == self.model.config.vocab_size else f" (head padded to {self.head_vocab})",
+            "head": "" if head == self.model.config.vocab_size else f" (head padded to {head})",
             "attention": ", ".join(kernels) if kernels else "hand-written (the reference's eager arithmetic)",
             "compile": self.args.compile,
             "dtype": self.args.dtype,
