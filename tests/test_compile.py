@@ -143,3 +143,36 @@ def test_a_compiled_run_with_dropout_resumes_bit_for_bit(tmp_path: Path, monkeyp
     assert logs[0] == logs[1] and len(logs[0]) == 4
     a, b = (SafetensorsFile(tmp_path / d / "model.safetensors") for d in ("full", "part"))
     assert all(torch.equal(a.get(k), b.get(k)) for k in a.keys())
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_the_dry_step_compiles_the_graph_the_training_steps_reuse(tmp_path: Path, monkeypatch, grad_accum) -> None:  # noqa: ANN001
+    """The CUDA memory check's dry step (Trainer.check_cuda_memory) also warms up --compile: its micro-batch comes
+    from Batches.blank and its loss from the step's own _micro_loss, so the real steps (windows that are views of
+    one (B, T+1) tensor, the step's num_items) reuse its graph instead of compiling a second one. Run here on the
+    CPU without the CUDA memory calls; a contiguous batch with targets=x (the earlier dry step) would recompile."""
+    from gpt2_port.io.tokens import TokenFile
+    from gpt2_port.train import Trainer
+    from gpt2_port.train.args import TrainArgs
+
+    np.random.default_rng(0).integers(0, CFG.vocab_size, 3000).astype("<u2").tofile(tmp_path / "train.bin")
+    monkeypatch.setenv("GPT2_PORT_COMPILE_BACKEND", "aot_eager")
+
+    def trainer() -> Trainer:
+        args = TrainArgs(steps=3, batch_size=2, block_size=16, grad_accum=grad_accum, eval_every=0, compile=True)
+        data = TokenFile(tmp_path / "train.bin", CFG.vocab_size)
+        return Trainer(_model("fast"), args, data, None, tmp_path / "out", "cpu")
+
+    t = trainer()
+    t._micro_loss(*t.batches.blank(2)).backward()
+    t.model.zero_grad(set_to_none=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(2):
+            t.step(step)
+    torch._dynamo.reset()
+    t = trainer()
+    x = torch.zeros(2, 16, dtype=torch.long)
+    t.train_forward(x, targets=x, num_items_in_batch=x.numel()).loss.backward()
+    t.model.zero_grad(set_to_none=True)
+    with torch._dynamo.config.patch(error_on_recompile=True), pytest.raises(Exception, match="[Rr]ecompil"):
+        t.step(0)

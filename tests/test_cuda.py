@@ -146,10 +146,65 @@ def test_bf16_training_on_cuda_pads_the_fused_head_by_default_and_keeps_the_real
 
 def test_the_cuda_graph_decode_gives_the_eager_steps_tokens(tiny_official: Path) -> None:
     from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full
 
     for dtype in (torch.float32, torch.bfloat16):
         m = GPT2.from_pretrained(str(tiny_official), dtype=dtype, device="cuda")
         ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
-        graph = m.generate(ids, 40, eos_token_id=None, cuda_graph=True)
+        first = generate_full(m, ids, 40, eos_token_id=None, cuda_graph=True)
+        graph = generate_full(m, ids, 40, eos_token_id=None, cuda_graph=True)  # the kept graph, replayed
         eager = m.generate(ids, 40, eos_token_id=None, cuda_graph=False)
-        assert torch.equal(graph, eager), dtype
+        assert torch.equal(first.sequences, eager) and torch.equal(graph.sequences, eager), dtype
+        assert first.capture_s > 0 and graph.capture_s == 0 and graph.decode_s > 0  # recorded once, not counted
+
+
+def _syncs(fn) -> int:  # noqa: ANN001
+    """The synchronising CUDA operations `fn()` makes (torch's sync debug mode, counted)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in seen)
+
+
+def test_a_token_and_a_training_step_each_wait_for_the_gpu_once(small: tuple[Path, Path], tmp_path: Path) -> None:
+    """Sampled decode with the captured step: one wait per token (the new ids and the finite flag, read together;
+    multinomial's own checks would be two more). A training step: one wait (the loss and the gradient norm)."""
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full
+    from gpt2_port.io.tokens import TokenFile
+    from gpt2_port.train import TrainArgs, Trainer, prepare_model
+
+    ck, data = small
+    m = GPT2.from_pretrained(str(ck), device="cuda")
+    ids = torch.tensor([[5, 17, 42]], device="cuda")
+    opts = dict(eos_token_id=None, do_sample=True, top_k=50, seed=1)
+    generate_full(m, ids, 24, **opts)  # records the graph
+    n = _syncs(lambda: generate_full(m, ids, 24, **opts))
+    assert n <= 24 + 2, n  # one per token, and the prompt's checks
+    args = TrainArgs(steps=6, batch_size=4, block_size=64, dtype="bf16", eval_every=0, dropout=0.0)
+    model = GPT2.from_pretrained(str(ck))
+    prepare_model(model, args, torch.device("cuda"))
+    t = Trainer(model, args, TokenFile(data / "train.bin", SMALL.vocab_size), None, tmp_path / "o", "cuda")
+    t.step(0)
+    n = _syncs(lambda: [t.step(s) for s in range(1, 5)])
+    assert n <= 4, n
+
+
+def test_a_model_moved_to_cuda_after_the_load_keeps_c_attn_one_tensor(tiny_official: Path) -> None:
+    """`.to("cuda")` after a CPU load: q, k and v stay views of one c_attn, so the forward is bit for bit the one a
+    load straight onto the GPU gives (three matmuls instead of one were not bit-exact at 124M on an H100)."""
+    from gpt2_port import GPT2
+    from gpt2_port.model.c_attn import qkv_tied
+
+    moved = GPT2.from_pretrained(str(tiny_official)).to("cuda")
+    direct = GPT2.from_pretrained(str(tiny_official), device="cuda")
+    assert all(qkv_tied(b.attn.q_proj, b.attn.k_proj, b.attn.v_proj) for b in moved.h)
+    ids = torch.tensor([[464, 2444, 4721, 511, 3835], [464, 3797, 26172, 262, 10211]], device="cuda")
+    with torch.no_grad():
+        assert torch.equal(moved(ids), direct(ids))

@@ -103,6 +103,24 @@ def test_linear_cross_entropy_scales_by_the_incoming_gradient() -> None:
     assert torch.allclose(g3[0], 3 * g1[0]) and torch.allclose(g3[1], 3 * g1[1])
 
 
+def test_chunk_rows_per_device_and_the_chunk_argument(monkeypatch) -> None:
+    """The CPU's chunks are CHUNK_ROWS; a GPU's take as many rows as GPU_CHUNK_BYTES of float32 logits hold (a
+    multiple of CHUNK_ROWS, never fewer). The `chunk` argument runs the same arithmetic as that many CHUNK_ROWS."""
+    assert fused.chunk_rows("cpu", 50304) == fused.CHUNK_ROWS
+    for V in (97, 50304, 1 << 22):
+        r = fused.chunk_rows("cuda", V)
+        assert r % fused.CHUNK_ROWS == 0 and r >= fused.CHUNK_ROWS
+        assert r == fused.CHUNK_ROWS or r * V * 4 <= fused.GPU_CHUNK_BYTES < (r + fused.CHUNK_ROWS) * V * 4
+    h, w, b, t = _case(4, 23, 16, 97, True)
+    got, got_g = _grads(lambda *a: fused.linear_cross_entropy(*a, chunk=5), h, w, b, t, 7)
+    monkeypatch.setattr(fused, "CHUNK_ROWS", 5)
+    want, want_g = _grads(fused.linear_cross_entropy, h, w, b, t, 7)
+    assert torch.equal(got, want) and all(torch.equal(x, y) for x, y in zip(got_g, want_g))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(UsageError, match="chunk must be a positive integer"):
+            fused.linear_cross_entropy(h, w, b, t, chunk=bad)  # type: ignore[arg-type]
+
+
 def test_all_targets_ignored_gives_nan_like_the_reference() -> None:
     h, w, b, t = _case(2, 6, 8, 31, False)
     t[:] = IGNORE_INDEX
@@ -173,7 +191,8 @@ def test_a_second_backward_through_the_fused_loss_is_refused() -> None:
 
 
 def test_the_private_log_softmax_ops_are_used_on_tested_torch_versions_only(monkeypatch) -> None:
-    assert fused.private_ops_usable() and fused.USE_PRIVATE_OPS  # this torch is the tested one
+    tested = fused._torch_version() in fused.PRIVATE_OPS_TESTED  # CI's torch is (pyproject's floor is the tested one)
+    assert fused.private_ops_usable() == tested and fused.USE_PRIVATE_OPS == tested
     monkeypatch.setattr(fused, "_torch_version", lambda: (2, 99))
     assert not fused.private_ops_usable()  # an untested release: the public fallback
     monkeypatch.setattr(fused, "_torch_version", lambda: min(fused.PRIVATE_OPS_TESTED))
@@ -233,6 +252,17 @@ def test_padding_under_bf16_autocast_keeps_the_real_rows() -> None:
     for x, y in zip(got_g[:2], want_g[:2]):
         assert x.shape == y.shape and x.dtype == torch.float32
         assert _norm_rel(x, y) <= GRAD_NORM_REL  # the same bf16 products: only the softmax's row length differs
+
+
+def test_the_sparse_wte_gradient_is_taken_on_the_cpu_only(tiny_official: Path) -> None:
+    """The fast kernels' sparse wte gradient on the CPU; on a GPU it would be summed by an index_add with atomics
+    (not the same bits twice), so there the dense embedding backward runs. 'meta' stands in for the GPU."""
+    fast = _ours(tiny_official, "fast")
+    ids = torch.tensor([[464, 2444, 464, 4721]])
+    assert fast._embed_tokens(ids).grad_fn._saved_sparse is True
+    fast.to("meta")
+    assert fast._embed_tokens(ids.to("meta")).grad_fn._saved_sparse is False
+    assert _ours(tiny_official, "reference")._embed_tokens(ids).grad_fn._saved_sparse is False
 
 
 def test_the_model_pads_the_fused_head_only(tiny_official: Path) -> None:

@@ -183,6 +183,24 @@ def test_processed_distributions_equal_transformers(hf_model) -> None:
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-9, msg=f"{c}")
 
 
+def test_a_draw_is_torch_multinomials_draw() -> None:
+    """sampling.draw makes multinomial's one-sample draw without its host-side checks: the same token for every row
+    and the same generator state after, over shapes, temperatures and top-k masks (zero probabilities)."""
+    from gpt2_port.generate.sampling import draw
+
+    for case in range(60):
+        g = torch.Generator().manual_seed(case)
+        B, V = 1 + case % 5, 7 + 97 * case
+        scores = torch.randn(B, V, generator=g) * (0.2 + case % 4)
+        if case % 3 == 0:
+            scores[:, torch.randperm(V, generator=g)[: V // 2]] = -float("inf")  # top-k / top-p's masked tokens
+        probs = torch.softmax(scores, dim=-1)
+        ga, gb = torch.Generator().manual_seed(100 + case), torch.Generator().manual_seed(100 + case)
+        for _ in range(3):
+            assert torch.equal(draw(probs, ga), torch.multinomial(probs, 1, generator=gb).squeeze(1)), case
+        assert torch.equal(ga.get_state(), gb.get_state())
+
+
 # ------------------------------------------------------------------------------------------ our own invariants
 def test_kv_cache_equals_full_recomputation_200_tokens(model: GPT2) -> None:
     ids = torch.tensor([PROMPTS[0]])

@@ -242,3 +242,30 @@ def test_q_k_v_stay_views_of_one_c_attn_through_a_dtype_and_device_move(tiny_off
         a = block.attn
         assert all(p.is_contiguous() and p._base is None for p in (a.q_proj.weight, a.k_proj.weight, a.c_proj.weight))
         assert fused_qkv(a.q_proj, a.k_proj, a.v_proj) is None
+
+
+def test_a_move_or_cast_after_the_load_keeps_q_k_v_views_of_one_c_attn(tiny_official: Path) -> None:
+    """`model.to(...)` converts each parameter on its own; the attention makes q, k and v views of one c_attn again,
+    so the moved model runs c_attn's one matmul and gives what a load straight into that dtype gives, bit for bit.
+    'meta' stands in for an accelerator (a device move is the same per-parameter conversion)."""
+    from gpt2_port.model.c_attn import fused_qkv, qkv_tied
+
+    def tied(m: GPT2) -> bool:
+        return all(qkv_tied(b.attn.q_proj, b.attn.k_proj, b.attn.v_proj) for b in m.h)
+
+    ids = torch.tensor([[464, 2444, 4721, 11, 290, 262]]) % TINY.vocab_size
+    m = GPT2.from_pretrained(str(tiny_official))
+    assert tied(m)
+    params = list(m.parameters())
+    m.to(torch.bfloat16)
+    assert tied(m) and all(fused_qkv(b.attn.q_proj, b.attn.k_proj, b.attn.v_proj) is not None for b in m.h)
+    assert all(a is b for a, b in zip(params, m.parameters()))  # the same Parameter objects (optimizers hold them)
+    direct = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, layout="checkpoint")
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids), direct(ids), rtol=0, atol=0)
+    for to in (torch.float64, "meta"):
+        m = GPT2.from_pretrained(str(tiny_official)).to(to)
+        assert tied(m)
+    # a model that was not tied (built, or loaded with each weight its own copy) is left as it was
+    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16)
+    assert not tied(m.to(torch.float32))

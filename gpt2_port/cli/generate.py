@@ -274,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
     peak_dev = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     memory = f"peak RSS {rss:.0f} MB" + (f", peak {device} {peak_dev:.0f} MB" if peak_dev is not None else "")
     samples = f" in {n} samples" if n > 1 else ""
+    if g.capture_s > 0:
+        samples += f"; CUDA graph recorded in {g.capture_s * 1000:.0f} ms, not counted"
     err.write(
         f"load {report.load_s:.2f}s | prefill {g.prefill_s * 1000:.0f} ms ({count(len(prompt_ids), 'token')}) | "
         f"decode {g.decode_tok_per_s:.1f} tok/s ({count(made, 'new token')}{samples}, step: {g.extra['step']}) | "
@@ -287,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
             "load_s": report.load_s,
             "prefill_s": g.prefill_s,
             "decode_tok_per_s": g.decode_tok_per_s,
+            "cuda_graph_capture_s": g.capture_s,
             "peak_rss_mb": rss,
             "peak_device_mb": peak_dev,
             "decode_step": g.extra["step"],

@@ -86,25 +86,25 @@ def score_batch(
         hit = torch.zeros(len(targets), dtype=torch.bool, device=hs.device)
         for s in range(0, len(targets), HEAD_ROWS):
             logits = scorer.head(hs[s : s + HEAD_ROWS])  # (R, V)
-            part = token_nll(logits, tgt[s : s + HEAD_ROWS])  # (R,)
-            # A NaN or +Inf logit anywhere in a row makes that row's NLL NaN/Inf (log-sum-exp), so checking the R
-            # NLLs catches every non-finite logit that could change a score, without another pass over R x V.
-            if not bool(torch.isfinite(part).all()):
-                row = s + int((~torch.isfinite(part)).nonzero()[0, 0])
-                hint = scorer.nonfinite_hint()
-                raise NonFiniteLogits(
-                    f"{scorer.name}: non-finite logits (NaN/Inf) at {what} {first + rows_b[row]}, position "
-                    f"{rows_t[row]}: the scores would be garbage{'; ' + hint if hint else ''}"
-                )
-            nll[s : s + HEAD_ROWS] = part
+            nll[s : s + HEAD_ROWS] = token_nll(logits, tgt[s : s + HEAD_ROWS])  # (R,)
             if want_greedy:
                 hit[s : s + HEAD_ROWS] = logits.argmax(-1) == tgt[s : s + HEAD_ROWS]
-        owner = torch.tensor(rows_b, device=hs.device)
-        sums = torch.zeros(B, dtype=torch.float64, device=hs.device).index_add_(0, owner, nll.double())
-        misses = torch.zeros(B, dtype=torch.long, device=hs.device).index_add_(0, owner, (~hit).long())
+        nll, hit = nll.cpu(), hit.cpu()  # the batch's one wait for the device; the sums below run on the host
+    # A NaN or +Inf logit anywhere in a row makes that row's NLL NaN/Inf (log-sum-exp), so checking the N NLLs catches
+    # every non-finite logit that could change a score, without another pass over the logits.
+    bad = ~torch.isfinite(nll)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        hint = scorer.nonfinite_hint()
+        raise NonFiniteLogits(
+            f"{scorer.name}: non-finite logits (NaN/Inf) at {what} {first + rows_b[row]}, position "
+            f"{rows_t[row]}: the scores would be garbage{'; ' + hint if hint else ''}"
+        )
+    owner = torch.tensor(rows_b)
+    sums = torch.zeros(B, dtype=torch.float64).index_add_(0, owner, nll.double())  # in order: the same bits each run
+    misses = torch.zeros(B, dtype=torch.long).index_add_(0, owner, (~hit).long())
     ends = torch.tensor([len(r.continuation) for r in reqs]).cumsum(0) - 1
-    last_hit = hit.cpu()[ends]
-    return sums.tolist(), (misses == 0).tolist(), last_hit.tolist()
+    return sums.tolist(), (misses == 0).tolist(), hit[ends].tolist()
 
 
 def batched(items: Iterable[Request], size: int) -> Iterator[list[Request]]:

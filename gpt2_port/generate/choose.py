@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..io.load import nonfinite_tensors
 from .greedy_head import FastGreedyHead
 from .protocol import CausalLM
-from .sampling import SamplingSettings, process_logits
+from .sampling import SamplingSettings, draw, process_logits
 
 
 class NextToken:
@@ -44,13 +44,13 @@ class NextToken:
         finite = torch.isfinite(logits).all()
         if self.fast_head is not None:
             return torch.argmax(logits, dim=-1), finite
-        # non-finite logits: draw from harmless scores instead (a NaN probability stops multinomial, on a GPU with a
-        # device-side assert); the loop raises on `finite` before any of those tokens is used
+        # non-finite logits: draw from harmless scores instead (NaN probabilities would make an arbitrary token); the
+        # loop raises on `finite` before any of those tokens is used
         logits = logits.masked_fill(~finite, 0.0)
         scores = process_logits(logits, self.seen, self.settings)
         if self.settings.do_sample:
             probs = F.softmax(scores, dim=-1)
-            return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1), finite  # (B,)
+            return draw(probs, self.generator), finite  # (B,)
         return torch.argmax(scores, dim=-1), finite
 
 

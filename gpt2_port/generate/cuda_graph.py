@@ -8,6 +8,7 @@ weights): generate/cache.py's StaticKVCache and model/decode.py's `static_step` 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -17,14 +18,17 @@ class CapturedStep:
     """`fn()` -> a tensor, recorded as a CUDA graph on the first `__call__` (after warm-up runs on a side stream, as
     torch.cuda.graph asks) and replayed after; the returned tensor is the graph's own output buffer, overwritten by
     each replay. The warm-up runs write into the step's buffers as a real step would: capture before the first real
-    step, whose own writes replace them."""
+    step, whose own writes replace them. `capture_s`: the time the warm-up and the capture took (waited for once, so
+    it is not counted in the steps after)."""
 
     def __init__(self, fn: Callable[[], torch.Tensor], warmup: int = 2) -> None:
         self.fn, self.warmup = fn, warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
+        self.capture_s = 0.0
 
     def capture(self) -> None:
+        t0 = time.perf_counter()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -35,6 +39,8 @@ class CapturedStep:
         with torch.cuda.graph(g):
             self.out = self.fn()
         self.graph = g
+        torch.cuda.current_stream().synchronize()  # once per capture: the warm-up's work ends here
+        self.capture_s = time.perf_counter() - t0
 
     def __call__(self) -> torch.Tensor:
         if self.graph is None:

@@ -3,8 +3,8 @@
 The decoding rules follow transformers' `generate` so that results can be compared token for token:
 
 - next-token logits are taken in float32; the repetition penalty applies first (also when greedy), then, when sampling,
-  temperature, top-k and top-p, each written as transformers' logits processors write it; sampling draws with
-  `torch.multinomial` from the softmax (from `torch.Generator` seeded with `seed`, so a seed repeats its output);
+  temperature, top-k and top-p, each written as transformers' logits processors write it; sampling draws from the
+  softmax as `torch.multinomial` does (from `torch.Generator` seeded with `seed`, so a seed repeats its output);
 - a row that has produced `eos_token_id` (or a stop string) is finished; its later positions hold `pad_token_id`
   (default: the EOS id) and generation ends when every row is finished or `max_new_tokens` are made;
 - left-padded prompts carry an `attention_mask`; position ids come from the mask (first real token at 0), so each row
@@ -46,7 +46,8 @@ class Generation:
     new_ids: per row, the new tokens up to and including its EOS / stop-string token (no padding after it).
     texts: per row, the new text (with a tokenizer): EOS not included, cut just after a stop string.
     stop_reasons: per row "eos", "stop" (a stop string), "length" (max_new_tokens) or "context" (n_positions reached).
-    prefill_s: the prompt's forward pass and the choice of the first token; decode_s: all later steps.
+    prefill_s: the prompt's forward pass and the choice of the first token; decode_s: all later steps, without
+    capture_s, the one-time recording of the CUDA-graph step (warm-up included) when this call made it.
     decode_tokens: tokens made by the later steps (all rows; a finished row's padding not counted).
     """
 
@@ -57,6 +58,7 @@ class Generation:
     prompt_len: int
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    capture_s: float = 0.0
     decode_tokens: int = 0
     context_limited: bool = False
     max_new_tokens: int = 0
@@ -223,6 +225,7 @@ def generate_full(
     rows = Rows(B, dev, eos_token_id, stops, tokenizer, on_text)
     rows_idx = torch.arange(B, device=dev)
 
+    captured0 = steps.capture_s  # a step kept from an earlier call was recorded then
     t0 = time.perf_counter()
     prefill_s, decode_tokens, made, S = 0.0, 0, 0, T  # S: tokens in the sequence so far
     nxt = None
@@ -251,7 +254,8 @@ def generate_full(
             decode_tokens += taken
         if not rows.any_running:
             break
-    decode_s = time.perf_counter() - t0 if S - T > 1 else 0.0
+    capture_s = steps.capture_s - captured0
+    decode_s = time.perf_counter() - t0 - capture_s if S - T > 1 else 0.0
     rows.close(context_limited)
     return Generation(
         sequences=seq[:, :S].clone(),
@@ -261,6 +265,7 @@ def generate_full(
         prompt_len=T,
         prefill_s=prefill_s,
         decode_s=decode_s,
+        capture_s=capture_s,
         decode_tokens=decode_tokens,
         context_limited=context_limited,
         max_new_tokens=max_new_tokens,

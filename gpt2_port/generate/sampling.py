@@ -3,8 +3,8 @@ processors (repetition penalty, temperature, top-k, top-p) written as transforme
 seeded runs can be compared token for token.
 
 Next-token logits are taken in float32; the repetition penalty applies first (also when greedy), then, when sampling,
-temperature, top-k and top-p; a token is drawn with `torch.multinomial` from the softmax (from a `torch.Generator`
-seeded with `seed`, so a seed repeats its output). Everything runs on the model's device.
+temperature, top-k and top-p; a token is drawn from the softmax as `torch.multinomial` draws one (from a
+`torch.Generator` seeded with `seed`, so a seed repeats its output; `draw`). Everything runs on the model's device.
 """
 
 from __future__ import annotations
@@ -95,6 +95,16 @@ def process_logits(scores: torch.Tensor, seen: torch.Tensor | None, s: SamplingS
         if s.top_p is not None and s.top_p < 1.0:
             scores = apply_top_p(scores, s.top_p)
     return scores
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) one token per row: the draw `torch.multinomial(probs, 1, generator=generator)`
+    makes (for one sample torch divides the probabilities by Exp(1) noise from the generator and takes the argmax), so
+    the same tokens and the same generator state after, without multinomial's two checks of the probabilities, each
+    a wait for the device (an `.item()`). The caller's finite check stands in for them: the softmax of finite scores
+    is never negative, NaN or all zero."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)  # (B, V) Exp(1) noise
+    return torch.argmax(probs / q, dim=-1)
 
 
 def seen_tokens(input_ids: torch.Tensor, vocab_size: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

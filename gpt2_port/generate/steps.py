@@ -24,6 +24,7 @@ KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_
 
 class ForwardSteps:
     name = "forward"
+    capture_s = 0.0  # time spent recording a CUDA graph (StaticSteps), so far
 
     def __init__(self, model: CausalLM, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> None:
         self.model, self.seq, self.mask, self.cache = model, seq, mask, cache
@@ -65,6 +66,10 @@ class StaticSteps:
         h = self.model(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)
         self.cache.start(mask, ids.shape[1])
         return h
+
+    @property
+    def capture_s(self) -> float:
+        return self.run.capture_s if isinstance(self.run, CapturedStep) else 0.0
 
     def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
         self.cache.feed(tok, slot)

@@ -74,6 +74,26 @@ def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, t
     return None if fused is None else (fused[0].t(), fused[1])
 
 
+def qkv_tied(q: nn.Module, k: nn.Module, v: nn.Module) -> bool:
+    """Whether q/k/v's weights and biases are adjacent views of one c_attn weight and bias."""
+    return all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)) and (
+        c_attn_view(q.weight, k.weight, v.weight, q.bias, k.bias, v.bias) is not None
+    )
+
+
+@torch.no_grad()
+def tie_qkv(q: nn.Linear, k: nn.Linear, v: nn.Linear) -> None:
+    """Make q/k/v's weights and biases adjacent views of one new `[C, 3C]` weight and (3C,) bias holding their values
+    (on their device, in their dtype): the layout a load gives. The parameters stay the same objects (an optimizer's
+    references hold)."""
+    C = q.weight.shape[1]
+    w = torch.cat((q.weight.t(), k.weight.t(), v.weight.t()), dim=1)  # (C, 3C), contiguous
+    b = torch.cat((q.bias, k.bias, v.bias))  # (3C,)
+    for i, m in enumerate((q, k, v)):
+        m.weight.data = w[:, i * C : (i + 1) * C].t()  # (C, C) [out, in], strides (1, 3C)
+        m.bias.data = b[i * C : (i + 1) * C]
+
+
 class CAttn(torch.autograd.Function):
     """(N, C) x -> (N, 3C) = addmm(b, x, W) with gradients for x and q/k/v's weights and biases (see above)."""
 

@@ -7,9 +7,10 @@
   (N, V) logits: each chunk's logits give its loss and, at once, its share of the gradients of the hidden states
   and of the head's weight; backward hands them over (Liger-Kernel's fused linear cross-entropy, on CPU or GPU;
   under autocast its matmuls run in autocast's dtype and its log-softmax in float32, as the reference head and
-  loss run there). It saves the logits, their log-softmax and their gradient: 3 x N x V x 4 bytes (620 MB at 4 x 256
-  tokens of GPT-2's vocabulary). Each chunk runs torch's own log-softmax forward and backward kernels, in place in
-  one reused buffer, fed the incoming gradient nll_loss's backward would make: when the loss's own incoming
+  loss run there). The reference keeps the logits, their log-softmax and their gradient: 3 x N x V x 4 bytes (620 MB
+  at 4 x 256 tokens of GPT-2's vocabulary); this keeps one chunk's (`chunk_rows`). Each chunk runs torch's own
+  log-softmax forward and backward kernels, in place in one reused buffer, fed the incoming gradient nll_loss's
+  backward would make: when the loss's own incoming
   gradient is 1 (`loss.backward()`; gradient accumulation through `num_items_in_batch`), the logits' gradient is
   the reference's bit for bit, and so are the hidden states' (their matmul runs row by row). The head weight's
   gradient is summed over the chunks, so it is rounded differently; another incoming gradient scales the made
@@ -33,9 +34,21 @@ from ..devices import autocast_dtype, host_readable
 from ..errors import UsageError
 from .loss import IGNORE_INDEX
 
-# Rows of logits made at once: 256 x 50257 float32 is 51 MB, large enough that each chunk's two matmuls run at the
-# GEMM's full rate and small enough to stay out of the peak.
+# Rows of logits made at once on the CPU: 256 x 50257 float32 is 51 MB, large enough that each chunk's two matmuls
+# run at the GEMM's full rate and small enough to stay out of the peak.
 CHUNK_ROWS = 256
+# On a GPU each chunk also reads the head again and adds its share into the float32 head gradient (154 MB at 124M),
+# a pass that costs more than the chunk's matmuls when chunks are small (at 16 x 1024 tokens, 256 rows would be 64
+# such passes): chunks there take as many rows as fit this many bytes of float32 logits (5120 rows of 50304; twice
+# that in the chunk's two buffers). `python -m benchmarks.head_padding --chunk-rows ...` times other choices.
+GPU_CHUNK_BYTES = 1 << 30
+
+
+def chunk_rows(device_type: str, vocab: int) -> int:
+    """Rows per chunk of the fused head-and-loss on this device type, for a (padded) vocabulary of `vocab`."""
+    if device_type == "cpu":
+        return CHUNK_ROWS
+    return max(CHUNK_ROWS, GPU_CHUNK_BYTES // (4 * vocab) // CHUNK_ROWS * CHUNK_ROWS)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +119,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads: bool,  # autograd is recording: make the gradients (else the loss only, as for a validation loss)
         compute: torch.dtype | None,  # autocast's dtype for the two matmuls (None: the inputs' own)
         padded: int,  # the vocabulary the matmuls run over, >= V (padded_vocab)
+        chunk: int | None,  # rows per chunk (None: chunk_rows for the device)
     ) -> torch.Tensor:
         N, V = h.shape[0], w.shape[0]
         Vp = max(V, padded)
@@ -119,14 +133,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # logits are upcast to float32 before the log-softmax, as transformers' loss upcasts them.
         hm = h if compute is None else h.to(compute)
         wm, bm = _padded(w, Vp, compute), None if b is None else _padded(b, Vp, compute)
-        rows = min(N, CHUNK_ROWS)
+        R = chunk or chunk_rows(h.device.type, Vp)
+        rows = min(N, R)
         buf = torch.empty((rows, Vp), dtype=torch.float32, device=h.device)  # logits -> log-probs -> gradient
         nll_grad = torch.zeros_like(buf) if any(need) else None
         step = -(1.0 / divisor)  # () float32, rounded as nll_loss's backward rounds it
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
-            for s in range(0, N, CHUNK_ROWS):
-                hc = hm[s : s + CHUNK_ROWS]
+            for s in range(0, N, R):
+                hc = hm[s : s + R]
                 logits = buf[: hc.shape[0]]
                 if compute is not None:
                     logits.copy_(F.linear(hc, wm, bm))  # (n, C) @ (C, Vp) in `compute`, upcast
@@ -137,7 +152,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if Vp > V:
                     logits[:, V:] = -math.inf  # the pad takes no probability and gets no gradient
                 go = None if nll_grad is None else nll_grad[: hc.shape[0]]
-                nll, g = nll_and_logit_grad(logits, safe[s : s + CHUNK_ROWS], keep[s : s + CHUNK_ROWS], step, go)
+                nll, g = nll_and_logit_grad(logits, safe[s : s + R], keep[s : s + R], step, go)
                 total += nll
                 if g is None:
                     continue
@@ -145,9 +160,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     g = g.to(compute)
                 if grad_h is not None:
                     if compute is None:
-                        torch.mm(g, wm, out=grad_h[s : s + CHUNK_ROWS])  # (n, Vp) @ (Vp, C)
+                        torch.mm(g, wm, out=grad_h[s : s + R])  # (n, Vp) @ (Vp, C)
                     else:
-                        grad_h[s : s + CHUNK_ROWS] = g.mm(wm)
+                        grad_h[s : s + R] = g.mm(wm)
                 if grad_w is not None:
                     if compute is None:
                         grad_w.addmm_(g.t(), hc)  # (Vp, n) @ (n, C)
@@ -168,10 +183,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             )
         made, ctx.made = ctx.made, None
         # the usual incoming gradient of 1, known without a device sync (on the CPU, outside torch.compile): the made
-        # tensors are the gradients; otherwise they are scaled (by 1.0 the values stay the same)
-        one = host_readable(grad_out) and float(grad_out) == 1.0
-        grads = [t if t is None or one else t * grad_out.to(t.dtype) for t in made]
-        return grads[0], grads[1], grads[2], None, None, None, None, None
+        # tensors are the gradients; otherwise they are scaled in place (they are this loss's own; by 1.0 the values
+        # stay the same)
+        if not (host_readable(grad_out) and float(grad_out) == 1.0):
+            for t in made:
+                if t is not None:
+                    t.mul_(grad_out.to(t.dtype))
+        return made[0], made[1], made[2], None, None, None, None, None, None
 
 
 def check_pad_multiple(multiple: object, what: str) -> int:
@@ -204,6 +222,7 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     num_items: int | torch.Tensor | None = None,
     pad_multiple: int = 1,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Mean float32 cross-entropy of `F.linear(h, weight, bias)` against `targets` already aligned (loss.cross_entropy's
     rule: IGNORE_INDEX skipped, the mean over kept targets or the sum / num_items), without the logits.
@@ -212,14 +231,19 @@ def linear_cross_entropy(
     pad_multiple: the matmuls run over the head padded with zero rows to a multiple of this (GPU GEMMs run their
     fast kernels on aligned sizes: nanoGPT's 50304); the pad's logits are -inf, so the loss and the gradients are
     those of the V real rows (rounded as the longer rows round), and the weight keeps its V rows.
+    chunk: rows of logits made at once (None: `chunk_rows` for the device; the benchmark times others).
     """
     C = h.shape[-1]
     flat_t = targets.reshape(-1).long()  # (N,)
     if num_items is None:
         divisor = (flat_t != IGNORE_INDEX).sum().to(torch.float32)
-    else:
-        divisor = torch.as_tensor(num_items, dtype=torch.float32, device=h.device)
+    elif isinstance(num_items, torch.Tensor):
+        divisor = num_items.to(device=h.device, dtype=torch.float32)
+    else:  # a fill on the device: a tensor made from a Python number would be copied there, and the host would wait
+        divisor = torch.full((), float(num_items), dtype=torch.float32, device=h.device)
     grads = torch.is_grad_enabled()
     compute = autocast_dtype(h.device.type)
     padded = padded_vocab(weight.shape[0], check_pad_multiple(pad_multiple, "pad_multiple"))
-    return _LinearCrossEntropy.apply(h.reshape(-1, C), weight, bias, flat_t, divisor, grads, compute, padded)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise UsageError(f"chunk must be a positive integer (rows of logits at once), got {chunk!r}")
+    return _LinearCrossEntropy.apply(h.reshape(-1, C), weight, bias, flat_t, divisor, grads, compute, padded, chunk)

@@ -310,11 +310,13 @@ class GPT2(GenerationMixin, nn.Module):
         return logits
 
     def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """wte rows. Fast kernels, training, tied head, eager: the rows' gradient goes to wte as a sparse (B*T rows)
-        tensor added into the head's dense one, instead of a dense (V, C) gradient made, filled and summed (a sparse
-        gradient does not compile; under torch.compile the compiler fuses the dense one instead)."""
+        """wte rows. Fast kernels, training, tied head, eager, on the CPU: the rows' gradient goes to wte as a sparse
+        (B*T rows) tensor added into the head's dense one, instead of a dense (V, C) gradient made, filled and summed
+        (a sparse gradient does not compile; under torch.compile the compiler fuses the dense one instead). Not on a
+        GPU: there the sparse add is an index_add with atomics (repeated ids summed in a different order each run),
+        and the dense embedding backward is deterministic."""
         fast = self.kernels == "fast" and self.lm_head is None and self.wants_grad() and self.wte.weight.requires_grad
-        if fast and not compiling():
+        if fast and input_ids.device.type == "cpu" and not compiling():
             return F.embedding(input_ids, self.wte.weight, sparse=True)
         return self.wte(input_ids)
 

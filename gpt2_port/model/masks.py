@@ -28,5 +28,5 @@ def build_mask(attention_mask: torch.Tensor | None, T: int, S: int, device: torc
     mask = causal(T, S, device)[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
     # A padding query would see no key at all; let every query see itself so softmax stays finite.
     diag = torch.zeros(T, S, dtype=torch.bool, device=device)
-    diag[torch.arange(T), torch.arange(S - T, S)] = True
+    diag[torch.arange(T, device=device), torch.arange(S - T, S, device=device)] = True  # index on the device: no wait
     return mask | diag[None, None]

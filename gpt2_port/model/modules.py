@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import GPT2Config
-from .c_attn import project_qkv
+from .c_attn import project_qkv, qkv_tied, tie_qkv
 from .fused import gelu_tanh
 from .lowp import linear
 from .masks import causal
@@ -68,6 +68,16 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.head_dim, self.layer = cfg.n_head, cfg.head_dim, layer
         self.impl: AttnImpl = "sdpa"
         self.taps, self.tag = taps, f"block.{layer}.attn"
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        """A move or cast (`.to`, `.cuda`, `.half`, ...) converts each parameter on its own, which would leave q, k
+        and v three tensors: when they were views of one c_attn before, they are made views of one again (inference
+        then keeps c_attn's one matmul, the reference's arithmetic)."""
+        tied = qkv_tied(self.q_proj, self.k_proj, self.v_proj)
+        out = super()._apply(fn, recurse)
+        if tied and not qkv_tied(self.q_proj, self.k_proj, self.v_proj):
+            tie_qkv(self.q_proj, self.k_proj, self.v_proj)
+        return out
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, nh, T, hs)
         B, T, _ = t.shape

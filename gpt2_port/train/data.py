@@ -35,6 +35,12 @@ class Batches:
         w = w.to(self.device, non_blocking=True)
         return w[:, :-1], w[:, 1:]
 
+    def blank(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y (n, T) of token 0, laid out as `get` lays them out (views of one (n, T+1) tensor on the device): the
+        shapes and strides a compiled step is specialised on, for a dry step that compiles what the real ones run."""
+        w = torch.zeros(n, self.block_size + 1, dtype=torch.long, device=self.device)  # (n, T+1)
+        return w[:, :-1], w[:, 1:]
+
 
 class GlobalBatchSampler:
     """Random window offsets for one step: one generator draws the global batch, each process takes its share.

@@ -196,15 +196,19 @@ class Trainer:
         j = micro * self.dist.world_size + self.dist.rank  # the micro-batch's index in the global batch
         return (self.args.seed * 1_000_003 + step * self.args.grad_accum * self.dist.world_size + j) % (1 << 63)
 
+    def _micro_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's share of the step's mean loss: its summed NLL divided by the step's A x B x T targets
+        (the windows ignore none), so the micro-batches' losses add up to the step's mean and backward starts from a
+        gradient of 1 (transformers' num_items_in_batch rule; the fast kernels' fused loss is exact for it)."""
+        n_items = self.args.grad_accum * self.args.batch_size * self.block_size
+        with self._autocast():
+            return self.train_forward(x, targets=y, num_items_in_batch=n_items).loss
+
     def _train_step(self, step: int) -> tuple[float, float, bool]:
         """Forward and backward over this process's micro-batches, then the clip; returns (global mean loss, grad
         norm, finite), read back from the device in one transfer."""
         a, d = self.args, self.dist
         offsets = self.sampler.next_step(d.rank)  # (A, B)
-        # each micro-batch's summed NLL is divided by the step's A x B x T targets (the windows ignore none): the
-        # micro-batches' losses add up to the step's mean, and backward starts from a gradient of 1 (transformers'
-        # num_items_in_batch rule; the fast kernels' fused loss is exact for it)
-        n_items = a.grad_accum * a.batch_size * self.block_size
         acc = torch.float32 if self.device.type == "mps" else torch.float64
         total = torch.zeros((), dtype=acc, device=self.device)
         x, y = self._next_batch if self._next_batch is not None else self.batches.get(offsets[0])
@@ -214,8 +218,7 @@ class Trainer:
             last = m == a.grad_accum - 1
             sync = contextlib.nullcontext() if (last or not d.enabled) else self.net.no_sync()  # type: ignore[operator]
             with sync:
-                with self._autocast():
-                    loss = self.train_forward(x, targets=y, num_items_in_batch=n_items).loss
+                loss = self._micro_loss(x, y)
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total += loss.detach()
             if not last:  # the next micro-batch's copy overlaps this one's work on the device
@@ -345,14 +348,9 @@ class Trainer:
     def check_cuda_memory(self) -> dict:
         """On CUDA, the memory check measured: a dry step's peak (memory.dry_step_peak) with AdamW's moments on top;
         one line naming what to change when it does not fit (memory.check_measured). It also warms up (and
-        compiles)."""
+        compiles: the dry micro-batch has the real ones' shapes, strides and divisor, so the steps reuse its graph)."""
         dev, a = self.device, self.args
-
-        def loss(x: torch.Tensor) -> torch.Tensor:
-            with self._autocast():
-                return self.train_forward(x, targets=x, num_items_in_batch=x.numel()).loss
-
-        peak = dry_step_peak(self.model, loss, a.batch_size, self.block_size, dev)
+        peak = dry_step_peak(self.model, lambda: self._micro_loss(*self.batches.blank(a.batch_size)), dev)
         params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         return check_measured(self.model.config, a, self.block_size, dev, peak, params)
 

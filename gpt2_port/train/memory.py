@@ -211,21 +211,15 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
     )
 
 
-def dry_step_peak(
-    model: torch.nn.Module,
-    loss_of: Callable[[torch.Tensor], torch.Tensor],
-    batch_size: int,
-    block_size: int,
-    device: torch.device,
-) -> int | None:
-    """CUDA: the peak bytes allocated by one forward and backward of `loss_of` on a (batch_size, block_size) batch
-    of token 0, the random generators kept and the gradients dropped after; None when it ran out of memory."""
-    x = torch.zeros(batch_size, block_size, dtype=torch.long, device=device)
+def dry_step_peak(model: torch.nn.Module, loss: Callable[[], torch.Tensor], device: torch.device) -> int | None:
+    """CUDA: the peak bytes allocated by one forward and backward of `loss()` (a micro-batch as the run's, so a
+    compiled step compiles here what the real steps reuse), the random generators kept and the gradients dropped
+    after; None when it ran out of memory."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     try:
         with torch.random.fork_rng(devices=[device]):
-            loss_of(x).backward()
+            loss().backward()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
     except torch.cuda.OutOfMemoryError:
