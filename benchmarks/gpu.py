@@ -249,6 +249,7 @@ def head_gemm(dev: torch.device, dtype: str, rows: int, C: int, iters: int = 20)
             sync(dev)
             if i >= 3:
                 times.append(time.perf_counter() - t0)
+            w.grad = h.grad = None  # each iteration makes its gradients, none accumulates
         out[V] = statistics.median(times)
         del w, h
     return {"vocab_50257_s": out[50257], "vocab_50304_s": out[50304], "padded_speedup": out[50257] / out[50304]}
@@ -257,8 +258,10 @@ def head_gemm(dev: torch.device, dtype: str, rows: int, C: int, iters: int = 20)
 def run_train(a: argparse.Namespace, dev: torch.device) -> dict:
     import tempfile
 
+    from gpt2_port.train.setup import set_tf32
     from gpt2_port.train.throughput import flops_per_token, peak_flops
 
+    set_tf32(dev, True)  # as `train` runs on CUDA (its loop sets it too): every side under the same setting
     results: dict = {"kind": "train", "machine": machine(dev), "settings": _settings(a), "sizes": {}}
     for size in a.sizes.split(","):
         ck = checkpoint(size, Path(a.weights_dir))

@@ -2,10 +2,11 @@
 backward over GPT-2's vocabulary: unpadded (50257 rows) and padded to multiples of 64 and 128 (50304 both), runs
 interleaved in one process so the machine's noise hits each alike; the median of each and its speed against the
 unpadded head. 64 and 128 pad GPT-2's vocabulary to the same 50304 rows: the spread between those two is the noise.
-What `gpt2-port train --pad-vocab`'s default rests on.
+What `gpt2-port train --pad-vocab`'s default rests on. With --chunk-rows, the head padded to 64 again at each of
+those rows per chunk (fused.chunk_rows picks the device's default: what GPU_CHUNK_BYTES rests on).
 
     python -m benchmarks.head_padding [--device cpu] [--dtype float32|bf16] [--rows 512] [--width 768] [--rounds 8]
-                                      [--json PATH]
+                                      [--chunk-rows 256,1024,...] [--json PATH]
 
 Not a test: the numbers depend on the machine and its load (say so when quoting them).
 """
@@ -24,7 +25,7 @@ import torch
 from benchmarks.gpu import machine, sync
 from gpt2_port.devices import parse_device
 from gpt2_port.files import check_writable, write_output
-from gpt2_port.model.fused import linear_cross_entropy, padded_vocab
+from gpt2_port.model.fused import chunk_rows, linear_cross_entropy, padded_vocab
 
 MULTIPLES = (1, 64, 128)
 
@@ -37,8 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=768, help="n_embd (default 768, 124M's)")
     p.add_argument("--vocab", type=int, default=50257, help="the vocabulary (default GPT-2's 50257)")
     p.add_argument("--rounds", type=int, default=8, help="timed rounds after one warm-up round (default 8)")
+    p.add_argument("--chunk-rows", type=_rows_list, default=[], metavar="N,N,...", help="also time these chunk sizes")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p
+
+
+def _rows_list(text: str) -> list[int]:
+    try:
+        rows = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return rows
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -48,34 +60,41 @@ def run(a: argparse.Namespace) -> dict:
     w = (torch.randn(a.vocab, a.width, generator=g) * 0.02).to(dev).requires_grad_(True)
     t = torch.randint(0, a.vocab, (a.rows,), generator=g).to(dev)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if a.dtype == "bf16" else contextlib.nullcontext()
-    times: dict[int, list[float]] = {m: [] for m in MULTIPLES}
-    losses: dict[int, float] = {}
+    # (multiple, rows per chunk or None for the device's default), timed in turn each round
+    configs = [(m, None) for m in MULTIPLES] + [(64, c) for c in a.chunk_rows]
+    times: dict[tuple, list[float]] = {c: [] for c in configs}
+    losses: dict[tuple, float] = {}
     for r in range(a.rounds + 1):
-        for m in MULTIPLES if r % 2 == 0 else MULTIPLES[::-1]:
+        for m, c in configs if r % 2 == 0 else configs[::-1]:
             sync(dev)
             t0 = time.perf_counter()
             with amp:
-                loss = linear_cross_entropy(h, w, None, t, pad_multiple=m)
+                loss = linear_cross_entropy(h, w, None, t, pad_multiple=m, chunk=c)
             loss.backward()
             sync(dev)
             if r:
-                times[m].append(time.perf_counter() - t0)
+                times[m, c].append(time.perf_counter() - t0)
             h.grad = w.grad = None
-            losses[m] = float(loss.detach())  # after the timing: its one sync is not timed
+            losses[m, c] = float(loss.detach())  # after the timing: its one sync is not timed
         print(f"round {r}/{a.rounds}", file=sys.stderr)
-    base = statistics.median(times[1])
-    rows = {
-        str(m): {
-            "vocab": padded_vocab(a.vocab, m),
-            "median_s": statistics.median(times[m]),
-            "runs_s": times[m],
-            "speed_vs_unpadded": base / statistics.median(times[m]),
-            "loss": losses[m],
+
+    def row(m: int, c: int | None, base: float) -> dict:
+        med = statistics.median(times[m, c])
+        vocab = padded_vocab(a.vocab, m)
+        return {
+            "vocab": vocab,
+            "chunk_rows": c or chunk_rows(dev.type, vocab),
+            "median_s": med,
+            "runs_s": times[m, c],
+            "speed_vs_unpadded" if c is None else "speed_vs_default_chunks": base / med,
+            "loss": losses[m, c],
         }
-        for m in MULTIPLES
-    }
-    settings = {k: getattr(a, k) for k in ("dtype", "rows", "width", "vocab", "rounds")}
-    return {"kind": "head_padding", "machine": machine(dev), "settings": settings, "multiples": rows}
+
+    unpadded, default64 = statistics.median(times[1, None]), statistics.median(times[64, None])
+    rows = {str(m): row(m, None, unpadded) for m in MULTIPLES}
+    chunks = {str(c): row(64, c, default64) for c in a.chunk_rows}
+    settings = {k: getattr(a, k) for k in ("dtype", "rows", "width", "vocab", "rounds", "chunk_rows")}
+    return {"kind": "head_padding", "machine": machine(dev), "settings": settings, "multiples": rows, "chunks": chunks}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     for m, x in res["multiples"].items():
         print(
             f"  pad to a multiple of {m:>3}: {x['vocab']} rows, {1e3 * x['median_s']:9.2f} ms "
-            f"({x['speed_vs_unpadded']:.3f}x the unpadded head), loss {x['loss']:.6f}"
+            f"({x['speed_vs_unpadded']:.3f}x the unpadded head; {x['chunk_rows']} rows per chunk), "
+            f"loss {x['loss']:.6f}"
+        )
+    for c, x in res["chunks"].items():
+        print(
+            f"  padded to 64, {c:>5} rows per chunk: {1e3 * x['median_s']:9.2f} ms "
+            f"({x['speed_vs_default_chunks']:.3f}x the default chunks), loss {x['loss']:.6f}"
         )
     if a.json:
         write_output(a.json, json.dumps(res, indent=2) + "\n")

@@ -4,25 +4,30 @@
 # there). Each phase writes its log and its JSON/Markdown/PNG into OUT and prints a one-line verdict.
 #
 #   scripts/gpu_check.sh PHASE [PHASE ...]
-#     tests    the `cuda` tests (tests/test_cuda.py), then the whole suite on that machine (its CPU and its torch)
-#     parity   gpt2-port parity --device cuda: 124M and 1.5B float32 forward (expect 0 at every point), 124M
-#              backward with 10 AdamW steps (reference kernels: bit-identical; fast: within the noise), 124M bf16
-#     train    the fused head padded and not (benchmarks.head_padding), then python -m benchmarks.gpu train --sizes
-#              gpt2 (tokens/s, MFU, peak memory beside transformers)
-#     train-xl the same for gpt2-xl (a phase of its own: each call to the GPU machine runs at most 10 minutes)
-#     decode   python -m benchmarks.gpu decode --sizes gpt2,gpt2-xl (tokens/s beside transformers' generate)
-#     smoke    the same commands at toy sizes on the CPU (checks this script, not the GPU)
+#     tests     the `cuda` tests (tests/test_cuda.py)
+#     suite     the whole suite on that machine (its CPU and its torch; below pyproject's torch floor some tests
+#               state the tested version's contract and fail there)
+#     parity    gpt2-port parity --device cuda: 124M and 1.5B float32 forward (expect 0 at every point), 124M
+#               backward with 10 AdamW steps (reference kernels: bit-identical; fast: within the noise), 124M bf16
+#     train     the fused head padded and not, and its chunk sizes (benchmarks.head_padding), then python -m
+#               benchmarks.gpu train --sizes gpt2 (tokens/s, MFU, peak memory beside transformers, eager and compiled)
+#     train-xl  the eager sides and `train`'s own loop for gpt2-xl (its 48-layer compiles would not fit one call)
+#     decode    python -m benchmarks.gpu decode --sizes gpt2 (tokens/s beside transformers' generate)
+#     decode-xl the same for gpt2-xl, bf16
+#     smoke     the same commands at toy sizes on the CPU (checks this script, not the GPU)
+# Each call to a lent GPU runs at most 10 minutes: about one phase per call (tests and parity together fit).
+# Every invocation first writes OUT/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
 #
 # Environment: OUT (default gpu-results), PYTHON (default python3), INSTALL=0 to skip `pip install -e .`,
 # SHARED_FROM (the tests need ../shared beside the checkout: GPT-2's BPE files and tiny shakespeare; where it is
-# missing, a copy of it at SHARED_FROM is put there).
+# missing, a copy of it at SHARED_FROM is put there). The benchmarks share the script's checkpoints (weights/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-gpu-results}
-[ $# -gt 0 ] || { sed -n '6,14p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { sed -n '6,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 for phase in "$@"; do
-  case "$phase" in tests | parity | train | train-xl | decode | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, parity, train, train-xl, decode or smoke)" >&2; exit 2 ;; esac
+  case "$phase" in tests | suite | parity | train | train-xl | decode | decode-xl | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, suite, parity, train, train-xl, decode, decode-xl or smoke)" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT" weights
 
@@ -43,6 +48,21 @@ step() {  # step NAME COMMAND...: run it, its output into OUT/NAME.log, one line
   [ $rc -eq 0 ] || { failed=1; tail -20 "$OUT/$name.log" >&2; }
 }
 
+"$PY" - >"$OUT/env.log" 2>&1 <<'PYEOF'
+import importlib.util, platform, shutil
+import torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), "| capability", torch.cuda.get_device_capability(0))
+else:
+    print("device: no CUDA")
+for mod in ("triton", "transformers", "safetensors", "tiktoken", "matplotlib", "setuptools"):
+    spec = importlib.util.find_spec(mod)
+    print(mod, "missing" if spec is None else __import__(mod).__version__)
+print("C compiler", shutil.which("cc") or shutil.which("gcc") or "missing")
+PYEOF
+echo "== env: $(tr '\n' ' ' <"$OUT/env.log")" >&2
+
 checkpoint() {  # checkpoint SIZE: weights/SIZE-random, written once
   [ -f "weights/$1-random/model.safetensors" ] || step "checkpoint-$1" "${G[@]}" demo-checkpoint --size "$1" --out "weights/$1-random"
 }
@@ -52,6 +72,9 @@ for phase in "$@"; do
     tests)
       if [ -n "${SHARED_FROM:-}" ] && [ ! -e ../shared ]; then cp -r "$SHARED_FROM" ../shared; fi
       step tests-cuda "$PY" -m pytest -q -m cuda -rs
+      ;;
+    suite)
+      if [ -n "${SHARED_FROM:-}" ] && [ ! -e ../shared ]; then cp -r "$SHARED_FROM" ../shared; fi
       step tests-all "$PY" -m pytest -q -rs
       ;;
     parity)
@@ -67,19 +90,26 @@ for phase in "$@"; do
         --json "$OUT/parity-124m-bf16.json"
       ;;
     train)
+      checkpoint gpt2
       step bench-head-padding "$PY" -m benchmarks.head_padding --device cuda --dtype bf16 --rows 16384 \
-        --json "$OUT/head-padding.json"
-      step bench-train "$PY" -m benchmarks.gpu train --sizes gpt2 --out "$OUT/train.json" \
+        --chunk-rows 256,1024,2048,4096,8192 --json "$OUT/head-padding.json"
+      step bench-train "$PY" -m benchmarks.gpu train --sizes gpt2 --weights-dir weights --out "$OUT/train.json" \
         --markdown "$OUT/train.md" --plot "$OUT/train.png"
       ;;
     train-xl)
       checkpoint gpt2-xl
-      step bench-train-xl "$PY" -m benchmarks.gpu train --sizes gpt2-xl --out "$OUT/train-xl.json" \
-        --markdown "$OUT/train-xl.md" --plot "$OUT/train-xl.png"
+      step bench-train-xl "$PY" -m benchmarks.gpu train --sizes gpt2-xl --no-compile --weights-dir weights \
+        --out "$OUT/train-xl.json" --markdown "$OUT/train-xl.md" --plot "$OUT/train-xl.png"
       ;;
     decode)
-      step bench-decode "$PY" -m benchmarks.gpu decode --sizes gpt2,gpt2-xl --out "$OUT/decode.json" \
+      checkpoint gpt2
+      step bench-decode "$PY" -m benchmarks.gpu decode --sizes gpt2 --weights-dir weights --out "$OUT/decode.json" \
         --markdown "$OUT/decode.md" --plot "$OUT/decode.png"
+      ;;
+    decode-xl)
+      checkpoint gpt2-xl
+      step bench-decode-xl "$PY" -m benchmarks.gpu decode --sizes gpt2-xl --weights-dir weights \
+        --out "$OUT/decode-xl.json" --markdown "$OUT/decode-xl.md" --plot "$OUT/decode-xl.png"
       ;;
     smoke)
       checkpoint gpt2
@@ -88,7 +118,7 @@ for phase in "$@"; do
       step smoke-train "$PY" -m benchmarks.gpu train --device cpu --sizes tiny --batch 2 --block 64 --warmup 1 \
         --steps 2 --compile-backend aot_eager --out "$OUT/smoke-train.json"
       step smoke-head-padding "$PY" -m benchmarks.head_padding --device cpu --rows 8 --width 16 --vocab 97 \
-        --rounds 1 --json "$OUT/smoke-head-padding.json"
+        --rounds 1 --chunk-rows 3,8 --json "$OUT/smoke-head-padding.json"
       step smoke-decode "$PY" -m benchmarks.gpu decode --device cpu --sizes tiny --new-tokens 8 --batches 2 \
         --rounds 1 --out "$OUT/smoke-decode.json"
       ;;

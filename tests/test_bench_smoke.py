@@ -182,7 +182,8 @@ def test_the_gpu_check_script_refuses_an_unknown_phase() -> None:
     r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "tests", "benchmark"], capture_output=True)
     assert r.returncode == 2 and r.stdout == b""
     assert r.stderr.decode().strip().splitlines() == [
-        "gpu_check: unknown phase 'benchmark' (expected tests, parity, train, train-xl, decode or smoke)"
+        "gpu_check: unknown phase 'benchmark' (expected tests, suite, parity, train, train-xl, decode, decode-xl or "
+        "smoke)"
     ]
 
 
@@ -191,12 +192,15 @@ def test_the_head_padding_benchmark_times_each_multiple_with_the_same_loss(tmp_p
 
     out = tmp_path / "h.json"
     argv = ["--device", "cpu", "--rows", "8", "--width", "16", "--vocab", "97", "--rounds", "2", "--json", str(out)]
-    assert head_padding.main(argv) == 0
+    assert head_padding.main([*argv, "--chunk-rows", "3,8"]) == 0
     res = json.loads(out.read_text())
     assert res["kind"] == "head_padding" and res["machine"]["device"] == "cpu"
-    rows = res["multiples"]
+    rows, chunks = res["multiples"], res["chunks"]
     assert [rows[m]["vocab"] for m in ("1", "64", "128")] == [97, 128, 128]
-    assert all(len(x["runs_s"]) == 2 and x["median_s"] > 0 for x in rows.values())
-    assert rows["1"]["speed_vs_unpadded"] == 1.0
-    for x in rows.values():  # the pad takes no probability: the loss is the real rows'
+    assert {x["chunk_rows"] for x in rows.values()} == {256} and [chunks[c]["chunk_rows"] for c in ("3", "8")] == [3, 8]
+    assert all(len(x["runs_s"]) == 2 and x["median_s"] > 0 for x in [*rows.values(), *chunks.values()])
+    assert rows["1"]["speed_vs_unpadded"] == 1.0 and all(x["speed_vs_default_chunks"] > 0 for x in chunks.values())
+    for x in [*rows.values(), *chunks.values()]:  # the pad takes no probability, chunks change rounding only
         assert abs(x["loss"] - rows["1"]["loss"]) <= 1e-6 * rows["1"]["loss"]
+    with pytest.raises(SystemExit):
+        head_padding.build_parser().parse_args(["--chunk-rows", "0,8"])
