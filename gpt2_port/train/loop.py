@@ -302,7 +302,10 @@ class Trainer:
         self.model.eval()
         try:
             prompt = torch.tensor([[50256 if self.model.config.vocab_size > 50256 else 0]], device=self.device)
-            ids = generate(self.model, prompt, SAMPLE_TOKENS, do_sample=True, top_k=50, seed=self.args.seed + step)
+            # 32 tokens: no CUDA graph (its memory pool would stay beside the training's, and a capture while DDP's
+            # NCCL threads run is not safe); on CUDA the static step runs eagerly
+            seed = self.args.seed + step
+            ids = generate(self.model, prompt, SAMPLE_TOKENS, do_sample=True, top_k=50, seed=seed, cuda_graph=False)
         finally:
             self.model.train()
         return self.tokenizer.decode(ids[0, 1:].tolist())
