@@ -4,6 +4,7 @@ assertions), and the decode loops it times."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -185,6 +186,27 @@ def test_the_gpu_check_script_refuses_an_unknown_phase() -> None:
         "gpu_check: unknown phase 'benchmark' (expected tests, suite, parity, train, train-xl, decode, decode-xl or "
         "smoke)"
     ]
+
+
+def test_the_gpu_check_script_runs_from_the_checkout_when_the_install_fails(tmp_path: Path) -> None:
+    """An old pip or setuptools on the GPU machine must not cost the call: the script says so and runs every command
+    with the checkout (and checks/ as gpt2_port_checks) on PYTHONPATH. A stand-in python fails `pip` and records
+    the PYTHONPATH each other command sees."""
+    fake, seen, out = tmp_path / "python3", tmp_path / "seen", tmp_path / "out"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$2" = pip ]; then echo "ERROR: setuptools too old" >&2; exit 1; fi\n'
+        f'echo "$PYTHONPATH" >> {seen}\n'
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "OUT": str(out)}
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "decode"], capture_output=True, env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "pip install -e . failed, running from the checkout" in r.stderr.decode()
+    paths = set(seen.read_text().split())
+    assert paths == {f"{REPO}:{out}/pythonpath"}
+    assert (out / "pythonpath" / "gpt2_port_checks").resolve() == REPO / "checks"
 
 
 def test_the_head_padding_benchmark_times_each_multiple_with_the_same_loss(tmp_path: Path) -> None:
