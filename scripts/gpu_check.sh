@@ -69,6 +69,10 @@ print("C compiler", shutil.which("cc") or shutil.which("gcc") or "missing")
 PYEOF
 echo "== env: $(tr '\n' ' ' <"$OUT/env.log")" >&2
 
+shared() {  # the tests read ../shared: put the copy at SHARED_FROM there when it is missing
+  if [ -n "${SHARED_FROM:-}" ] && [ ! -e ../shared ]; then cp -r "$SHARED_FROM" ../shared; fi
+}
+
 checkpoint() {  # checkpoint SIZE: weights/SIZE-random, written once
   [ -f "weights/$1-random/model.safetensors" ] || step "checkpoint-$1" "${G[@]}" demo-checkpoint --size "$1" --out "weights/$1-random"
 }
@@ -76,11 +80,11 @@ checkpoint() {  # checkpoint SIZE: weights/SIZE-random, written once
 for phase in "$@"; do
   case "$phase" in
     tests)
-      if [ -n "${SHARED_FROM:-}" ] && [ ! -e ../shared ]; then cp -r "$SHARED_FROM" ../shared; fi
+      shared
       step tests-cuda "$PY" -m pytest -q -m cuda -rs
       ;;
     suite)
-      if [ -n "${SHARED_FROM:-}" ] && [ ! -e ../shared ]; then cp -r "$SHARED_FROM" ../shared; fi
+      shared
       step tests-all "$PY" -m pytest -q -rs
       ;;
     parity)

@@ -76,9 +76,7 @@ def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, t
 
 def qkv_tied(q: nn.Module, k: nn.Module, v: nn.Module) -> bool:
     """Whether q/k/v's weights and biases are adjacent views of one c_attn weight and bias."""
-    return all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)) and (
-        c_attn_view(q.weight, k.weight, v.weight, q.bias, k.bias, v.bias) is not None
-    )
+    return fused_qkv(q, k, v) is not None
 
 
 @torch.no_grad()

@@ -192,12 +192,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return made[0], made[1], made[2], None, None, None, None, None, None
 
 
+def _positive_int(value: object, what: str, meaning: str) -> int:
+    """`value` when it is a positive integer; else UsageError naming `what` (the flag or argument it came from)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{what} must be a positive integer ({meaning}), got {value!r}")
+    return value
+
+
 def check_pad_multiple(multiple: object, what: str) -> int:
     """`multiple` when it is a valid padding multiple (a positive integer, 1: no padding); else UsageError naming
-    `what` (the flag or argument it came from)."""
-    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
-        raise UsageError(f"{what} must be a positive integer (1: no padding), got {multiple!r}")
-    return multiple
+    `what`."""
+    return _positive_int(multiple, what, "1: no padding")
 
 
 def padded_vocab(V: int, multiple: int) -> int:
@@ -244,6 +249,6 @@ def linear_cross_entropy(
     grads = torch.is_grad_enabled()
     compute = autocast_dtype(h.device.type)
     padded = padded_vocab(weight.shape[0], check_pad_multiple(pad_multiple, "pad_multiple"))
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise UsageError(f"chunk must be a positive integer (rows of logits at once), got {chunk!r}")
+    if chunk is not None:
+        _positive_int(chunk, "chunk", "rows of logits at once")
     return _LinearCrossEntropy.apply(h.reshape(-1, C), weight, bias, flat_t, divisor, grads, compute, padded, chunk)

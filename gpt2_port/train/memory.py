@@ -22,7 +22,7 @@ import torch
 
 from ..config import GPT2Config
 from ..errors import UsageError
-from ..model.fused import CHUNK_ROWS, padded_vocab
+from ..model.fused import chunk_rows, padded_vocab
 from .args import TrainArgs
 from .distributed import Dist
 
@@ -74,12 +74,14 @@ def estimate(
     grad_checkpointing: bool = False,
     kernels: str = "reference",
     pad_multiple: int = 1,
+    device_type: str = "cpu",
 ) -> MemoryEstimate:
     """Peak bytes of one process training `cfg` at this micro-batch (weights and AdamW state in float32).
 
     kernels: the model's training kernels ("fast": gpt2_port.fused, which never holds the (N, V) logits).
     pad_multiple: the fused head's vocabulary padding (fast kernels: its chunks and gradient have the padded rows,
-    and in float32 the padded copy of the head is one more (Vp, C) tensor).
+    and in float32 the padded copy of the head is one more (Vp, C) tensor); device_type: where it runs (the fused
+    head's chunk rows, fused.chunk_rows).
     """
     P = cfg.num_params()
     act = 2 if amp else 4  # bytes per activation: bf16/fp16 under autocast, else float32
@@ -93,7 +95,8 @@ def estimate(
     activations += 2 * BT * C * 4  # embeddings and ln_f
     if kernels == "fast" and not amp:  # a few chunks of logits, and the gradients the fused loss makes in forward
         Vp = padded_vocab(V, pad_multiple)
-        logits = 3 * min(BT, CHUNK_ROWS) * Vp * 4 + Vp * C * 4 + BT * C * 4 + (Vp * C * 4 if Vp > V else 0)
+        rows = min(BT, chunk_rows(device_type, Vp))
+        logits = 3 * rows * Vp * 4 + Vp * C * 4 + BT * C * 4 + (Vp * C * 4 if Vp > V else 0)
     else:
         logits = BT * V * LOGIT_BYTES
     casts = 2 * P if amp else 0  # autocast's low-precision copies of the weights
@@ -190,7 +193,9 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
     if args.dropout is not None:
         cfg = cfg.with_dropout(args.dropout)
     pad = args.resolved_pad_vocab(device.type)
-    est = estimate(cfg, args.batch_size, block_size, amp, args.grad_checkpointing, args.resolved_kernels, pad)
+    est = estimate(
+        cfg, args.batch_size, block_size, amp, args.grad_checkpointing, args.resolved_kernels, pad, device.type
+    )
     avail, source = available_memory(device)
     share = d.local_world_size if device.type == "cpu" else 1  # processes on one host share its memory
     budget = int(avail * MEMORY_HEADROOM) // share
