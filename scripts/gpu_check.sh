@@ -5,8 +5,8 @@
 #
 #   scripts/gpu_check.sh PHASE [PHASE ...]
 #     tests     the `cuda` tests (tests/test_cuda.py)
-#     suite     the whole suite on that machine (its CPU and its torch; below pyproject's torch floor some tests
-#               state the tested version's contract and fail there)
+#     suite     the whole suite on that machine (its CPU and its torch: the image's torch 2.11 and transformers 5.17
+#               are pyproject's floors, which CI tests too)
 #     parity    gpt2-port parity --device cuda: 124M and 1.5B float32 forward (expect 0 at every point), 124M
 #               backward with 10 AdamW steps (reference kernels: bit-identical; fast: within the noise), 124M bf16
 #     train     the fused head padded and not, and its chunk sizes (benchmarks.head_padding), then python -m

@@ -191,7 +191,7 @@ def test_a_second_backward_through_the_fused_loss_is_refused() -> None:
 
 
 def test_the_private_log_softmax_ops_are_used_on_tested_torch_versions_only(monkeypatch) -> None:
-    tested = fused._torch_version() in fused.PRIVATE_OPS_TESTED  # CI's torch is (pyproject's floor is the tested one)
+    tested = fused._torch_version() in fused.PRIVATE_OPS_TESTED  # CI's two torches are (tests/test_versions.py)
     assert fused.private_ops_usable() == tested and fused.USE_PRIVATE_OPS == tested
     monkeypatch.setattr(fused, "_torch_version", lambda: (2, 99))
     assert not fused.private_ops_usable()  # an untested release: the public fallback

@@ -9,6 +9,7 @@ it does not know, or one that imports up the table or across into a sibling, fai
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import importlib.util
 import subprocess
 import sys
@@ -313,6 +314,14 @@ def test_pyproject_packages_cover_the_tree_and_map_checks():
     assert "." in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["pythonpath"]
 
 
+def _setuptools_version() -> tuple[int, int]:
+    try:
+        major, minor = importlib.metadata.version("setuptools").split(".")[:2]
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0)
+    return int(major), int(minor)
+
+
 def test_wheel_installs_no_generic_checks_package(tmp_path: Path):
     """A plain wheel holds gpt2_port and gpt2_port_checks (the checks/ directory) and nothing else at the top."""
     src = tmp_path / "src"
@@ -326,8 +335,9 @@ def test_wheel_installs_no_generic_checks_package(tmp_path: Path):
             dst = src / p.relative_to(REPO)
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(p.read_bytes())
-    # Without build isolation when setuptools is at hand (fast, offline); else pip fetches the build backend.
-    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    # Without build isolation when a setuptools that builds wheels itself (70.1 on) is at hand (fast, offline); else
+    # pip fetches the build backend.
+    isolation = ["--no-build-isolation"] if _setuptools_version() >= (70, 1) else []
     r = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", *isolation, "-q", "-w", str(tmp_path)],
         capture_output=True,

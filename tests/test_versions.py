@@ -1,0 +1,71 @@
+"""The declared versions are the tested versions: pyproject's floors are what `./dev` pins .venv-floor to, the torch
+releases where the fused loss calls torch's private log-softmax ops are exactly the two CI tests (the floor and .venv's
+pin), and scripts/floor_pins.py refuses a requirement it cannot pin."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpt2_port.model import fused
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "floor_pins.py"
+
+
+def _floor_pins():
+    spec = importlib.util.spec_from_file_location("floor_pins", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_every_dependency_is_pinned_to_its_floor() -> None:
+    r = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    pins = dict(line.split("==") for line in r.stdout.split())
+    text = (REPO / "pyproject.toml").read_text()
+    project = text[text.index("[project]") : text.index("[project.scripts]")]  # not [build-system]'s setuptools
+    declared = re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)"', project)
+    assert declared and {n.lower(): v for n, v in declared} == pins
+    assert {"torch", "transformers", "huggingface-hub", "safetensors", "numpy"} <= set(pins)
+
+
+def test_the_private_ops_are_listed_for_exactly_the_two_torches_ci_tests() -> None:
+    floor = dict(line.split("==") for line in _floor_pins().floor_pins((REPO / "pyproject.toml").read_text()))["torch"]
+    (pin,) = re.findall(r"TORCH_SPEC:-torch==([0-9.]+)", (REPO / "dev").read_text())
+    assert fused.PRIVATE_OPS_TESTED == {_minor(floor), _minor(pin)}
+
+
+@pytest.mark.parametrize(
+    "deps, message",
+    [
+        ('["torch"]', "requirement 'torch': expected 'name>=version'"),
+        ('["torch<3"]', "requirement 'torch<3': expected 'name>=version'"),
+        ('["torch>=2.11", "numpy>=2"]\n[project.optional-dependencies]\nx = ["Torch>=2.13"]', "floors 2.11 and 2.13"),
+    ],
+)
+def test_a_requirement_without_one_floor_is_refused(tmp_path: Path, deps: str, message: str) -> None:
+    py = tmp_path / "pyproject.toml"
+    py.write_text(f'[project]\nname = "x"\ndependencies = {deps}\n')
+    r = subprocess.run([sys.executable, str(SCRIPT), str(py)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and str(py) in r.stderr and message in r.stderr, r.stderr
+
+
+def test_a_missing_or_broken_pyproject_is_one_line(tmp_path: Path) -> None:
+    for path in (tmp_path / "absent.toml", tmp_path / "broken.toml"):
+        if path.name == "broken.toml":
+            path.write_text("[project\n")
+        r = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and str(path) in r.stderr, r.stderr
