@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -38,10 +37,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 TOKENIZER = REPO.parent / "shared" / "gpt2-tokenizer"
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def speed(args: argparse.Namespace) -> dict:
@@ -129,6 +124,7 @@ def speed(args: argparse.Namespace) -> dict:
 
 def memory_one(mode: str, mb: float, ckpt: str) -> dict:
     """In this process: one (mode, size) run; peak RSS before and after the work."""
+    from gpt2_port.devices import peak_rss_mb
     from gpt2_port.eval.perplexity import evaluate_text
     from gpt2_port.eval.score import batched, model_scorer
     from gpt2_port.eval.windows import rolling_requests, token_chunks
@@ -145,7 +141,7 @@ def memory_one(mode: str, mb: float, ckpt: str) -> dict:
         path = f.name
     tok = load_tokenizer(TOKENIZER)
     model = from_pretrained(ckpt)[0] if mode == "full" else None
-    before = _rss_mb()
+    before = peak_rss_mb()
     t0 = time.perf_counter()
     if mode == "full":
         tokens = evaluate_text([model_scorer(model)], tok.encode, path, 1024, tok.eot_id, batch_size=8)["gpt2_port"]
@@ -163,7 +159,7 @@ def memory_one(mode: str, mb: float, ckpt: str) -> dict:
         "tokens": tokens,
         "seconds": time.perf_counter() - t0,
         "peak_rss_MB_before": before,
-        "peak_rss_MB": _rss_mb(),
+        "peak_rss_MB": peak_rss_mb(),
     }
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -139,18 +138,12 @@ def interleaved(ck: Path, data: Path, batch: int, block: int, steps: int) -> dic
 
 
 def rss_child(impl: str, ck: str, data: str, batch: int, block: int, steps: int) -> None:
+    from gpt2_port.devices import peak_rss_mb
+
     loop = IMPLS[impl](Path(ck), Path(data), batch, block, steps)
     for _ in range(steps):
         loop.step()
-    print(json.dumps({"peak_rss_mb": vm_hwm_mb()}))
-
-
-def vm_hwm_mb() -> float:
-    """This process's peak RSS: VmHWM, which starts afresh at exec (ru_maxrss keeps the forking parent's peak)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_rss_mb": peak_rss_mb()}))
 
 
 def peak_rss(ck: Path, data: Path, batch: int, block: int, steps: int) -> dict:

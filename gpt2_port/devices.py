@@ -1,6 +1,11 @@
-"""Dtype and device names: parsing what the user typed, and the one short name of a torch dtype."""
+"""Dtype and device names: parsing what the user typed, and the one short name of a torch dtype; this process's peak
+resident memory on the host."""
 
 from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
 
 import torch
 
@@ -77,3 +82,16 @@ def parse_device(name: str | torch.device) -> torch.device:
             raise UsageError(f"device {name!r} asked for, but MPS is not available on this machine (use --device cpu)")
         return dev
     raise UsageError(f"unknown device {name!r}: expected cpu, cuda, cuda:N, mps or auto")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB: VmHWM, which starts afresh at exec (ru_maxrss would carry over the
+    peak of a parent that forked it), or ru_maxrss where there is no /proc (KiB on Linux, bytes on macOS)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r / (1024 * 1024) if sys.platform == "darwin" else r / 1024

@@ -345,6 +345,22 @@ def test_grad_checkpointing_trains_the_same_model(small_ckpt: Path, small_data: 
 
 
 # -- memory, NaN, Ctrl-C ---------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux only: reads VmHWM in /proc")
+def test_the_peak_rss_a_command_reports_is_its_own_not_its_parents() -> None:
+    """`peak_rss_mb` (train's and generate's --json) counts the process from its exec: a child started by a parent
+    that touched 400 MB reports less than that (ru_maxrss would carry the parent's peak over), and its own 400 MB."""
+    from gpt2_port.devices import peak_rss_mb
+
+    held = torch.ones(100 * 2**20)  # 400 MB, touched
+    code = "import resource, torch, gpt2_port.devices as d; a = d.peak_rss_mb(); x = torch.ones(100 * 2**20)\n"
+    code += "print(a, d.peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    before, after, maxrss = map(float, r.stdout.split())
+    assert peak_rss_mb() > 400 and maxrss > peak_rss_mb() - 50  # the inherited peak, as ru_maxrss tells it
+    assert before < peak_rss_mb() - 300 and 390 < after - before < 420
+    del held
+
+
 @pytest.mark.parametrize("kernels", ["reference", "fast"])
 def test_the_estimate_bounds_a_real_runs_peak(shakes: Path, tmp_path: Path, kernels: str) -> None:
     """A run whose memory is mostly logits (GPT-2's vocabulary, 16 x 256 tokens, a 2-layer 64-wide model): the peak
@@ -370,7 +386,7 @@ def test_the_estimate_bounds_a_real_runs_peak(shakes: Path, tmp_path: Path, kern
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(js.read_text())
     # What the libraries hold before any training: torch's CUDA builds map ~270 MB more than its CPU build.
-    imports = "import torch, gpt2_port.cli.main, gpt2_port.cli.train as t; print(t._peak_rss_mb())"
+    imports = "import gpt2_port.cli.main, gpt2_port.cli.train, gpt2_port.devices as d; print(d.peak_rss_mb())"
     base_mb = float(subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, env=env).stdout)
     logits_mb = 16 * 256 * cfg.vocab_size * 4 / 2**20  # one (N, V) float32 tensor: 785 MB
     assert s["peak_rss_mb"] <= s["memory_estimate_mb"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 
 from .common import (
@@ -158,16 +157,10 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
     }
 
 
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r / (1024 * 1024) if sys.platform == "darwin" else r / 1024
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..devices import parse_device, parse_dtype
+    from ..devices import parse_device, parse_dtype, peak_rss_mb
     from ..errors import UsageError
     from ..files import check_writable, write_output
     from ..generate import generate_full

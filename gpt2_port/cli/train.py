@@ -171,7 +171,7 @@ def _summary_line(result, targs, out: Path) -> str:  # noqa: ANN001
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..devices import parse_device
+    from ..devices import parse_device, peak_rss_mb
     from ..errors import UsageError
     from ..files import atomic_write_text, check_dir_writable, check_writable
     from ..model import GPT2
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
         "compile": targs.compile,
         "device": str(device),
         "skipped_steps": result.skipped_steps,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
         "peak_device_mb": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         "memory_estimate_mb": mem["estimate_bytes"] / 2**20 if mem is not None else None,
         "memory_method": mem["method"] if mem is not None else None,
@@ -379,16 +379,3 @@ def run(args: argparse.Namespace) -> int:
         return 130
     print(_summary_line(result, targs, out))
     return 0
-
-
-def _peak_rss_mb() -> float:
-    """VmHWM: the peak RSS of this program (ru_maxrss would carry over the peak of a parent that forked it)."""
-    import resource
-
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -63,8 +63,9 @@ def _torch_version() -> tuple[int, int]:
 # The private ops `torch._log_softmax(..., out=)` and `torch._log_softmax_backward_data(..., out=)` are torch's own
 # log-softmax kernels, the ones F.cross_entropy runs: calling them gives the reference's logits gradient bit for bit.
 # Private means unversioned: they are used on the torch releases CI tests (the minor versions below: pyproject's floor
-# and ./dev's pin, tests/test_versions.py) and only when present; elsewhere the public fallback computes the same formula with public ops (the gradient then matches the
-# reference to rounding, not bit for bit). tests/test_fused.py runs both.
+# and ./dev's pin, tests/test_versions.py) and only when present; elsewhere the public fallback computes the same
+# formula with public ops (the gradient then matches the reference to rounding, not bit for bit). tests/test_fused.py
+# runs both.
 PRIVATE_OPS_TESTED = {(2, 11), (2, 13)}
 
 
