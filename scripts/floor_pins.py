@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9][0-9A-Za-z.]*)\s*$")
@@ -18,8 +19,6 @@ REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9][0-9A-Za-z.]*)\
 
 def requirements(text: str) -> list[str]:
     """The requirement strings of [project] dependencies and [project.optional-dependencies], in file order."""
-    import tomllib  # Python 3.11+
-
     project = tomllib.loads(text)["project"]
     reqs = list(project.get("dependencies", []))
     for extra in project.get("optional-dependencies", {}).values():
@@ -44,7 +43,7 @@ def main(argv: list[str]) -> int:
     path = Path(argv[0] if argv else Path(__file__).resolve().parents[1] / "pyproject.toml")
     try:
         pins = floor_pins(path.read_text())
-    except (OSError, ValueError, KeyError, ImportError) as e:
+    except (OSError, ValueError, KeyError) as e:
         print(f"floor_pins: {path}: {e}", file=sys.stderr)
         return 2
     print("\n".join(pins))
