@@ -1,5 +1,6 @@
 """./dev, the README's two commands: run here with stand-ins for .venv's python and ruff (an installed .venv is
-pretended by its stamp), so what the script does with their exit codes is checked without installing anything."""
+pretended by its stamp) and for $PYTHON (which makes .venv-floor), so what the script does with their exit codes, and
+what it runs in which venv, is checked without installing anything."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,57 @@ def test_a_clean_lint_runs_the_suite_and_returns_its_code(tmp_path: Path) -> Non
         "ruff format --check gpt2_port checks tests benchmarks scripts",
     ]
     assert calls[2] == "python -m pytest -q -k x"
+
+
+def _fake_python_for_the_floor(root: Path, check_rc: int, floor_pytest_rc: int) -> Path:
+    """A stand-in for $PYTHON: `-m venv DIR` makes DIR/bin/python a logging stand-in (pip and the suite answer 0 or
+    floor_pytest_rc; the script's check that the installed versions are the floors answers check_rc); anything else
+    (scripts/floor_pins.py) runs on this interpreter."""
+    log = root / "calls.log"
+    floor = root / "floor-python"
+    floor.write_text(
+        "#!/bin/sh\n"
+        f'echo "floor-python $* OMP=$OMP_NUM_THREADS ATEN=$ATEN_CPU_CAPABILITY" >> {log}\n'
+        f'case "$1" in -) cat >/dev/null; exit {check_rc};; -m) [ "$2" = pytest ] && exit {floor_pytest_rc};; esac\n'
+        "exit 0\n"
+    )
+    py = root / "py"
+    py.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = -m ] && [ "$2" = venv ]; then mkdir -p "$3/bin" && cp {floor} "$3/bin/python"; exit 0; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    for f in (floor, py):
+        f.chmod(0o755)
+    (root / "scripts").mkdir()
+    shutil.copy2(REPO / "scripts" / "floor_pins.py", root / "scripts" / "floor_pins.py")
+    return py
+
+
+@pytest.mark.parametrize(
+    "suite_rc, check_rc, floor_rc, want_rc",
+    [(0, 0, 0, 0), (0, 0, 4, 4), (1, 0, 0, 1), (0, 1, 0, 1)],
+    ids=["all-pass", "floor-pass-fails", "suite-fails", "floor-not-at-the-pins"],
+)
+def test_the_second_pass_runs_the_exactness_tests_on_the_floors_after_a_green_suite(
+    tmp_path: Path, suite_rc: int, check_rc: int, floor_rc: int, want_rc: int
+) -> None:
+    root = _fake_checkout(tmp_path, 0, 0, pytest_rc=suite_rc)
+    py = _fake_python_for_the_floor(root, check_rc, floor_rc)
+    env = dict(os.environ, TORCH_SPEC="torch==2.13.0", PYTHON=str(py))
+    r = subprocess.run(["bash", str(root / "dev"), "test"], cwd=root, env=env, capture_output=True, text=True)
+    calls = (root / "calls.log").read_text().splitlines()
+    assert r.returncode == want_rc, (r.stderr, calls)
+    assert "python -m pytest -q" in calls  # the suite, in .venv
+    floor_suite = [c for c in calls if c.startswith("floor-python -m pytest")]
+    if suite_rc or check_rc:  # a red suite, or a .venv-floor that is not at the floors: no second pass
+        assert floor_suite == []
+        if check_rc:
+            assert "setup: .venv-floor failed" in r.stderr
+        return
+    pins = (root / ".venv-floor" / "floor-pins.txt").read_text().split()
+    want = subprocess.run([sys.executable, str(REPO / "scripts" / "floor_pins.py")], capture_output=True, text=True)
+    assert pins == want.stdout.split() and any(p.startswith("torch==") for p in pins)
+    install = next(c for c in calls if c.startswith("floor-python -m pip install"))
+    assert "-c .venv-floor/floor-pins.txt -e .[dev]" in install
+    assert floor_suite == ["floor-python -m pytest -q -p no:cacheprovider -m exactness OMP=1 ATEN=default"]
