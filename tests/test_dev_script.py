@@ -115,3 +115,11 @@ def test_the_second_pass_runs_the_exactness_tests_on_the_floors_after_a_green_su
     install = next(c for c in calls if c.startswith("floor-python -m pip install"))
     assert "-c .venv-floor/floor-pins.txt -e .[dev]" in install
     assert floor_suite == ["floor-python -m pytest -q -p no:cacheprovider -m exactness OMP=1 ATEN=default"]
+
+
+def test_without_a_command_it_prints_its_usage_and_exits_2() -> None:
+    r = subprocess.run(["bash", str(REPO / "dev")], capture_output=True, text=True)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 2 and lines[0].startswith("gpt2_port's one entry point")
+    assert [ln.split()[1] for ln in lines if ln.startswith("  ./dev ")] == ["demo", "test", "bench", "floor"]
+    assert lines[-1].startswith("Environment:")  # the header and nothing of the script after it
