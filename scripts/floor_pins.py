@@ -3,12 +3,16 @@
 declares are the versions that venv tests.
 
     python scripts/floor_pins.py [PYPROJECT]
+    python scripts/floor_pins.py --check PINS    (in .venv-floor, after pip: is each pin what got installed?)
 
-A requirement without a `>=` floor, or a name whose floors differ between lists, is an error (exit 2).
+A requirement without a `>=` floor, or a name whose floors differ between lists, is an error (exit 2). `--check` names
+every package whose installed version is not its pin ("2.11" and "2.11.0" are equal; a local tag like "+cu128" is
+ignored), or that is not installed, in one line, exit 1.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import sys
 import tomllib
@@ -39,7 +43,53 @@ def floor_pins(text: str) -> list[str]:
     return [f"{name}=={floor}" for name, floor in pins.items()]
 
 
+def _version_key(version: str) -> list[int | str]:
+    """ "2.11" and "2.11.0" alike: the release's parts with trailing zeros dropped."""
+    parts: list[int | str] = [int(x) if x.isdigit() else x for x in version.split("+")[0].split(".")]
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return parts
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def off_pins(pins: list[str]) -> list[str]:
+    """`name VERSION (want PIN)` for each `name==PIN` this interpreter does not have installed at exactly PIN."""
+    bad = []
+    for pin in pins:
+        name, want = pin.split("==")
+        have = _installed(name)
+        if have is None or _version_key(have) != _version_key(want):
+            bad.append(f"{name} {have.split('+')[0] if have else 'not installed'} (want {want})")
+    return bad
+
+
+def check(path: Path) -> int:
+    try:
+        pins = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    except OSError as e:
+        print(f"floor_pins: {path}: {e}", file=sys.stderr)
+        return 2
+    if malformed := [p for p in pins if p.count("==") != 1]:
+        print(f"floor_pins: {path}: {malformed[0]!r}: expected 'name==version'", file=sys.stderr)
+        return 2
+    if bad := off_pins(pins):
+        print(f"floor_pins: not at the floors: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--check"]:
+        if len(argv) != 2:
+            print("floor_pins: --check takes one argument, the pins file", file=sys.stderr)
+            return 2
+        return check(Path(argv[1]))
     path = Path(argv[0] if argv else Path(__file__).resolve().parents[1] / "pyproject.toml")
     try:
         pins = floor_pins(path.read_text())

@@ -191,11 +191,12 @@ def test_a_second_backward_through_the_fused_loss_is_refused() -> None:
 
 
 def test_the_private_log_softmax_ops_are_used_on_tested_torch_versions_only(monkeypatch) -> None:
-    tested = fused._torch_version() in fused.PRIVATE_OPS_TESTED  # CI's two torches are (tests/test_versions.py)
+    tested = fused.minor_version(torch.__version__) in fused.PRIVATE_OPS_TESTED  # CI's two (tests/test_versions.py)
     assert fused.private_ops_usable() == tested and fused.USE_PRIVATE_OPS == tested
-    monkeypatch.setattr(fused, "_torch_version", lambda: (2, 99))
+    assert fused.minor_version("2.11.0+cu128") == (2, 11) and fused.minor_version("2.13.0") == (2, 13)
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
     assert not fused.private_ops_usable()  # an untested release: the public fallback
-    monkeypatch.setattr(fused, "_torch_version", lambda: min(fused.PRIVATE_OPS_TESTED))
+    monkeypatch.setattr(torch, "__version__", "{}.{}.0".format(*min(fused.PRIVATE_OPS_TESTED)))
     monkeypatch.delattr(torch, "_log_softmax_backward_data")
     assert not fused.private_ops_usable()  # a release without the op
 

@@ -25,11 +25,6 @@ def _floor_pins():
     return mod
 
 
-def _minor(version: str) -> tuple[int, int]:
-    major, minor = version.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
 def test_every_dependency_is_pinned_to_its_floor() -> None:
     r = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -44,7 +39,7 @@ def test_every_dependency_is_pinned_to_its_floor() -> None:
 def test_the_private_ops_are_listed_for_exactly_the_two_torches_ci_tests() -> None:
     floor = dict(line.split("==") for line in _floor_pins().floor_pins((REPO / "pyproject.toml").read_text()))["torch"]
     (pin,) = re.findall(r"TORCH_SPEC:-torch==([0-9.]+)", (REPO / "dev").read_text())
-    assert fused.PRIVATE_OPS_TESTED == {_minor(floor), _minor(pin)}
+    assert fused.PRIVATE_OPS_TESTED == {fused.minor_version(floor), fused.minor_version(pin)}
 
 
 @pytest.mark.parametrize(
@@ -69,3 +64,34 @@ def test_a_missing_or_broken_pyproject_is_one_line(tmp_path: Path) -> None:
             path.write_text("[project\n")
         r = subprocess.run([sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and str(path) in r.stderr, r.stderr
+
+
+def test_the_check_names_each_package_off_its_pin_in_one_line(tmp_path: Path) -> None:
+    """`--check` (what ./dev runs in .venv-floor after pip), here on this interpreter: equal versions pass however they
+    are written ("9.2" is "9.2.0"); a different or missing package is named, in one line, exit 1."""
+    import importlib.metadata
+
+    have = importlib.metadata.version("pytest")
+    pins = tmp_path / "pins.txt"
+    pins.write_text(f"pytest=={have[:-2] if have.endswith('.0') else have + '.0'}\n")  # written the other way
+    r = subprocess.run([sys.executable, str(SCRIPT), "--check", str(pins)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    pins.write_text(f"pytest=={have}\ntorch==0.1\nno-such-package==1.0\n")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--check", str(pins)], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert "torch " in r.stderr and "(want 0.1)" in r.stderr and "no-such-package not installed (want 1.0)" in r.stderr
+    assert "pytest" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--check"], "--check takes one argument"),
+        (["--check", "absent.txt"], "absent.txt"),
+        (["--check", "bad.txt"], "'torch>=2': expected 'name==version'"),
+    ],
+)
+def test_a_bad_check_argument_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "bad.txt").write_text("torch>=2\n")
+    r = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr

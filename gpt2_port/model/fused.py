@@ -55,8 +55,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+def minor_version(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as torch's "2.11.0+cu128"."""
+    major, minor = version.split("+")[0].split(".")[:2]
     return int(major), int(minor)
 
 
@@ -71,7 +72,7 @@ PRIVATE_OPS_TESTED = {(2, 11), (2, 13)}
 
 def private_ops_usable() -> bool:
     return (
-        _torch_version() in PRIVATE_OPS_TESTED
+        minor_version(torch.__version__) in PRIVATE_OPS_TESTED
         and hasattr(torch, "_log_softmax")
         and hasattr(torch, "_log_softmax_backward_data")
     )
