@@ -109,7 +109,9 @@ def test_the_second_pass_runs_the_exactness_tests_on_the_floors_after_a_green_su
         assert floor_suite == []
         if check_rc:
             assert "setup: .venv-floor failed" in r.stderr
-            assert "floor-python scripts/floor_pins.py --check .venv-floor/floor-pins.txt OMP= ATEN=" in calls
+            assert any(
+                c.startswith("floor-python scripts/floor_pins.py --check .venv-floor/floor-pins.txt") for c in calls
+            )
         return
     pins = (root / ".venv-floor" / "floor-pins.txt").read_text().split()
     want = subprocess.run([sys.executable, str(REPO / "scripts" / "floor_pins.py")], capture_output=True, text=True)
