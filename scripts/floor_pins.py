@@ -44,7 +44,7 @@ def floor_pins(text: str) -> list[str]:
 
 
 def _version_key(version: str) -> list[int | str]:
-    """ "2.11" and "2.11.0" alike: the release's parts with trailing zeros dropped."""
+    """A version's release parts with trailing zeros dropped, so that "2.11" and "2.11.0" compare equal."""
     parts: list[int | str] = [int(x) if x.isdigit() else x for x in version.split("+")[0].split(".")]
     while parts and parts[-1] == 0:
         parts.pop()
