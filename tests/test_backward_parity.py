@@ -195,7 +195,7 @@ def test_steps_that_drift_further_than_transformers_own_are_marked(
 
 def test_reduced_dtype_sweep_against_one_float32_reference(tiny_official: Path, capsys, tmp_path: Path) -> None:
     rc, out = _run(
-        ["parity", str(tiny_official), "--backward", "--dtype", "float32,bfloat16", *PROMPTS]
+        ["parity", str(tiny_official), "--backward", "--device", "cpu", "--dtype", "float32,bfloat16", *PROMPTS]
         + ["--json", str(tmp_path / "r.json")],
         capsys,
     )

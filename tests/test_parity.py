@@ -18,7 +18,7 @@ pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a sec
 def test_124m_official_layout_float32(ckpt124: Path, tmp_path: Path, capsys):
     """The issue's target: norm-relative error <= 1e-6 at every point, top-1 agreement 100%, exit 0, JSON schema."""
     out = tmp_path / "parity.json"
-    rc = main(["parity", str(ckpt124), "--json", str(out)])
+    rc = main(["parity", str(ckpt124), "--device", "cpu", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     r = json.loads(out.read_text())

@@ -110,7 +110,8 @@ def test_dtype_sweep_against_float32_reference(tiny_official: Path, tmp_path: Pa
     """float32,bfloat16 in one go: each against the float32 reference, under its own tolerance; reduced precision
     is judged against transformers' own error in that dtype."""
     out = tmp_path / "sweep.json"
-    rc = main(["parity", str(tiny_official), "--dtype", "float32,bfloat16", "--prompt", PROMPTS[0], "--json", str(out)])
+    argv = ["parity", str(tiny_official), "--device", "cpu", "--dtype", "float32,bfloat16", "--prompt", PROMPTS[0]]
+    rc = main([*argv, "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
     r = json.loads(out.read_text())

@@ -4,19 +4,20 @@
   elementwise ops OpenAI and transformers write; autograd keeps one tensor for backward instead of five. Rounded
   differently from the op-for-op GELU.
 - `linear_cross_entropy`: the head and the cross-entropy together, in chunks of rows, without ever holding the
-  (N, V) logits: each chunk's logits give its loss and, at once, its share of the gradients of the hidden states
-  and of the head's weight; backward hands them over (Liger-Kernel's fused linear cross-entropy, on CPU or GPU;
-  under autocast its matmuls run in autocast's dtype and its log-softmax in float32, as the reference head and
-  loss run there). The reference keeps the logits, their log-softmax and their gradient: 3 x N x V x 4 bytes (620 MB
-  at 4 x 256 tokens of GPT-2's vocabulary); this keeps one chunk's (`chunk_rows`). Each chunk runs torch's own
-  log-softmax forward and backward kernels, in place in one reused buffer, fed the incoming gradient nll_loss's
-  backward would make: when the loss's own incoming
-  gradient is 1 (`loss.backward()`; gradient accumulation through `num_items_in_batch`), the logits' gradient is
-  the reference's bit for bit, and so are the hidden states' (their matmul runs row by row). The head weight's
-  gradient is summed over the chunks, so it is rounded differently; another incoming gradient scales the made
-  gradients afterwards (the reference scales before), also rounded differently. Its matmuls can run over the head
-  padded with zero rows to a multiple of 64 (`pad_multiple`, GPT2.set_head_padding: GPU GEMMs are faster on aligned
-  sizes), the pad's logits set to -inf; the weight and its gradient keep their V rows.
+  (N, V) logits: each chunk's logits give its loss and, at once, its share of the gradients of the hidden states and
+  of the head's weight; backward hands them over (Liger-Kernel's fused linear cross-entropy, on CPU or GPU; under
+  autocast its matmuls run in autocast's dtype and its log-softmax in float32, as the reference head and loss run
+  there; under fp16 the two gradient products run in float32, as the gradient is made before a GradScaler's scale
+  could keep it inside fp16's range). The reference keeps the logits, their log-softmax and their gradient:
+  3 x N x V x 4 bytes (620 MB at 4 x 256 tokens of GPT-2's vocabulary); this keeps one chunk's (`chunk_rows`). Each
+  chunk runs torch's own log-softmax forward and backward kernels, in place in one reused buffer, fed the incoming
+  gradient nll_loss's backward would make: when the loss's own incoming gradient is 1 (`loss.backward()`; gradient
+  accumulation through `num_items_in_batch`), the logits' gradient is the reference's bit for bit, and so are the
+  hidden states' (their matmul runs row by row). The head weight's gradient is summed over the chunks, so it is
+  rounded differently; another incoming gradient scales the made gradients afterwards (the reference scales before),
+  also rounded differently. Its matmuls can run over the head padded with zero rows to a multiple of 64
+  (`pad_multiple`, GPT2.set_head_padding: GPU GEMMs are faster on aligned sizes), the pad's logits set to -inf; the
+  weight and its gradient keep their V rows.
 
 Neither is bit-identical to transformers; the parity report (`gpt2-port parity MODEL --backward --kernels fast`)
 measures them against transformers and against its own eager-vs-sdpa noise. The model uses them only when asked
@@ -135,6 +136,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # logits are upcast to float32 before the log-softmax, as transformers' loss upcasts them.
         hm = h if compute is None else h.to(compute)
         wm, bm = _padded(w, Vp, compute), None if b is None else _padded(b, Vp, compute)
+        # The gradient products run in `gcompute`. Under fp16 that is float32: this loss makes its gradients in forward,
+        # before backward brings a GradScaler's scale (2**16 and up), and the logits' gradient, about 1/(N x V) per
+        # entry, would mostly fall below fp16's smallest subnormal (6e-8) if cast unscaled, as the reference casts
+        # it only after the scale multiplied it. bf16 has float32's range.
+        gcompute = None if compute is torch.float16 else compute
+        keep_dtype = gcompute is compute or not any(need)
+        hg, wg = (hm, wm) if keep_dtype else (h.float(), _padded(w, Vp, torch.float32))
         R = chunk or chunk_rows(h.device.type, Vp)
         rows = min(N, R)
         buf = torch.empty((rows, Vp), dtype=torch.float32, device=h.device)  # logits -> log-probs -> gradient
@@ -158,18 +166,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 total += nll
                 if g is None:
                     continue
-                if compute is not None:  # the logits' gradient cast back, as the upcast's backward casts it
-                    g = g.to(compute)
+                if gcompute is not None:  # the logits' gradient cast back, as the upcast's backward casts it
+                    g = g.to(gcompute)
                 if grad_h is not None:
                     if compute is None:
-                        torch.mm(g, wm, out=grad_h[s : s + R])  # (n, Vp) @ (Vp, C)
+                        torch.mm(g, wg, out=grad_h[s : s + R])  # (n, Vp) @ (Vp, C)
                     else:
-                        grad_h[s : s + R] = g.mm(wm)
+                        grad_h[s : s + R] = g.mm(wg)
                 if grad_w is not None:
                     if compute is None:
-                        grad_w.addmm_(g.t(), hc)  # (Vp, n) @ (n, C)
-                    else:  # each chunk's product in `compute`, summed in float32
-                        grad_w += g.t().mm(hc)
+                        grad_w.addmm_(g.t(), hg[s : s + R])  # (Vp, n) @ (n, C)
+                    else:  # each chunk's product in `gcompute`, summed in float32
+                        grad_w += g.t().mm(hg[s : s + R])
                 if grad_b is not None:
                     grad_b.add_(g.sum(0))
         # Intermediates (not inputs or outputs), so kept on ctx and handed over in backward: with the usual incoming
