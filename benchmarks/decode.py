@@ -1,6 +1,7 @@
 """Greedy decode loops the benchmark times: ours through the product path (`model.generate`: on CUDA the fixed-shape
 step replayed as a CUDA graph, `cuda_graph=False` runs it eagerly; on the CPU the DecodePlan over a growing cache),
-and transformers' `generate` with its default dynamic cache or its static one.
+and transformers' `generate` with its default dynamic cache or its static one (eager, or compiled as generate compiles
+it on a GPU).
 
 Every loop returns the generated token ids, so a run can check that both implementations produced the same text.
 """
@@ -22,10 +23,16 @@ def greedy_ours(model: GPT2, ids: torch.Tensor, new_tokens: int, cuda_graph: boo
 
 
 @torch.inference_mode()
-def greedy_hf(ref: torch.nn.Module, ids: torch.Tensor, new_tokens: int, static: bool = False) -> torch.Tensor:
+def greedy_hf(
+    ref: torch.nn.Module, ids: torch.Tensor, new_tokens: int, static: bool = False, compiled: bool = False
+) -> torch.Tensor:
     """transformers' generate, greedy, exactly new_tokens (no EOS stop); its dynamic cache, or its static cache
-    (`cache_implementation="static"`, the fixed-shape cache transformers recommends with torch.compile)."""
-    extra = {"cache_implementation": "static"} if static else {}
+    (`cache_implementation="static"`, the fixed-shape cache transformers recommends with torch.compile). With the
+    static cache on a GPU, generate compiles the decoding forward by itself (torch.compile, "reduce-overhead": CUDA
+    graphs): `compiled` lets it, otherwise `disable_compile` keeps the row eager, as its name says."""
+    if compiled and not static:
+        raise ValueError("greedy_hf: transformers compiles its decoding forward with the static cache only")
+    extra = {"cache_implementation": "static", "disable_compile": not compiled} if static else {}
     out = ref.generate(
         ids,
         attention_mask=torch.ones_like(ids),

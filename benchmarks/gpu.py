@@ -14,10 +14,14 @@ the fused head-and-loss (the fast kernels with and without it), the fused head o
 of 64 (50304 rows, nanoGPT's; `train`'s default on CUDA) against GPT-2's 50257, and the bare head matmul either way.
 
 decode: greedy decoding at batch 1 (ours through `generate`: the fixed-shape step replayed as a CUDA graph, and the
-same step run eagerly; transformers' `generate` with its dynamic and its static cache), in float32 and bfloat16,
+same step run eagerly; transformers' `generate` with its dynamic and its static cache, eager, and on a GPU the static
+cache compiled as generate compiles it: torch.compile, "reduce-overhead"), in float32 and bfloat16,
 runs interleaved; tokens/s, the tokens equal to transformers' in the same dtype before the first difference, and the
 bandwidth cap (the GPU's measured read bandwidth / bytes of weights read per token). Then sampled generation
 (top-k 50, seeded) of padded batches of prompts, ours against transformers: tokens/s of all rows.
+
+A side that fails (out of memory, a compile error) gets its error in its row and the others still run; with --out the
+JSON is rewritten after each side, so a run cut short keeps what it measured. --dtype fp16 trains with a GradScaler.
 """
 
 from __future__ import annotations
@@ -108,6 +112,15 @@ def peak_GB(dev: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else None
 
 
+def failure(e: BaseException) -> dict:
+    """A side that could not run, as its row says it: "out of memory" (also when torch.compile wrapped the OOM in
+    its own exception), else the exception's type and first line. The other sides still run."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower():
+        return {"error": "out of memory"}
+    return {"error": f"{type(e).__name__}: {text}"[:200]}
+
+
 # -- train ----------------------------------------------------------------------------------------------------------
 def _amp(dev: torch.device, dtype: str) -> contextlib.AbstractContextManager:
     if dtype == "float32":
@@ -143,6 +156,7 @@ def time_steps(model, loss_fn, batches, dev: torch.device, dtype: str, warmup: i
     rest = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=1e-4, fused=dev.type == "cuda")
+    scaler = torch.amp.GradScaler(dev.type) if dtype == "fp16" else None  # as `train` runs fp16
     params = list(model.parameters())
     times, losses = [], []
     t_warm = time.perf_counter()
@@ -152,9 +166,16 @@ def time_steps(model, loss_fn, batches, dev: torch.device, dtype: str, warmup: i
         t0 = time.perf_counter()
         with _amp(dev, dtype):
             loss = loss_fn(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
         sync(dev)
@@ -255,7 +276,7 @@ def head_gemm(dev: torch.device, dtype: str, rows: int, C: int, iters: int = 20)
     return {"vocab_50257_s": out[50257], "vocab_50304_s": out[50304], "padded_speedup": out[50257] / out[50304]}
 
 
-def run_train(a: argparse.Namespace, dev: torch.device) -> dict:
+def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], None]) -> dict:
     import tempfile
 
     from gpt2_port.train.setup import set_tf32
@@ -276,41 +297,56 @@ def run_train(a: argparse.Namespace, dev: torch.device) -> dict:
         per_token = flops_per_token(cfg, T)
         peak, peak_source = peak_flops(dev, a.dtype, tf32=True)
         rows: dict = {}
+        results["sizes"][size] = {
+            "batch": batch, "block": T, "flops_per_token": per_token, "peak": peak_source, "rows": rows,
+            "head_gemm": None,
+        }  # fmt: skip
         for name, make in train_sides(ck, dev, a).items():
             free(dev)
             print(f"[{size}] {name} ...", file=sys.stderr)
+            model = loss_fn = None
             try:
                 model, loss_fn = make()
                 r = time_steps(model, loss_fn, batches, dev, a.dtype, a.warmup, a.steps)
-            except torch.cuda.OutOfMemoryError:
-                r = {"error": "out of memory"}
+            except Exception as e:  # noqa: BLE001 - one side failing (OOM, a compile error) leaves the others
+                r = failure(e)
+                print(f"[{size}] {name}: {r['error']}", file=sys.stderr)
             model = loss_fn = None
             if "step_s" in r:
                 r["tokens_per_s"] = batch * T / r["step_s"]
                 r["mfu"] = None if peak is None else r["tokens_per_s"] * per_token / peak
             rows[name] = r
+            save(results)  # each side's row written as it lands: a run cut short keeps what it measured
         free(dev)
         with tempfile.TemporaryDirectory() as tmp:
             print(f"[{size}] gpt2-port train loop ...", file=sys.stderr)
-            rows["gpt2-port train loop"] = trainer_loop(ck, dev, a, batch, Path(tmp))
+            try:
+                rows["gpt2-port train loop"] = trainer_loop(ck, dev, a, batch, Path(tmp))
+            except Exception as e:  # noqa: BLE001
+                rows["gpt2-port train loop"] = failure(e)
         free(dev)
-        results["sizes"][size] = {
-            "batch": batch,
-            "block": T,
-            "flops_per_token": per_token,
-            "peak": peak_source,
-            "rows": rows,
-            "head_gemm": head_gemm(dev, a.dtype, batch * T, cfg.n_embd) if size != "tiny" else None,
-        }
+        try:
+            hg = head_gemm(dev, a.dtype, batch * T, cfg.n_embd) if size != "tiny" else None
+        except Exception as e:  # noqa: BLE001
+            hg = failure(e)
+        results["sizes"][size]["head_gemm"] = hg
+        save(results)
     return results
 
 
 # -- decode ---------------------------------------------------------------------------------------------------------
 def _interleaved(fns: dict[str, Callable[[], torch.Tensor]], dev: torch.device, rounds: int) -> dict[str, dict]:
-    out = {n: {"times": [], "tokens": None} for n in fns}
-    for f in fns.values():  # warm-up: kernels, the graph's capture, the allocator
-        f()
-    names = list(fns)
+    """name -> {"times", "tokens"}: each loop run `rounds` times, interleaved (alternating order), after one warm-up
+    run each; a loop that fails its warm-up gets {"error"} and is left out of the rounds."""
+    out: dict[str, dict] = {}
+    for n, f in fns.items():  # warm-up: kernels, the graph's capture, compilation, the allocator
+        try:
+            f()
+            out[n] = {"times": [], "tokens": None}
+        except Exception as e:  # noqa: BLE001 - one path failing (OOM, a compile error) leaves the others
+            out[n] = failure(e)
+            print(f"{n}: {out[n]['error']}", file=sys.stderr)
+    names = [n for n in fns if "error" not in out[n]]
     for r in range(rounds):
         for n in names if r % 2 == 0 else names[::-1]:
             sync(dev)
@@ -322,7 +358,7 @@ def _interleaved(fns: dict[str, Callable[[], torch.Tensor]], dev: torch.device, 
     return out
 
 
-def run_decode(a: argparse.Namespace, dev: torch.device) -> dict:
+def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], None]) -> dict:
     from gpt2_port.model import from_pretrained
 
     bw = bandwidth_GBps(dev)
@@ -347,24 +383,33 @@ def run_decode(a: argparse.Namespace, dev: torch.device) -> dict:
                 "transformers": partial(greedy_hf, hf, ids, N),
                 "transformers, static cache": partial(greedy_hf, hf, ids, N, static=True),
             }
+            if dev.type == "cuda":  # generate compiles the static-cache forward by itself on a GPU only
+                fns["transformers, static cache, compiled"] = partial(greedy_hf, hf, ids, N, static=True, compiled=True)
             runs = _interleaved(fns, dev, a.rounds)
             param_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
-            ref = runs["transformers"]["tokens"]
+            ref = runs["transformers"].get("tokens") or []
             per_dtype[dname] = {
                 "param_bytes": param_bytes,
                 "cap_tok_s": bw * 1e9 / param_bytes,
                 "rows": {
-                    n: {
+                    n: r
+                    if "error" in r
+                    else {
                         "tok_s": N / min(r["times"]),
                         "times": r["times"],
                         "same_tokens": same_prefix(r["tokens"], ref),
                     }
                     for n, r in runs.items()
                 },
-                "peak_GB": peak_GB(dev),
+                "peak_GB": peak_GB(dev),  # both models and every path's buffers of this dtype
             }
+            del fns, runs  # the partials hold the models: gone before the next dtype's peak is read
             ours = hf = None
-        results["sizes"][size] = {"new_tokens": N, "batch1": per_dtype, "batched": batched(a, ck, dev)}
+            results["sizes"][size] = {"new_tokens": N, "batch1": per_dtype, "batched": {}}
+            save(results)
+        free(dev)
+        results["sizes"][size]["batched"] = batched(a, ck, dev)
+        save(results)
     return results
 
 
@@ -393,7 +438,9 @@ def batched(a: argparse.Namespace, ck: Path, dev: torch.device) -> dict:
             return hf.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=True, top_k=50, pad_token_id=0)
 
         runs = _interleaved({"ours": ours_fn, "transformers": hf_fn}, dev, a.rounds)
-        out[B] = {n: {"tok_s": B * N / min(r["times"]), "times": r["times"]} for n, r in runs.items()}
+        out[B] = {
+            n: r if "error" in r else {"tok_s": B * N / min(r["times"]), "times": r["times"]} for n, r in runs.items()
+        }
     return out
 
 
@@ -433,7 +480,9 @@ def render(res: dict) -> str:
                 mfu = f"{100 * x['mfu']:.1f}%" if x.get("mfu") is not None else "-"
                 pk = f"{x['peak_GB']:.1f}" if x.get("peak_GB") is not None else "-"
                 out.append(f"| {name} | {tps:,.0f} | {ve} | {vc} | {mfu} | {pk} |")
-            if r.get("head_gemm"):
+            if r.get("head_gemm") and "error" in r["head_gemm"]:
+                out += ["", f"Head matmul: {r['head_gemm']['error']}"]
+            elif r.get("head_gemm"):
                 hg = r["head_gemm"]
                 out += [
                     "",
@@ -453,10 +502,14 @@ def render(res: dict) -> str:
                     "| path | tok/s | vs transformers | share of cap | same tokens |",
                     "|---|---|---|---|---|",
                 ]
-                base = d["rows"]["transformers"]["tok_s"]
+                base = d["rows"]["transformers"].get("tok_s")
                 for name, x in d["rows"].items():
+                    if "tok_s" not in x:
+                        out.append(f"| {name} | {x['error']} | | | |")
+                        continue
+                    vs = f"{x['tok_s'] / base:.2f}x" if base else "-"
                     out.append(
-                        f"| {name} | {x['tok_s']:,.1f} | {x['tok_s'] / base:.2f}x | {x['tok_s'] / d['cap_tok_s']:.0%} "
+                        f"| {name} | {x['tok_s']:,.1f} | {vs} | {x['tok_s'] / d['cap_tok_s']:.0%} "
                         f"| {x['same_tokens']}/{r['new_tokens']} |"
                     )
                 out.append("")
@@ -467,7 +520,10 @@ def render(res: dict) -> str:
             ]
             out.append("|---|---|---|---|")
             for B, x in r["batched"].items():
-                o, h = x["ours"]["tok_s"], x["transformers"]["tok_s"]
+                o, h = x["ours"].get("tok_s"), x["transformers"].get("tok_s")
+                if o is None or h is None:
+                    out.append(f"| {B} | {o or x['ours'].get('error')} | {h or x['transformers'].get('error')} | |")
+                    continue
                 out.append(f"| {B} | {o:,.0f} | {h:,.0f} | {o / h:.2f}x |")
             out.append("")
     return "\n".join(out) + "\n"
@@ -491,8 +547,9 @@ def plot(res: dict, path: str) -> None:
         else:
             for dname, d in r["batch1"].items():
                 for name, x in d["rows"].items():
-                    labels.append(f"{size} {dname}: {name}")
-                    values.append(x["tok_s"])
+                    if "tok_s" in x:
+                        labels.append(f"{size} {dname}: {name}")
+                        values.append(x["tok_s"])
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(labels) + 1))
     ax.barh(labels[::-1], values[::-1], color=["C0" if "ours" in s else "C7" for s in labels[::-1]])
     ax.set_xlabel("tokens/s")
@@ -536,11 +593,15 @@ def main(argv: list[str] | None = None) -> int:
             if path:
                 check_writable(path, what)
         dev = parse_device(a.device)
-        res = run_train(a, dev) if a.kind == "train" else run_decode(a, dev)
+
+        def save(res: dict) -> None:  # the JSON so far, rewritten whole after each side
+            if a.out:
+                write_output(a.out, json.dumps(res, indent=1, default=str) + "\n", "--out")
+
+        res = run_train(a, dev, save) if a.kind == "train" else run_decode(a, dev, save)
         md = render(res)
         print(md)
-        if a.out:
-            write_output(a.out, json.dumps(res, indent=1, default=str) + "\n", "--out")
+        save(res)
         if a.markdown:
             old = Path(a.markdown).read_text() if a.markdown != "-" and Path(a.markdown).is_file() else ""
             write_output(a.markdown, old + ("\n" if old else "") + md, "--markdown")

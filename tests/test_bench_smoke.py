@@ -37,6 +37,8 @@ def test_greedy_loops_agree(tiny_official: Path) -> None:
     assert a.shape == (1, 6)
     assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
     assert same_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2 and same_prefix([1, 2], [1, 2]) == 2
+    with pytest.raises(ValueError, match="static cache only"):
+        greedy_hf(ref, ids, 6, compiled=True)
 
 
 def test_update_markdown_keeps_other_sections(tmp_path: Path) -> None:
@@ -135,6 +137,52 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     rows = d["sizes"]["tiny"]["batch1"]["float32"]["rows"]
     assert rows["ours"]["same_tokens"] == 4 and d["bandwidth_GBps"] > 0
     assert set(d["sizes"]["tiny"]["batched"]["2"]) == {"ours", "transformers"}
+
+
+def test_a_failing_side_leaves_the_others_and_fp16_trains_with_a_grad_scaler(tmp_path: Path, monkeypatch) -> None:
+    """A side that raises (here transformers' loading; in decode its static cache) gets its error in its row, the
+    other sides still run, and the JSON holds them all; --dtype fp16 steps through a GradScaler, as `train` does."""
+    from benchmarks import gpu
+
+    scaled = []
+
+    class Scaler(torch.amp.GradScaler):
+        def scale(self, outputs):  # noqa: ANN001, ANN202
+            scaled.append(float(self.get_scale()))
+            return super().scale(outputs)
+
+    def broken(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("no transformers here\nsecond line")
+
+    monkeypatch.setattr(torch.amp, "GradScaler", Scaler)
+    monkeypatch.setattr(gpu, "_hf", broken)
+    w, out = str(tmp_path / "w"), tmp_path / "t.json"
+    argv = ["train", "--device", "cpu", "--sizes", "tiny", "--batch", "2", "--block", "16", "--warmup", "1"]
+    argv += ["--steps", "1", "--no-compile", "--dtype", "fp16", "--weights-dir", w, "--out", str(out)]
+    assert gpu.main([*argv, "--markdown", str(tmp_path / "t.md")]) == 0
+    rows = json.loads(out.read_text())["sizes"]["tiny"]["rows"]
+    assert rows["transformers eager"] == {"error": "RuntimeError: no transformers here"}
+    assert rows["ours fast eager"]["tokens_per_s"] > 0 and rows["ours reference eager"]["tokens_per_s"] > 0
+    assert "| transformers eager | RuntimeError: no transformers here |" in (tmp_path / "t.md").read_text()
+    assert scaled and scaled[0] == 2.0**16  # every timed side scaled its loss
+    assert gpu.failure(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried")) == {"error": "out of memory"}
+    assert gpu.failure(RuntimeError("backend='inductor' raised:\nCUDA out of memory")) == {"error": "out of memory"}
+
+    monkeypatch.undo()
+    real = gpu.greedy_hf
+
+    def no_static(*a, static=False, **k):  # noqa: ANN002, ANN003, ANN202
+        if static:
+            raise ValueError("static cache refused")
+        return real(*a, **k)
+
+    monkeypatch.setattr(gpu, "greedy_hf", no_static)
+    argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "3", "--batches", "", "--rounds", "1"]
+    assert gpu.main([*argv, "--weights-dir", w, "--out", str(out), "--markdown", str(tmp_path / "d.md")]) == 0
+    rows = json.loads(out.read_text())["sizes"]["tiny"]["batch1"]["float32"]["rows"]
+    assert rows["transformers, static cache"] == {"error": "ValueError: static cache refused"}
+    assert "| transformers, static cache | ValueError: static cache refused |" in (tmp_path / "d.md").read_text()
+    assert rows["ours"]["same_tokens"] == 3 and rows["transformers"]["same_tokens"] == 3
 
 
 def gpu_check_commands() -> list[tuple[str, list[str]]]:
