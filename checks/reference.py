@@ -93,14 +93,39 @@ def capture_reference(
     return acts
 
 
+# torch's per-backend float32 precision settings (torch >= 2.9), parents before children: restored in this order, each
+# child gets its own saved value back after its parent's assignment has reset it
+PRECISION_SETTINGS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv")
+PRECISION_SETTINGS += ("mkldnn.rnn",)
+
+
+def precision_settings() -> list[object]:
+    """The torch.backends objects that carry an `fp32_precision` on this torch (none before 2.9), parents first."""
+    out = []
+    for path in PRECISION_SETTINGS:
+        o: object = torch.backends
+        for part in filter(None, path.split(".")):
+            o = getattr(o, part, None)
+        if o is not None and isinstance(getattr(o, "fp32_precision", None), str):
+            out.append(o)
+    return out
+
+
 @contextlib.contextmanager
 def exact_matmuls() -> Iterator[None]:
     """float32 matmuls in float32 (no TF32 tensor cores) while a parity check runs, whatever the process set before
-    (gpt2-port train turns TF32 on for speed; a comparison of float32 arithmetic must not inherit it)."""
-    saved = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.get_float32_matmul_precision(),
+    (gpt2-port train turns TF32 on for speed; a comparison of float32 arithmetic must not inherit it). Afterwards every
+    setting is as it was: on torch >= 2.9 each backend's own `fp32_precision` is put back (the legacy
+    set_float32_matmul_precision would also switch oneDNN's CPU matmuls to TF32 when the CUDA flag had been on)."""
+    fine = [(o, o.fp32_precision) for o in precision_settings()]
+    legacy = (
+        None
+        if fine
+        else (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision(),
+        )
     )
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -108,8 +133,11 @@ def exact_matmuls() -> Iterator[None]:
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[0], saved[1]
-        torch.set_float32_matmul_precision(saved[2])
+        for o, value in fine:
+            o.fp32_precision = value  # type: ignore[attr-defined]
+        if legacy is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = legacy[0], legacy[1]
+            torch.set_float32_matmul_precision(legacy[2])
 
 
 def amp(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractContextManager:

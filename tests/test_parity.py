@@ -110,3 +110,29 @@ def test_prompt_options(tiny_official: Path, tmp_path: Path, capsys):
     capsys.readouterr()
     assert main(["parity", str(tiny_official), "--prompt", ""]) == 2
     assert "empty prompt" in capsys.readouterr().err
+
+
+def test_exact_matmuls_turns_tf32_off_and_puts_every_setting_back() -> None:
+    """After `train` turned TF32 on (set_tf32 on a CUDA device; only flags are set, so it runs anywhere), a parity
+    check runs its float32 matmuls in float32 and then leaves every precision setting as it found it: oneDNN's CPU
+    matmul setting must not come back as TF32."""
+    from gpt2_port.train.setup import set_tf32
+    from gpt2_port_checks.reference import exact_matmuls, precision_settings
+
+    def state() -> list:
+        fine = [o.fp32_precision for o in precision_settings()]
+        return fine or [torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()]
+
+    start = [(o, o.fp32_precision) for o in precision_settings()]
+    try:
+        set_tf32(torch.device("cuda"), True)
+        before = state()
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+        with exact_matmuls():
+            assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert state() == before
+    finally:
+        set_tf32(torch.device("cuda"), False)
+        for o, value in start:
+            o.fp32_precision = value
