@@ -43,7 +43,7 @@ import torch
 
 from benchmarks.decode import greedy_hf, greedy_ours, same_prefix
 from gpt2_port.config import PRESETS, GPT2Config
-from gpt2_port.devices import parse_device
+from gpt2_port.devices import out_of_memory, parse_device
 from gpt2_port.errors import GPT2PortError, UsageError
 from gpt2_port.files import check_writable, write_output
 
@@ -116,7 +116,7 @@ def failure(e: BaseException) -> dict:
     """A side that could not run, as its row says it: "out of memory" (also when torch.compile wrapped the OOM in
     its own exception), else the exception's type and first line. The other sides still run."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower():
+    if out_of_memory(e) or "out of memory" in str(e).lower():
         return {"error": "out of memory"}
     return {"error": f"{type(e).__name__}: {text}"[:200]}
 

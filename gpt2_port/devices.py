@@ -1,5 +1,5 @@
-"""Dtype and device names: parsing what the user typed, and the one short name of a torch dtype; this process's peak
-resident memory on the host."""
+"""Dtype and device names: parsing what the user typed, and the one short name of a torch dtype; whether an error is
+running out of device memory; this process's peak resident memory on the host."""
 
 from __future__ import annotations
 
@@ -82,6 +82,18 @@ def parse_device(name: str | torch.device) -> torch.device:
             raise UsageError(f"device {name!r} asked for, but MPS is not available on this machine (use --device cpu)")
         return dev
     raise UsageError(f"unknown device {name!r}: expected cpu, cuda, cuda:N, mps or auto")
+
+
+def out_of_memory(e: BaseException | None) -> bool:
+    """e is torch's out-of-memory error or was raised from one (torch.compile re-raises an error met while compiling,
+    autotuning included, as its own exception with the original as its cause)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, torch.OutOfMemoryError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def peak_rss_mb() -> float:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config import GPT2Config
+from ..devices import out_of_memory
 from ..errors import UsageError
 from ..model.fused import chunk_rows, padded_vocab
 from .args import TrainArgs
@@ -227,8 +228,10 @@ def dry_step_peak(model: torch.nn.Module, loss: Callable[[], torch.Tensor], devi
             loss().backward()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
-    except torch.cuda.OutOfMemoryError:
-        return None
+    except Exception as e:
+        if out_of_memory(e):  # also when torch.compile wrapped it (the dry step is where a compiled step compiles)
+            return None
+        raise
     finally:
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
