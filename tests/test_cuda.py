@@ -82,10 +82,11 @@ def test_a_bf16_step_on_cuda_lies_within_transformers_own_bf16_distance(tiny_off
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "float32"])
 def test_training_runs_on_cuda_and_resumes_exactly(small: tuple[Path, Path], tmp_path: Path, dtype: str, kernels):
     """6 steps == 3 steps + a resume to 6 on the GPU: the same losses and the same weights bit for bit (fused AdamW
-    restored with its step count on the GPU, the CUDA generator's state restored; fp16 with its GradScaler's)."""
+    restored with its step count on the GPU, the CUDA generator's state restored; fp16 with its GradScaler's).
+    --deterministic: the default flash attention backward sums dQ with atomics, in another order each run."""
     ck, data = small
     full, part = tmp_path / "full", tmp_path / "part"
-    common = ["--device", "cuda", "--dtype", dtype, "--kernels", kernels, "--steps", "6"]
+    common = ["--device", "cuda", "--dtype", dtype, "--kernels", kernels, "--steps", "6", "--deterministic"]
     assert _train(ck, data, full, *common) == 0
     assert _train(ck, data, part, *common, "--stop-at", "3") == 0
     assert main(["train", "--resume", str(part), "--device", "cuda", "--no-plot"]) == 0

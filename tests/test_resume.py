@@ -158,3 +158,66 @@ def test_changing_the_head_padding_on_resume_is_named_only_where_the_head_is_fus
     assert len(lines) == 1 and lines[0].startswith("resuming with --pad-vocab 64 where the saved run used None")
     ref = TrainArgs(data="d", dtype="float32")  # auto: the reference kernels
     assert resume_changes(ref, dataclasses.replace(ref, pad_vocab=64), 1, 1) == []
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_deterministic_is_on_while_the_run_trains_saved_kept_by_a_resume_and_off_after(
+    ck: Path, data: Path, tmp_path: Path, capsys, monkeypatch, kernels: str
+) -> None:
+    """--deterministic turns torch.use_deterministic_algorithms on for the run (every kernel of a step, bf16 and
+    both kernel sets, has a deterministic version here), the saved settings keep it, a resume runs with it again
+    without the flag and continues bit for bit, and the process's settings are as they were afterwards."""
+    from gpt2_port.train.loop import Trainer
+
+    seen: list[bool] = []
+    step = Trainer.step
+
+    def spy(self, i: int):  # noqa: ANN001, ANN202
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return step(self, i)
+
+    monkeypatch.setattr(Trainer, "step", spy)
+    full, part = tmp_path / "full", tmp_path / "part"
+    base = ["--init", str(ck), "--data", str(data), "--steps", "4", *SETTINGS[:4], "--dtype", "bf16"]
+    base += ["--kernels", kernels, "--deterministic"]
+    assert train(capsys, *base, "--out", str(full))[0] == 0
+    assert train(capsys, *base, "--out", str(part), "--stop-at", "2")[0] == 0
+    assert trainer_state.load(part).args["deterministic"] is True
+    rc, _, err = train(capsys, "--resume", str(part))
+    assert rc == 0 and "WARNING" not in err, err
+    assert seen == [True] * 8 and not torch.are_deterministic_algorithms_enabled()
+    assert not torch.backends.cudnn.deterministic
+    wa, wb = weights(full), weights(part)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    seen.clear()
+    assert train(capsys, "--resume", str(part), "--no-deterministic", "--steps", "5")[0] == 0
+    assert seen == [False]
+
+
+def test_an_op_without_a_deterministic_kernel_is_one_line(ck: Path, data: Path, tmp_path: Path, capsys, monkeypatch):
+    """torch raises for an op that has no deterministic kernel (on CUDA, e.g. an index_add with atomics): the run
+    stops with one line naming it and the way out, exit 2, and the settings are put back."""
+    from gpt2_port.train.loop import Trainer
+
+    def refuses(self, i: int):  # noqa: ANN001, ANN202
+        raise RuntimeError(
+            "index_add_cuda_ does not have a deterministic implementation, but you set "
+            "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation..."
+        )
+
+    monkeypatch.setattr(Trainer, "step", refuses)
+    rc, _, err = train(capsys, "--init", str(ck), "--data", str(data), "--out", str(tmp_path / "r"), "--steps", "2",
+                       *SETTINGS[:4], "--deterministic")  # fmt: skip
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        "gpt2-port train: error: --deterministic: index_add_cuda_ has no deterministic kernel on cpu; run without "
+        "--deterministic"
+    ), err
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_toggling_deterministic_on_resume_is_named() -> None:
+    from gpt2_port.train.args import TrainArgs, resume_changes
+
+    saved = TrainArgs(data="d")
+    lines = resume_changes(saved, dataclasses.replace(saved, deterministic=True), 1, 1)
+    assert len(lines) == 1 and lines[0].startswith("resuming with --deterministic True where the saved run used False")

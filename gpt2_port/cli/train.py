@@ -7,12 +7,16 @@ Runs as one process, or data-parallel under torchrun (`torchrun --nproc_per_node
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
 from pathlib import Path
 
 from .common import add_progress_arg
+
+# torch's words when an op has no deterministic kernel and use_deterministic_algorithms(True) is on
+NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"
 
 EPILOG = """\
 batches: random windows x = data[i:i+T], y = data[i+1:i+1+T] from DIR/train.bin (uint16 token ids, as
@@ -126,6 +130,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--tf32", action=bool_flag, help="CUDA: float32 matmuls on TF32 tensor cores (on; --no-tf32: off)")
     g.add_argument(
+        "--deterministic",
+        action=bool_flag,
+        help="deterministic kernels (torch.use_deterministic_algorithms): on CUDA the attention backward without "
+        "atomics, so a run and its resume give the same bits; slower (off; on the CPU the default kernels already are)",
+    )
+    g.add_argument(
         "--skip-nonfinite", action=bool_flag, help="skip a step whose loss or gradients are NaN/Inf (default: stop)"
     )
     g.add_argument("--json", metavar="PATH", help="write the run's summary as JSON")
@@ -181,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     from ..train.data import open_split
     from ..train.memory import check_memory
     from ..train.run_dir import LOG_FILE, read_log
-    from ..train.setup import same_model
+    from ..train.setup import deterministic_kernels, same_model
     from .progress import Progress
     from .train_settings import init_config, load_checkpoint, run_settings, scratch_config
 
@@ -243,7 +253,9 @@ def run(args: argparse.Namespace) -> int:
     distributed.init(dist, device)
     bar: Progress | None = None
     trainer: Trainer | None = None
+    settings = contextlib.ExitStack()
     try:
+        settings.enter_context(deterministic_kernels(device, targs.deterministic))
         prepare_model(model, targs, device)
         show = dist.is_main and args.progress
 
@@ -326,7 +338,15 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if bar is not None:
             bar.close()
+    except RuntimeError as e:
+        if targs.deterministic and NO_DETERMINISTIC_KERNEL in str(e):
+            op = str(e).split(NO_DETERMINISTIC_KERNEL)[0].strip()
+            raise UsageError(
+                f"--deterministic: {op} has no deterministic kernel on {device}; run without --deterministic"
+            ) from None
+        raise
     finally:
+        settings.close()
         distributed.shutdown(dist)
     if not dist.is_main:
         return 130 if result.interrupted else 0

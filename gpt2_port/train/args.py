@@ -55,6 +55,9 @@ class TrainArgs:
     skip_nonfinite: bool = False
     compile: bool = False  # torch.compile the training and evaluation forward (fullgraph)
     tf32: bool = True  # CUDA only: float32 matmuls on TF32 tensor cores
+    # torch.use_deterministic_algorithms for the run: on CUDA the attention backward without atomics and cuBLAS with
+    # a fixed workspace, so the same run (and a resume) gives the same bits; slower (setup.deterministic_kernels)
+    deterministic: bool = False
     stop_at: int | None = None  # this invocation only: stop after this step with a resumable state
 
     def validate(self) -> None:
@@ -162,6 +165,11 @@ def resume_changes(saved: TrainArgs, now: TrainArgs, saved_world: int, world: in
             effect = "evaluations, samples and checkpoints follow the new value from here on"
         elif name == "steps":
             effect = f"the {now.schedule} schedule now spans {new} steps, so the learning rates differ from here on"
+        elif name == "deterministic":
+            effect = (
+                "on a GPU the deterministic kernels sum in another order than the default ones, so the weights are "
+                "no longer bit for bit those of an uninterrupted run"
+            )
         elif name == "compile":
             # measured with inductor on the CPU: 24 of 28 tensors differ after 6 steps without dropout (rel 4e-5),
             # all of them with dropout 0.1 (rel 0.1); a run kept compiled or kept eager resumes bit for bit

@@ -1,8 +1,12 @@
 """Making a model trainable, and the checks that tie a resumed run to its model: every parameter its own float32
-tensor on the device, dropout, checkpointing and kernels as asked; the architecture a resume must match; TF32."""
+tensor on the device, dropout, checkpointing and kernels as asked; the architecture a resume must match; TF32;
+deterministic kernels."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,3 +57,35 @@ def set_tf32(device: torch.device, on: bool) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = on
         torch.backends.cudnn.allow_tf32 = on
+
+
+# cuBLAS's workspace setting that makes its matmuls deterministic (torch refuses a cuBLAS call in deterministic mode
+# without it, or ":16:8"); read when cuBLAS's workspace is made, so set before the first matmul on the device.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+@contextlib.contextmanager
+def deterministic_kernels(device: torch.device, on: bool) -> Iterator[None]:
+    """With `on`, torch.use_deterministic_algorithms(True) while the block runs, and cuDNN deterministic without
+    autotuning: on CUDA the flash and memory-efficient attention backward then sum without atomics, the embedding
+    backward sorts, and cuBLAS keeps a fixed workspace (CUBLAS_WORKSPACE_CONFIG, kept when already set); the same
+    run gives the same bits, a resumed one included. An op with no deterministic kernel raises instead of running.
+    Every setting is put back afterwards (the process may train again, as the tests do)."""
+    if not on:
+        yield
+        return
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
