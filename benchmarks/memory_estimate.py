@@ -5,7 +5,7 @@ printed estimate beside its peak RSS (VmHWM), as a ratio.
 
 Each size trains a random official-layout checkpoint (written once under weights/<size>-random unless it is there)
 for --steps steps on tiny shakespeare (prepared once), evaluation at the last step and the save at the end included:
-- gpt2: 4 x 256, with and without gradient checkpointing, reference and fast kernels;
+- gpt2: 4 x 256, with and without gradient checkpointing, reference and fast kernels, float32 and bf16 autocast;
 - the larger sizes: 1 x 1024 with gradient checkpointing (how gpt2-large fine-tunes on a 24 GiB machine).
 The estimate must stay above the peak (ratio peak / estimate <= 1): a run it accepts then fits.
 Not a test: minutes per configuration (gpt2-large: ~5 minutes and 15 GiB on the 2-core CPU).
@@ -28,7 +28,14 @@ SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 def configs(size: str) -> list[list[str]]:
     if size == "gpt2":
         base = ["--batch-size", "4", "--block-size", "256"]
-        return [base, [*base, "--grad-checkpointing"], [*base, "--kernels", "fast"]]
+        bf16 = [*base, "--dtype", "bf16"]
+        return [
+            base,
+            [*base, "--grad-checkpointing"],
+            [*base, "--kernels", "fast"],
+            [*bf16, "--kernels", "reference"],
+            [*bf16, "--kernels", "fast"],
+        ]
     return [["--batch-size", "1", "--block-size", "1024", "--grad-checkpointing"]]
 
 

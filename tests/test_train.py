@@ -361,11 +361,12 @@ def test_the_peak_rss_a_command_reports_is_its_own_not_its_parents() -> None:
     del held
 
 
-@pytest.mark.parametrize("kernels", ["reference", "fast"])
-def test_the_estimate_bounds_a_real_runs_peak(shakes: Path, tmp_path: Path, kernels: str) -> None:
+@pytest.mark.parametrize(("kernels", "dtype"), [("reference", "float32"), ("fast", "float32"), ("fast", "bf16")])
+def test_the_estimate_bounds_a_real_runs_peak(shakes: Path, tmp_path: Path, kernels: str, dtype: str) -> None:
     """A run whose memory is mostly logits (GPT-2's vocabulary, 8 x 256 tokens, a 2-layer 64-wide model): the peak
     RSS of a fresh `gpt2-port train` process stays under the estimate it printed, which is what makes the check
     before the run a promise (a run it accepts does not get killed). Fresh process: pytest's own memory not counted.
+    Under bf16 autocast the fast kernels' estimate counts chunks and casts, not the (N, V) logits they never make.
     """
     import subprocess
     import sys
@@ -375,6 +376,7 @@ def test_the_estimate_bounds_a_real_runs_peak(shakes: Path, tmp_path: Path, kern
     out, js = tmp_path / "out", tmp_path / "s.json"
     argv = ["--init", str(ck), "--data", str(shakes), "--out", str(out), "--steps", "2", "--batch-size", "8"]
     argv += ["--block-size", "256", "--dropout", "0.0", "--eval-every", "0", "--kernels", kernels, "--json", str(js)]
+    argv += ["--dtype", dtype]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     r = subprocess.run(
         [sys.executable, "-m", "gpt2_port", "train", *argv, "--no-plot"],
@@ -392,8 +394,9 @@ def test_the_estimate_bounds_a_real_runs_peak(shakes: Path, tmp_path: Path, kern
     assert s["peak_rss_mb"] <= s["memory_estimate_mb"]
     if kernels == "reference":  # the logits and their gradients were really there: the bound is not vacuous
         assert s["peak_rss_mb"] - base_mb > 3 * logits_mb
-    else:  # the fused loss never made them
+    else:  # the fused loss never made them, and the estimate does not count them
         assert s["peak_rss_mb"] - base_mb < logits_mb
+        assert s["memory_estimate_mb"] < 4 * logits_mb  # less than the reference's logits (16 bytes each) alone
 
 
 def test_gpt2_large_fine_tunes_in_24_gib_by_the_estimate_with_grad_checkpointing() -> None:
@@ -574,6 +577,16 @@ def test_default_kernels_are_the_reference_in_float32_and_fast_under_autocast() 
     assert TrainArgs(dtype="float32").resolved_kernels == "reference"
     assert TrainArgs(dtype="bf16").resolved_kernels == "fast"
     assert TrainArgs(dtype="bf16", kernels="reference").resolved_kernels == "reference"
+
+
+def test_under_autocast_the_fast_kernels_estimate_counts_chunks_and_casts_not_the_logits() -> None:
+    """The fused head-and-loss never holds the (N, V) logits under autocast either: it holds its chunks, the head and
+    the hidden states cast to autocast's dtype, and one chunk's head-gradient product. Counting 16 bytes a logit
+    there (3.3 GB more at 8 x 1024) refused runs that fit; the real run's bound is test_the_estimate_bounds_..."""
+    fast, full = (memory.estimate(preset("gpt2"), 8, 1024, amp=True, kernels=k) for k in ("fast", "reference"))
+    fast32 = memory.estimate(preset("gpt2"), 8, 1024, kernels="fast")
+    assert fast.logits - fast32.logits == 50257 * 768 * 6 + 8 * 1024 * 768 * 2
+    assert fast.logits < full.logits / 10 and full.logits == 8 * 1024 * 50257 * memory.LOGIT_BYTES
 
 
 def test_the_fused_head_is_padded_to_64_on_cuda_by_default_and_not_on_the_cpu() -> None:

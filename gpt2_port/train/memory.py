@@ -94,10 +94,13 @@ def estimate(
     else:
         activations = cfg.n_layer * per_block
     activations += 2 * BT * C * 4  # embeddings and ln_f
-    if kernels == "fast" and not amp:  # a few chunks of logits, and the gradients the fused loss makes in forward
+    if kernels == "fast":  # a few chunks of logits, and the gradients the fused loss makes in forward
         Vp = padded_vocab(V, pad_multiple)
         rows = min(BT, chunk_rows(device_type, Vp))
         logits = 3 * rows * Vp * 4 + Vp * C * 4 + BT * C * 4 + (Vp * C * 4 if Vp > V else 0)
+        if amp:  # the head and the hidden states cast for its matmuls, and a chunk's head-gradient product (float32
+            # under fp16): (Vp, C) x (2 + 4) bytes and (N, C) x 2
+            logits += Vp * C * 6 + BT * C * 2
     else:
         logits = BT * V * LOGIT_BYTES
     casts = 2 * P if amp else 0  # autocast's low-precision copies of the weights
