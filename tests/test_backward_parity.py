@@ -64,11 +64,15 @@ def test_every_gradient_and_step_equals_transformers_on_the_official_layout(tied
     assert all(abs(s["loss_scratch"] - s["loss_reference"]) <= 1e-5 * s["loss_reference"] for s in steps)
     assert steps[-1]["loss_reference"] < steps[0]["loss_reference"]  # the steps really train
     assert len(d["weights"]) == len(grads) and all(p["norm_rel"] <= 1e-5 for p in d["weights"])
-    # the steps' noise floor: transformers' sdpa run taking the same steps, its drift as an envelope
+    # the steps' noise floor: transformers' sdpa run taking the same steps, its drift as an envelope. The loss is one
+    # float32 scalar, and the two attentions' losses can round to the same value at every step (an Intel Xeon under
+    # the second configuration: all four step floors 0.0), so the run is shown to be real by its weights: after the
+    # same steps they differ (3.7e-6 there, 4.6e-6 under the default configuration)
     floors = [s["noise_rel"] for s in steps]
-    assert all(f is not None for f in floors) and floors == sorted(floors) and floors[-1] > 0
+    assert all(f is not None for f in floors) and floors == sorted(floors)
     assert all(s["within_noise"] for s in steps) and d["steps_as_close_as_reference"] is True
     assert all(p["noise_norm_rel"] is not None for p in d["weights"])
+    assert max(p["noise_norm_rel"] for p in d["weights"]) > 0
     assert [g["layer"] for g in d["layers"]] == ["embed", "h.0", "h.1", "ln_f", "head"]
 
 
