@@ -274,3 +274,22 @@ def test_the_head_padding_benchmark_times_each_multiple_with_the_same_loss(tmp_p
         assert abs(x["loss"] - rows["1"]["loss"]) <= 1e-6 * rows["1"]["loss"]
     with pytest.raises(SystemExit):
         head_padding.build_parser().parse_args(["--chunk-rows", "0,8"])
+
+
+def test_the_lowp_gemm_benchmark_times_both_paths_and_names_lowps_choice(tmp_path: Path) -> None:
+    from benchmarks import lowp_gemm
+    from gpt2_port.model import lowp
+
+    out = tmp_path / "l.json"
+    assert lowp_gemm.main(["--rows", "1,200", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["kind"] == "lowp_gemm" and res["machine"]["features"] == sorted(lowp.cpu_features())
+    want = [(d, n) for d in ("bfloat16", "float16") for n in (1, 200)]
+    assert [(r["dtype"], r["rows"]) for r in res["results"]] == want
+    for r in res["results"]:
+        assert r["float32"] > 0 and r["kernel"] > 0 and r["float32_copies"] > 0
+        threshold = lowp.upcast_min_rows(getattr(torch, r["dtype"]))
+        assert r["lowp"] == ("float32 copies" if threshold is not None and r["rows"] >= threshold else "kernel")
+    for bad in (["--rows", "0,8"], ["--rows", "8,x"], ["--dtypes", "float32"]):
+        with pytest.raises(SystemExit):
+            lowp_gemm.build_parser().parse_args(bad)

@@ -1,6 +1,7 @@
-"""bf16/fp16 inference on a CPU without bf16/fp16 matrix instructions: from UPCAST_MIN_ROWS rows the matmuls run
-from float32 copies and round once (model/lowp.py); fewer rows, training and float32 keep their kernels. The choice
-is pinned here; the arithmetic is checked with the CPU probe forced either way, so it runs on any CPU."""
+"""bf16/fp16 inference on a CPU whose low-precision GEMM is slower than float32 copies: from a row threshold that
+depends on the CPU's instructions the matmuls run from float32 copies and round once (model/lowp.py); fewer rows,
+training and float32 keep their kernels. The rule is pinned here; the arithmetic is checked with the threshold
+forced either way, so it runs on any CPU."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.exactness
 
 @pytest.fixture
 def no_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lowp, "cpu_lacks_matrix_units", lambda dtype: True)
+    monkeypatch.setattr(lowp, "cpu_features", lambda: frozenset())
 
 
 def _xwb(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,14 +51,48 @@ def test_the_choice_rows_training_float32_and_the_cpu(no_bf16_units) -> None:  #
 
 
 def test_the_probe_decides_on_a_cpu_with_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lowp, "cpu_lacks_matrix_units", lambda dtype: False)
+    monkeypatch.setattr(lowp, "cpu_features", lambda: frozenset({"amx_bf16"}))
     x, w, b = _xwb(64, torch.bfloat16)
     assert not lowp.upcasts(x, w) and torch.equal(lowp.linear_wb(x, w, b), F.linear(x, w, b))
 
 
-def test_this_cpus_probe_is_torchs() -> None:
-    has = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    assert lowp.cpu_lacks_matrix_units(torch.bfloat16) is (not has)
+def test_the_threshold_follows_the_instructions() -> None:
+    """Measured with benchmarks.lowp_gemm: AMX's bf16 and oneDNN's fp16 kernels beat float32 copies at every row
+    count; AVX512-BF16 alone loses to them from 128 rows; without either the kernels lose from 16."""
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert lowp.upcast_min_rows(bf16, frozenset({"amx_bf16", "avx512_bf16"})) is None
+    assert lowp.upcast_min_rows(bf16, frozenset({"avx512_bf16"})) == lowp.UPCAST_MIN_ROWS_AVX512_BF16 == 128
+    assert lowp.upcast_min_rows(bf16, frozenset({"fp16_gemm"})) == lowp.UPCAST_MIN_ROWS == 16
+    assert lowp.upcast_min_rows(fp16, frozenset({"fp16_gemm"})) is None
+    assert lowp.upcast_min_rows(fp16, frozenset({"amx_bf16", "avx512_bf16"})) == lowp.UPCAST_MIN_ROWS
+
+
+def test_avx512_bf16_alone_keeps_the_kernel_below_128_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lowp, "cpu_features", lambda: frozenset({"avx512_bf16"}))
+    few, many = _xwb(127, torch.bfloat16), _xwb(128, torch.bfloat16)
+    assert not lowp.upcasts(few[0], few[1]) and lowp.upcasts(many[0], many[1])
+    assert lowp.upcasts(few[0].half(), few[1].half())  # fp16 without oneDNN's fp16 kernels: from 16 rows
+
+
+@pytest.mark.parametrize("cap", [None, "", "AVX512_CORE_BF16", "avx2", "SSE41", "AVX512_CORE_AMX"])
+def test_this_cpus_features_are_torchs_under_onednns_cap(monkeypatch: pytest.MonkeyPatch, cap: str | None) -> None:
+    """torch.cpu's probes read the CPU; ONEDNN_MAX_CPU_ISA holds oneDNN's kernels, and so torch's bf16 matmul, below
+    them (the second test configuration sets it), and the features follow the cap."""
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    lowp.cpu_features.cache_clear()
+    try:
+        got = lowp.cpu_features()
+    finally:
+        lowp.cpu_features.cache_clear()
+    amx, avx512_bf16 = torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported()
+    low = (cap or "").upper() in ("AVX2", "SSE41")
+    assert ("amx_bf16" in got) is (amx and not low and cap != "AVX512_CORE_BF16")
+    assert ("avx512_bf16" in got) is (avx512_bf16 and not low)
+    assert ("fp16_gemm" in got) is bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
 def test_a_bf16_prefill_runs_every_matmul_in_float32_and_a_decode_step_in_bf16(

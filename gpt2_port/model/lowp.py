@@ -1,50 +1,95 @@
-"""bf16 and fp16 matmuls on a CPU without bf16/fp16 matrix instructions (no AVX512-BF16, AMX or AVX512-FP16).
+"""bf16 and fp16 matmuls on a CPU whose low-precision GEMM is slower than a float32 product of the same operands.
 
-There torch's low-precision GEMM runs slow code: on this AVX2 CPU a (128, 768) @ (768, 3072) bf16 matmul takes 35 ms,
-the same product from float32 copies 6.4 ms, and a 1 x 128 bf16 prefill of 124M spends 1.16 s of its 1.73 s in
-those matmuls. For inference over at least UPCAST_MIN_ROWS rows, `linear` computes the product from float32 copies of
-x, the weight and the bias (exact: bf16 and fp16 widen to float32 without rounding), accumulates in float32 as the
-low-precision GEMM does, and rounds the result once to x's dtype: what that GEMM returns, up to the order of the
-float32 sums. Fewer rows (decoding) keep the low-precision kernel, which reads half the bytes and is as fast or
-faster there. Training (gradients wanted), float32, other devices and CPUs with those instructions are untouched.
+Without bf16/fp16 instructions torch's low-precision GEMM runs slow code: on an AVX2 CPU a (128, 768) @ (768, 3072)
+bf16 matmul takes 35 ms, the same product from float32 copies 6.4 ms, and a 1 x 128 bf16 prefill of 124M spends
+1.16 s of its 1.73 s in those matmuls. For inference over at least `upcast_min_rows(dtype)` rows, `linear` computes
+the product from float32 copies of x, the weight and the bias (exact: bf16 and fp16 widen to float32 without
+rounding), accumulates in float32 as the low-precision GEMM does, and rounds the result once to x's dtype: what that
+GEMM returns, up to the order of the float32 sums. Fewer rows (decoding) keep the low-precision kernel, which reads
+half the bytes and is as fast or faster there. Training (gradients wanted), float32 and other devices are untouched.
+
+The threshold depends on the CPU's instructions as oneDNN, torch's low-precision GEMM, may use them. Measured on an
+Intel Xeon with AMX, 2 threads, oneDNN held lower with ONEDNN_MAX_CPU_ISA to stand in for older CPUs (`python -m
+benchmarks.lowp_gemm`, the three 124M shapes summed; kernel time / float32 copies' time at 8 .. 512 rows):
+- bf16 with AMX: 0.22 .. 0.14 (2.8x .. 6.4x faster than float32 itself): never;
+- bf16 with AVX512-BF16 and no AMX (AVX512_CORE_BF16): 0.38 at 8 rows, 0.91 at 64, 1.23 at 128, 1.45 at 512: from
+  128 rows;
+- fp16 where oneDNN has fp16 kernels (AVX512-FP16 or AMX-FP16): 0.41 .. 0.91 (as fast as float32 from 64 rows):
+  never; without them (AVX512_CORE_BF16) 1.28 at 8 rows, 2.22 at 16, 7.4 at 128: from 16 rows;
+- neither (AVX2): 1.34 at 8 rows, 2.10 at 16, 6.6 at 128 (on an AMD AVX2 CPU: about the same time at 8 rows, 1.7x-2.2x
+  at 16, 5x at 128): from 16 rows.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# rows (x.numel() / in_features) from which the float32 product is used: measured on this AVX2 CPU over the 124M
-# shapes (768->768, 768->3072, 3072->768): at 8 rows the two take about the same time, at 16 the float32 product is
-# 1.7x-2.2x faster, at 128 5x
-UPCAST_MIN_ROWS = 16
+UPCAST_MIN_ROWS = 16  # no low-precision instructions (AVX2)
+UPCAST_MIN_ROWS_AVX512_BF16 = 128  # AVX512-BF16 without AMX
 _LOWP = (torch.bfloat16, torch.float16)
 
 
+# ONEDNN_MAX_CPU_ISA (DNNL_MAX_CPU_ISA, its older name) caps the instructions oneDNN's kernels use, and so what
+# torch's bf16 matmul runs; torch.cpu's probes read the CPU and ignore it. Levels below AVX512_CORE_BF16, and those
+# from it below AMX:
+_ISA_BELOW_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+_ISA_BELOW_AMX = {"AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512"}
+
+
+def _probe(name: str) -> bool:
+    """One of torch's CPU feature probes (torch.cpu._is_*_supported); False where this torch has none by that name."""
+    return bool(getattr(torch.cpu, name, lambda: False)())
+
+
+def _onednn_fp16() -> bool:
+    """Whether torch's fp16 matmul on this CPU goes to oneDNN's fp16 kernels (AVX512-FP16 or AMX-FP16; it heeds
+    ONEDNN_MAX_CPU_ISA, as the matmul's own dispatch does)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 @functools.cache
-def cpu_lacks_matrix_units(dtype: torch.dtype) -> bool:
-    """True where this CPU has no matrix instructions for `dtype` (torch's own probes)."""
-    cpu = torch.cpu
+def cpu_features() -> frozenset[str]:
+    """What decides the thresholds: "amx_bf16" (AMX tiles), "avx512_bf16", "fp16_gemm" (oneDNN's fp16 kernels), as
+    oneDNN may use them under ONEDNN_MAX_CPU_ISA."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    found = {
+        "amx_bf16": _probe("_is_amx_tile_supported") and cap not in _ISA_BELOW_BF16 | _ISA_BELOW_AMX,
+        "avx512_bf16": _probe("_is_avx512_bf16_supported") and cap not in _ISA_BELOW_BF16,
+        "fp16_gemm": _onednn_fp16(),
+    }
+    return frozenset(k for k, v in found.items() if v)
+
+
+def upcast_min_rows(dtype: torch.dtype, features: frozenset[str] | None = None) -> int | None:
+    """Rows from which a `dtype` inference matmul on a CPU with `features` (this CPU's by default) is computed from
+    float32 copies; None: never (see the module's docstring for the measurements)."""
+    f = cpu_features() if features is None else features
     if dtype == torch.bfloat16:
-        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    else:
-        probes = ("_is_avx512_fp16_supported", "_is_amx_fp16_supported")
-    return not any(getattr(cpu, p, lambda: False)() for p in probes)
+        if "amx_bf16" in f:
+            return None
+        return UPCAST_MIN_ROWS_AVX512_BF16 if "avx512_bf16" in f else UPCAST_MIN_ROWS
+    return None if "fp16_gemm" in f else UPCAST_MIN_ROWS
 
 
 def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` computes x @ weight^T from float32 copies (see the module's docstring)."""
-    return (
+    if not (
         x.dtype in _LOWP
         and x.device.type == "cpu"
         and weight.dtype == x.dtype
-        and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and cpu_lacks_matrix_units(x.dtype)
-    )
+    ):
+        return False
+    rows = upcast_min_rows(x.dtype)
+    return rows is not None and x.numel() >= rows * x.shape[-1]
 
 
 def _from_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

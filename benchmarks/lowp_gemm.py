@@ -1,0 +1,104 @@
+"""bf16/fp16 inference matmuls on this CPU: the low-precision kernel against the product from float32 copies.
+
+How gpt2_port.model.lowp's thresholds were chosen. For each row count, the three 124M shapes (768 -> 2304, the fused
+c_attn; 768 -> 3072, c_fc; 3072 -> 768, mlp.c_proj) are timed (best of --repeats, summed) in float32, with the
+low-precision kernel, and from float32 copies rounded once (what lowp.linear does from its threshold), and the row
+count from which lowp computes from float32 copies on this CPU is printed beside. oneDNN's kernels heed
+ONEDNN_MAX_CPU_ISA, so one CPU stands in for older ones (AVX512_CORE_BF16: AVX512-BF16 without AMX).
+
+    python -m benchmarks.lowp_gemm [--dtypes bfloat16,float16] [--rows 8,16,32,64,128,256,512] [--out r.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gpt2_port.model import lowp
+
+SHAPES = ((768, 2304), (768, 3072), (3072, 768))  # (in, out)
+
+
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        out = [int(v) for v in s.split(",") if v]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {s!r}")
+    return out
+
+
+def _dtypes(s: str) -> list[str]:
+    out = [v for v in s.split(",") if v]
+    if not out or any(v not in ("bfloat16", "float16") for v in out):
+        raise argparse.ArgumentTypeError(f"expected bfloat16 and/or float16 separated by commas, got {s!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lowp_gemm")
+    p.add_argument("--dtypes", type=_dtypes, default=["bfloat16", "float16"])
+    p.add_argument("--rows", type=_ints, default=[8, 16, 32, 64, 128, 256, 512])
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--out", type=Path, help="JSON with every timing")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    torch.manual_seed(0)
+    machine = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "features": sorted(lowp.cpu_features()),
+        "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+    }
+    print(" ".join(f"{k} {v}" for k, v in machine.items()))
+    results = []
+    for name in a.dtypes:
+        dt = getattr(torch, name)
+        threshold = lowp.upcast_min_rows(dt)
+        print(f"{name}: lowp computes from float32 copies from {threshold or 'no'} rows on this CPU")
+        for rows in a.rows:
+            t = {"float32": 0.0, "kernel": 0.0, "float32_copies": 0.0}
+            for k, n in SHAPES:
+                x, w = torch.randn(rows, k), torch.randn(n, k) * 0.02
+                xl, wl = x.to(dt), w.to(dt)
+                t["float32"] += best_ms(lambda x=x, w=w: F.linear(x, w), a.repeats)
+                t["kernel"] += best_ms(lambda xl=xl, wl=wl: F.linear(xl, wl), a.repeats)
+                t["float32_copies"] += best_ms(
+                    lambda xl=xl, wl=wl: F.linear(xl.float(), wl.float()).to(xl.dtype), a.repeats
+                )
+            ratio = t["kernel"] / t["float32_copies"]
+            chosen = "float32 copies" if threshold is not None and rows >= threshold else "kernel"
+            print(
+                f"  rows {rows:4d}  float32 {t['float32']:7.2f} ms  {name} kernel {t['kernel']:7.2f} ms  "
+                f"float32 copies {t['float32_copies']:7.2f} ms  kernel/copies {ratio:4.2f}  lowp: {chosen}"
+            )
+            results.append({"dtype": name, "rows": rows, **t, "lowp": chosen})
+    if a.out:
+        a.out.write_text(json.dumps({"kind": "lowp_gemm", "machine": machine, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
