@@ -95,7 +95,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run() -> None:
-    sys.exit(main())
+    code = main()
+    distributed = sys.modules.get("gpt2_port.train.distributed")  # imported by a command that may join a group
+    if distributed is not None and distributed.joined():
+        # A torchrun worker leaves without the interpreter's and C++'s exit-time teardown once its work is written
+        # and its process group destroyed: there gloo's threads aborted the process now and then after a finished
+        # run ("terminate called without an active exception", SIGABRT: about 1 run in 150 on 2 CPU processes),
+        # and torchrun then reports the whole run failed.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

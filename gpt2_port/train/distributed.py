@@ -74,6 +74,9 @@ def device_for(d: Dist, requested: torch.device) -> torch.device:
     return requested
 
 
+_joined: list[bool] = []  # one entry once this process has joined a process group
+
+
 def init(d: Dist, device: torch.device) -> None:
     """Join the process group: nccl for CUDA, gloo for CPU (DDP that does not demand a GPU)."""
     if not d.enabled or dist.is_initialized():
@@ -81,6 +84,12 @@ def init(d: Dist, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    _joined.append(True)
+
+
+def joined() -> bool:
+    """Whether this process joined a process group (and so has torch.distributed's threads to tear down at exit)."""
+    return bool(_joined)
 
 
 def shutdown(d: Dist) -> None:
