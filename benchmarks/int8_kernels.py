@@ -11,24 +11,14 @@ Also the relative error of each int8 path against float32.
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import best_ms
 from gpt2_port.generate.int8 import Int8Linear, quantize_rows
-
-
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,26 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import best_ms
 from gpt2_port.model import lowp
 
 SHAPES = ((768, 2304), (768, 3072), (3072, 768))  # (in, out)
-
-
-def best_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def _ints(s: str) -> list[int]:
