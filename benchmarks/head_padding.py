@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from benchmarks.arguments import positive_ints
 from benchmarks.gpu import machine, sync
 from gpt2_port.devices import parse_device
 from gpt2_port.files import check_writable, write_output
@@ -38,19 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=768, help="n_embd (default 768, 124M's)")
     p.add_argument("--vocab", type=int, default=50257, help="the vocabulary (default GPT-2's 50257)")
     p.add_argument("--rounds", type=int, default=8, help="timed rounds after one warm-up round (default 8)")
-    p.add_argument("--chunk-rows", type=_rows_list, default=[], metavar="N,N,...", help="also time these chunk sizes")
+    p.add_argument(
+        "--chunk-rows", type=positive_ints, default=[], metavar="N,N,...", help="also time these chunk sizes"
+    )
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p
-
-
-def _rows_list(text: str) -> list[int]:
-    try:
-        rows = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        rows = []
-    if not rows or min(rows) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return rows
 
 
 def run(a: argparse.Namespace) -> dict:

@@ -19,20 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.arguments import positive_ints
 from benchmarks.timing import best_ms
 from gpt2_port.model import lowp
 
 SHAPES = ((768, 2304), (768, 3072), (3072, 768))  # (in, out)
-
-
-def _ints(s: str) -> list[int]:
-    try:
-        out = [int(v) for v in s.split(",") if v]
-    except ValueError:
-        out = []
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {s!r}")
-    return out
 
 
 def _dtypes(s: str) -> list[str]:
@@ -45,7 +36,7 @@ def _dtypes(s: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lowp_gemm")
     p.add_argument("--dtypes", type=_dtypes, default=["bfloat16", "float16"])
-    p.add_argument("--rows", type=_ints, default=[8, 16, 32, 64, 128, 256, 512])
+    p.add_argument("--rows", type=positive_ints, default=[8, 16, 32, 64, 128, 256, 512])
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--out", type=Path, help="JSON with every timing")
     return p
