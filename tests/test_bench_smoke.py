@@ -287,9 +287,15 @@ def test_the_lowp_gemm_benchmark_times_both_paths_and_names_lowps_choice(tmp_pat
     want = [(d, n) for d in ("bfloat16", "float16") for n in (1, 200)]
     assert [(r["dtype"], r["rows"]) for r in res["results"]] == want
     for r in res["results"]:
-        assert r["float32"] > 0 and r["kernel"] > 0 and r["float32_copies"] > 0
-        threshold = lowp.upcast_min_rows(getattr(torch, r["dtype"]))
-        assert r["lowp"] == ("float32 copies" if threshold is not None and r["rows"] >= threshold else "kernel")
+        assert r["float32"] > 0 and r["kernel"] > 0 and r["float32_copies"] > 0 and r["head_kernel"] > 0
+        dt = getattr(torch, r["dtype"])
+        threshold, copies = lowp.upcast_min_rows(dt), "float32 copies"
+        packed = lowp.packs(dt) and r["packed"] is not None  # None: the reorder refused (no packed kernel here)
+        assert (r["packed"] is None) is (r["head_packed"] is None)
+        assert r["lowp"] == (
+            copies if threshold is not None and r["rows"] >= threshold else "packed" if packed else "kernel"
+        )
+        assert r["lowp_head"] == (copies if r["lowp"] == copies else r["lowp"])
     for bad in (["--rows", "0,8"], ["--rows", "8,x"], ["--dtypes", "float32"]):
         with pytest.raises(SystemExit):
             lowp_gemm.build_parser().parse_args(bad)

@@ -33,6 +33,7 @@ from torch import nn
 from ..errors import UsageError
 from ..generate.cache import KVCache, StaticKVCache
 from .c_attn import fused_qkv
+from .lowp import linear_wb
 from .masks import build_mask, positions_from_mask
 from .modules import Block, gelu_new, wants_grad
 
@@ -42,10 +43,10 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _linear(m: nn.Module) -> Linear:
-    """A plain Linear as F.linear over its own weight and bias (the module's forward, less the module call)."""
+    """A plain Linear as lowp.linear_wb over its own weight and bias (the forward's call, less the module call)."""
     if type(m) is nn.Linear:
         w, b = m.weight, m.bias
-        return lambda x: F.linear(x, w, b)
+        return lambda x: linear_wb(x, w, b)
     return m
 
 
@@ -73,7 +74,7 @@ class LayerStep:
         return LayerStep(
             layer=a.layer,
             ln_1=(block.ln_1.weight, block.ln_1.bias),
-            qkv=None if fused is None else (lambda x, w=fused[0], b=fused[1]: F.linear(x, w, b)),
+            qkv=None if fused is None else (lambda x, w=fused[0], b=fused[1]: linear_wb(x, w, b)),
             q=_linear(a.q_proj),
             k=_linear(a.k_proj),
             v=_linear(a.v_proj),

@@ -8,6 +8,21 @@ rounding), accumulates in float32 as the low-precision GEMM does, and rounds the
 GEMM returns, up to the order of the float32 sums. Fewer rows (decoding) keep the low-precision kernel, which reads
 half the bytes and is as fast or faster there. Training (gradients wanted), float32 and other devices are untouched.
 
+Prepacked weights: oneDNN's bf16/fp16 matmul on a plain [out, in] weight reorders that weight into its blocked layout
+on every call, a pass over the weight that a decode step pays 73 times per token. `set_packed` marks weights (the
+model does it for the contiguous layout, `GPT2.set_packed_weights`); the first inference matmul on a marked weight
+keeps oneDNN's reordered copy (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing uses) and
+later ones run on it (`_linear_pointwise`), until the weight changes (its data pointer or version). It costs one more
+copy of each packed weight. `packs` says where: where oneDNN has bf16 (AVX512-BF16, AMX) or fp16 kernels. Measured on
+the Xeon below (`python -m benchmarks.lowp_gemm`, packed time / plain kernel time, the blocks' three shapes summed;
+the head apart): bf16 with AMX 0.52 at 1 and 8 rows, 0.59 at 32, 0.68 at 128, 0.96 at 512 (head 0.40 .. 0.92), the
+same products bit for bit up to 32 rows there; bf16 with AVX512-BF16 alone 0.46 .. 0.67 at 1 and 8 rows. fp16 timed
+one shape at a time is mixed (1.38 at 1 row, 0.86 .. 1.00 from 8; head 0.73 .. 1.02), but a whole greedy decode of
+124M, every weight read once per token, runs 44.0 tok/s packed against 40.2 unpacked, so fp16 weights are packed too.
+AVX2 has no packed bf16 or fp16 kernel (the reorder refuses; nothing is packed). Every call on a marked weight takes
+the same route for the same shape, so a decode step (decode.py) and the forward it stands for stay bit-identical by
+construction.
+
 The threshold depends on the CPU's instructions as oneDNN, torch's low-precision GEMM, may use them. Measured on an
 Intel Xeon with AMX, 2 threads, oneDNN held lower with ONEDNN_MAX_CPU_ISA to stand in for older CPUs (`python -m
 benchmarks.lowp_gemm`, the three 124M shapes summed; kernel time / float32 copies' time at 8 .. 512 rows):
@@ -23,11 +38,15 @@ benchmarks.lowp_gemm`, the three 124M shapes summed; kernel time / float32 copie
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+log = logging.getLogger(__name__)
 
 UPCAST_MIN_ROWS = 16  # no low-precision instructions (AVX2)
 UPCAST_MIN_ROWS_AVX512_BF16 = 128  # AVX512-BF16 without AMX
@@ -97,14 +116,76 @@ def _from_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x.float(), weight.float(), b).to(x.dtype)
 
 
+# ---------------------------------------------------------------------------------------------- prepacked weights
+# A marked weight -> [key, packed]: key (data pointer, version) of the weight `packed` was made from (None: not
+# yet), packed the oneDNN copy or None where this torch or CPU has no packed kernel. Keyed by identity, held weakly.
+_marks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def packs(dtype: torch.dtype, features: frozenset[str] | None = None) -> bool:
+    """Whether a `dtype` weight is worth packing on a CPU with `features` (this CPU's by default); see the module's
+    docstring for the measurements."""
+    f = cpu_features() if features is None else features
+    if dtype == torch.bfloat16:
+        return bool(f & {"amx_bf16", "avx512_bf16"})
+    return dtype == torch.float16 and "fp16_gemm" in f
+
+
+def set_packed(weight: torch.Tensor, enabled: bool) -> None:
+    """Mark (or unmark) a 2-D weight for packing; it is packed on first use, where `packs` says it pays then."""
+    if not enabled:
+        _marks.pop(weight, None)
+    elif weight not in _marks:
+        _marks[weight] = [None, None]
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether `weight` is marked and its packed copy was made (and is current)."""
+    mark = _marks.get(weight)
+    return mark is not None and mark[1] is not None and mark[0] == (weight.data_ptr(), weight._version)
+
+
+def _packed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy to multiply x by, or None: the weight is not marked, or the call is not a CPU inference
+    matmul of x's low-precision dtype where `packs` says packing pays."""
+    if not (x.dtype in _LOWP and x.device.type == "cpu" and weight.dtype == x.dtype):
+        return None
+    mark = _marks.get(weight)
+    if mark is None or weight.device.type != "cpu" or not packs(weight.dtype):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    key = (weight.data_ptr(), weight._version)
+    if mark[0] != key:
+        try:  # the batch-size hint 1: the blocked layout oneDNN picks for decoding
+            mark[1] = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        except (AttributeError, RuntimeError) as e:  # no packed kernel in this torch or for this CPU's instructions
+            log.debug("no packed %s weight: %s", weight.dtype, e)
+            mark[1] = None
+        mark[0] = key
+    return mark[1]
+
+
+def _on_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def linear_wb(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias), from float32 copies where `upcasts` says so."""
-    return _from_float32(x, weight, bias) if upcasts(x, weight) else F.linear(x, weight, bias)
+    """F.linear(x, weight, bias): from float32 copies where `upcasts` says so, else on the packed weight where there
+    is one (see the module's docstring)."""
+    if upcasts(x, weight):
+        return _from_float32(x, weight, bias)
+    packed = _packed(x, weight)
+    return F.linear(x, weight, bias) if packed is None else _on_packed(x, packed, bias)
 
 
 def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """m(x) for a Linear module: a plain nn.Linear from float32 copies where `upcasts` says so; otherwise (and for
-    another module, e.g. int8) the module is called."""
-    if type(m) is nn.Linear and upcasts(x, m.weight):
-        return _from_float32(x, m.weight, m.bias)
+    """m(x) for a Linear module: a plain nn.Linear as `linear_wb` computes it where that differs from F.linear;
+    otherwise (and for another module, e.g. int8) the module is called."""
+    if type(m) is nn.Linear:
+        if upcasts(x, m.weight):
+            return _from_float32(x, m.weight, m.bias)
+        packed = _packed(x, m.weight)
+        if packed is not None:
+            return _on_packed(x, packed, m.bias)
     return m(x)
