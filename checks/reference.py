@@ -97,12 +97,13 @@ def capture_reference(
 # child gets its own saved value back after its parent's assignment has reset it
 PRECISION_SETTINGS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv")
 PRECISION_SETTINGS += ("mkldnn.rnn",)
+ONEDNN_SETTINGS = tuple(p for p in PRECISION_SETTINGS if p.startswith("mkldnn"))
 
 
-def precision_settings() -> list[object]:
-    """The torch.backends objects that carry an `fp32_precision` on this torch (none before 2.9), parents first."""
+def precision_settings(paths: tuple[str, ...] = PRECISION_SETTINGS) -> list[object]:
+    """The torch.backends objects at `paths` that carry an `fp32_precision` on this torch (none before 2.9)."""
     out = []
-    for path in PRECISION_SETTINGS:
+    for path in paths:
         o: object = torch.backends
         for part in filter(None, path.split(".")):
             o = getattr(o, part, None)
@@ -115,29 +116,32 @@ def precision_settings() -> list[object]:
 def exact_matmuls() -> Iterator[None]:
     """float32 matmuls in float32 (no TF32 tensor cores) while a parity check runs, whatever the process set before
     (gpt2-port train turns TF32 on for speed; a comparison of float32 arithmetic must not inherit it). Afterwards every
-    setting is as it was: on torch >= 2.9 each backend's own `fp32_precision` is put back (the legacy
-    set_float32_matmul_precision would also switch oneDNN's CPU matmuls to TF32 when the CUDA flag had been on)."""
+    setting is as it was. Set and put back through the legacy flags, the API `set_tf32` uses: on torch >= 2.9 a mix of
+    the legacy and the per-backend `fp32_precision` API leaves the legacy flags unreadable (torch raises on
+    `allow_tf32` and on get_float32_matmul_precision, which inductor reads). The legacy set_float32_matmul_precision
+    also sets oneDNN's CPU matmuls, so their own `fp32_precision` values are put back last. A process that had mixed
+    the APIs before (its legacy flags unreadable) gets every backend's `fp32_precision` back instead."""
     fine = [(o, o.fp32_precision) for o in precision_settings()]
-    legacy = (
-        None
-        if fine
-        else (
+    try:
+        legacy = (
             torch.backends.cuda.matmul.allow_tf32,
             torch.backends.cudnn.allow_tf32,
             torch.get_float32_matmul_precision(),
         )
-    )
+    except RuntimeError:  # the process already mixed the two APIs: every backend's own setting is put back instead
+        legacy = None
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     try:
         yield
     finally:
-        for o, value in fine:
-            o.fp32_precision = value  # type: ignore[attr-defined]
         if legacy is not None:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = legacy[0], legacy[1]
             torch.set_float32_matmul_precision(legacy[2])
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = legacy[0], legacy[1]
+        onednn = [(o, v) for o, v in fine if o in precision_settings(ONEDNN_SETTINGS)]
+        for o, value in fine if legacy is None else onednn:
+            o.fp32_precision = value  # type: ignore[attr-defined]
 
 
 def amp(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractContextManager:

@@ -128,11 +128,44 @@ def test_exact_matmuls_turns_tf32_off_and_puts_every_setting_back() -> None:
         set_tf32(torch.device("cuda"), True)
         before = state()
         assert torch.backends.cuda.matmul.allow_tf32 is True
+        legacy = [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32]
+        legacy.append(torch.get_float32_matmul_precision())
         with exact_matmuls():
             assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
             assert torch.get_float32_matmul_precision() == "highest"
         assert state() == before
+        # the legacy flags stay readable (a mix of the two APIs makes torch raise on reading them) and as they were
+        assert legacy == [True, True, "high"]
+        assert [torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32] == legacy[:2]
+        assert torch.get_float32_matmul_precision() == legacy[2]
     finally:
-        set_tf32(torch.device("cuda"), False)
-        for o, value in start:
-            o.fp32_precision = value
+        _put_back(start)
+
+
+def _put_back(start: list) -> None:
+    """The precision settings as they were at `start`, through the legacy flags first (so they stay readable for
+    the tests after) and then every backend's own value."""
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True  # torch's defaults
+    torch.set_float32_matmul_precision("highest")
+    for o, value in start:
+        o.fp32_precision = value
+
+
+def test_exact_matmuls_runs_in_a_process_that_mixed_the_two_apis() -> None:
+    """A process that set TF32 through the per-backend API and the legacy flags both cannot read the legacy flags
+    (torch raises): the check still runs in float32 and puts every backend's own setting back."""
+    from gpt2_port_checks.reference import exact_matmuls, precision_settings
+
+    start = [(o, o.fp32_precision) for o in precision_settings()]
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.rnn.fp32_precision = "ieee"
+        mixed = [o.fp32_precision for o in precision_settings()]
+        with pytest.raises(RuntimeError):
+            torch.backends.cudnn.allow_tf32  # noqa: B018
+        with exact_matmuls():
+            assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+            assert torch.backends.cudnn.conv.fp32_precision != "tf32"
+        assert [o.fp32_precision for o in precision_settings()] == mixed
+    finally:
+        _put_back(start)

@@ -36,6 +36,15 @@ def test_the_peak_is_the_most_specific_entry_for_the_device(monkeypatch, name: s
     assert peak == tflops * 1e12 and name in what
 
 
+def test_a_ddp_runs_peak_counts_every_process(monkeypatch) -> None:
+    """tokens/s of a DDP run is the global batch's: measured against every process's device, MFU stays per device."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    one, _ = throughput.peak_flops(torch.device("cuda"), "bf16", tf32=True)
+    eight, what = throughput.peak_flops(torch.device("cuda"), "bf16", tf32=True, processes=8)
+    assert eight == 8 * one and what.startswith("8 x NVIDIA H100")
+    assert throughput.mfu(8 * 400_000.0, 1_000, eight) == throughput.mfu(400_000.0, 1_000, one)
+
+
 def test_every_entry_comes_before_the_entries_its_name_contains() -> None:
     keys = [k for k, _ in throughput.PEAK_TFLOPS]
     for i, k in enumerate(keys):

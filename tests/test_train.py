@@ -751,3 +751,26 @@ def test_an_interrupt_in_the_last_steps_evaluation_is_not_swallowed(
     assert "interrupted at step 4/4, the last: the run is complete (its final evaluation skipped)" in o
     assert trainer_state.load(out).step == 4
     assert "val_loss" in log(out)[1] and "val_loss" not in log(out)[3]
+
+
+@pytest.mark.parametrize("finite_first", [False, True])
+def test_a_skipped_fp16_step_leaves_the_grad_scaler_ready_for_the_next(finite_first: bool) -> None:
+    """fp16 trains with a GradScaler: a step skipped for a non-finite loss (--skip-nonfinite) still ends the scaler's
+    step (`update`), so the next step's unscale_ runs, and the scale backs off. torch's CPU GradScaler runs the same
+    logic as CUDA's."""
+    from gpt2_port.train.loop import apply_step
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    losses = [torch.tensor(float("inf")) * w.sum(), w.sum()]
+    if finite_first:
+        losses.reverse()
+    for loss in losses:
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)  # raises on the second step unless the first one's update ran
+        finite = bool(torch.isfinite(loss))
+        apply_step(opt, scaler, finite)
+        opt.zero_grad(set_to_none=True)
+    assert scaler.get_scale() == 2.0**9  # backed off once, for the non-finite step
+    assert not torch.equal(w.detach(), torch.ones(3))  # the finite step was taken

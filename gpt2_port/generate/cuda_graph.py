@@ -19,31 +19,35 @@ class CapturedStep:
     torch.cuda.graph asks) and replayed after; the returned tensor is the graph's own output buffer, overwritten by
     each replay. The warm-up runs write into the step's buffers as a real step would: capture before the first real
     step, whose own writes replace them. `capture_s`: the time the warm-up and the capture took (waited for once, so
-    it is not counted in the steps after)."""
+    it is not counted in the steps after). Warm-up, capture and replay run on `device` (its streams, under its guard):
+    torch.cuda.graph's default capture stream is made once, on whichever device was current then, and a step whose
+    tensors live on another GPU would record nothing there."""
 
-    def __init__(self, fn: Callable[[], torch.Tensor], warmup: int = 2) -> None:
-        self.fn, self.warmup = fn, warmup
+    def __init__(self, fn: Callable[[], torch.Tensor], device: torch.device, warmup: int = 2) -> None:
+        self.fn, self.device, self.warmup = fn, device, warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.capture_s = 0.0
 
     def capture(self) -> None:
         t0 = time.perf_counter()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(self.warmup):
-                self.fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            self.out = self.fn()
-        self.graph = g
-        torch.cuda.current_stream().synchronize()  # once per capture: the warm-up's work ends here
+        with torch.cuda.device(self.device):
+            s = torch.cuda.Stream(self.device)
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(s):
+                for _ in range(self.warmup):
+                    self.fn()
+            torch.cuda.current_stream(self.device).wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)):
+                self.out = self.fn()
+            self.graph = g
+            torch.cuda.current_stream(self.device).synchronize()  # once per capture: the warm-up's work ends here
         self.capture_s = time.perf_counter() - t0
 
     def __call__(self) -> torch.Tensor:
         if self.graph is None:
             self.capture()
-        self.graph.replay()  # type: ignore[union-attr]
+        with torch.cuda.device(self.device):
+            self.graph.replay()  # type: ignore[union-attr]
         return self.out  # type: ignore[return-value]

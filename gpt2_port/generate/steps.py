@@ -57,7 +57,8 @@ class StaticSteps:
     def __init__(self, model: CausalLM, plan, cache: StaticKVCache, cuda_graph: bool) -> None:  # noqa: ANN001
         self.model, self.plan, self.cache = model, plan, cache
         self.name = "cuda graph" if cuda_graph else "static"
-        self.run = CapturedStep(lambda: plan.static_step(cache)) if cuda_graph else (lambda: plan.static_step(cache))
+        step = lambda: plan.static_step(cache)  # noqa: E731
+        self.run = CapturedStep(step, cache.k.device) if cuda_graph else step
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.cache.length = 0

@@ -45,7 +45,7 @@ class Rows:
     def _stop(self, row: int, reason: str) -> None:
         self.reasons[row] = reason
         self.running[row] = False
-        self.unfinished[row] = False
+        self.unfinished[row : row + 1] = False  # a fill on the device (a 0-d index would copy from the host and wait)
 
     @property
     def any_running(self) -> bool:

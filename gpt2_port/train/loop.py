@@ -51,6 +51,18 @@ log = logging.getLogger(__name__)
 SAMPLE_TOKENS = 32  # length of the sample written to the log every --sample-every steps
 
 
+def apply_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, finite: bool) -> None:
+    """The optimizer step of gradients already unscaled (`scaler.unscale_`): taken when `finite`, skipped otherwise.
+    With a scaler, `update` runs either way: it ends the step's unscale_ (the next step's would raise otherwise) and
+    backs the scale off after non-finite gradients."""
+    if scaler is not None:
+        if finite:
+            scaler.step(optimizer)
+        scaler.update()
+    elif finite:
+        optimizer.step()
+
+
 class NonFiniteError(GPT2PortError):
     """The loss or the gradients became NaN or Inf: the run stops instead of training on."""
 
@@ -136,7 +148,7 @@ class Trainer:
             self.last_saved = resume.step
         set_tf32(self.device, args.tf32)
         self.flops_per_token = flops_per_token(cfg, self.block_size)
-        self.peak, self.peak_source = peak_flops(self.device, args.dtype, args.tf32)
+        self.peak, self.peak_source = peak_flops(self.device, args.dtype, args.tf32, d.world_size)  # global rate
         self.net: nn.Module = model
         if d.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -256,13 +268,8 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no Infinity: null
         }
-        if finite:
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-        else:
+        apply_step(self.optimizer, self.scaler, finite)
+        if not finite:
             record["skipped"] = True
             log.warning("step %d: non-finite loss or gradients, step skipped (--skip-nonfinite)", step + 1)
         self.optimizer.zero_grad(set_to_none=True)

@@ -38,15 +38,17 @@ def flops_per_token(cfg: GPT2Config, block_size: int) -> int:
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * block_size
 
 
-def peak_flops(device: torch.device, dtype: str, tf32: bool) -> tuple[float | None, str]:
-    """(peak FLOP/s of `device` for training in `dtype` ("float32", "bf16", "fp16"), what it is), or (None, why)."""
+def peak_flops(device: torch.device, dtype: str, tf32: bool, processes: int = 1) -> tuple[float | None, str]:
+    """(peak FLOP/s for training in `dtype` ("float32", "bf16", "fp16") of `processes` devices like `device`, one
+    each (a DDP run's global tokens/s is measured against all of them), what it is), or (None, why)."""
     if device.type != "cuda":
         return None, f"no peak known for {device.type}"
     name = torch.cuda.get_device_name(device)
     for key, peaks in PEAK_TFLOPS:
         if key in name:
             kind = {"bf16": "bf16", "fp16": "fp16"}.get(dtype, "tf32" if tf32 else "fp32")
-            return peaks[kind] * 1e12, f"{name} {kind} dense peak {peaks[kind]:g} TFLOP/s"
+            what = f"{name} {kind} dense peak {peaks[kind]:g} TFLOP/s"
+            return peaks[kind] * 1e12 * processes, what if processes == 1 else f"{processes} x {what}"
     return None, f"no peak known for {name}"
 
 

@@ -1,0 +1,74 @@
+"""The CUDA-graph decode step records and replays on its own tensors' GPU, not on whichever one is current.
+
+torch.cuda.graph's default capture stream is made once per process on the device current then; a step whose cache
+lives on cuda:1 would record nothing there and replay an empty graph. Needs no GPU: torch.cuda's stream, guard and
+graph calls are replaced by recorders that note the device each one runs on, and the step reports the device current
+when it ran. On a GPU, tests/test_cuda.py runs the captured step against the eager one."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from gpt2_port.generate import cuda_graph
+
+
+class _Fake:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.current, self.log = 0, []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None) -> None:  # noqa: ANN001
+                self.device = torch.device(device).index if device is not None else fake.current
+                fake.log.append(("stream", self.device))
+
+            def wait_stream(self, other) -> None:  # noqa: ANN001
+                pass
+
+            def synchronize(self) -> None:
+                pass
+
+        class Graph:
+            def replay(self) -> None:
+                fake.log.append(("replay", fake.current))
+
+        @contextlib.contextmanager
+        def device(d):  # noqa: ANN001, ANN202
+            prev, fake.current = fake.current, torch.device(d).index
+            try:
+                yield
+            finally:
+                fake.current = prev
+
+        @contextlib.contextmanager
+        def graph(g, stream=None, **kw):  # noqa: ANN001, ANN003, ANN202
+            fake.log.append(("capture", stream.device if stream is not None else "default"))
+            yield
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "device", device)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+
+
+def test_the_step_is_captured_and_replayed_on_its_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _Fake(monkeypatch)
+    ran_on: list[int] = []
+    out = torch.zeros(1)
+
+    def step() -> torch.Tensor:
+        ran_on.append(fake.current)
+        return out
+
+    captured = cuda_graph.CapturedStep(step, torch.device("cuda:1"), warmup=2)
+    assert captured() is out and captured() is out
+    assert ran_on == [1, 1, 1]  # two warm-ups and the capture, all with cuda:1 current
+    assert ("capture", 1) in fake.log and ("capture", "default") not in fake.log
+    assert [e for e in fake.log if e[0] == "replay"] == [("replay", 1), ("replay", 1)]
+    assert all(d == 1 for kind, d in fake.log if kind == "stream")
+    assert fake.current == 0  # the caller's device is current again
