@@ -101,3 +101,32 @@ def ckpt124(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Pa
     """A full-size 124M random checkpoint in the official layout (548 MB, written once per session)."""
     d = tmp_path_factory.mktemp("gpt2_124m")
     return write_demo_checkpoint(d, size="gpt2", seed=0, tokenizer_dir=tokenizer_dir)
+
+
+def lowp_operands(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (rows, 256), a (512, 256) weight and a (512,) bias in `dtype`, seeded by `rows`."""
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 256, generator=g), torch.randn(512, 256, generator=g), torch.randn(512, generator=g)
+    return x.to(dtype), w.to(dtype), b.to(dtype)
+
+
+def decode_steps(model: GPT2, ids: torch.Tensor, mask: torch.Tensor | None, n: int, plan: bool) -> list[torch.Tensor]:
+    """Prefill through forward, then n one-token steps (DecodePlan or forward), feeding back a fixed token pattern;
+    each step's (B, 1, C) hidden state."""
+    from gpt2_port.generate.cache import KVCache
+    from gpt2_port.model.decode import DecodePlan
+
+    B, T = ids.shape
+    cache = KVCache(model.config, B, T + n, model.dtype, "cpu")
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, hidden_only=True)
+        p = DecodePlan.for_model(model) if plan else None
+        out = []
+        for i in range(n):
+            tok = ((ids[:, -1:] * 7 + 13 * i) % model.config.vocab_size).contiguous()  # (B, 1)
+            m = None if mask is None else torch.cat([mask, torch.ones(B, i + 1, dtype=mask.dtype)], dim=1)
+            if p is not None:
+                out.append(p.step(tok, cache, m))
+            else:
+                out.append(model(tok, attention_mask=m, cache=cache, hidden_only=True))
+    return out

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, chaotic_model
+from conftest import TINY, chaotic_model, decode_steps
 
 from gpt2_port.errors import UsageError
 from gpt2_port.generate import generate_full
@@ -32,32 +32,14 @@ def official(tiny_official: Path) -> GPT2:
     return m
 
 
-def _steps(model: GPT2, ids: torch.Tensor, mask: torch.Tensor | None, n: int, plan: bool) -> list[torch.Tensor]:
-    """Prefill through forward, then n one-token steps (plan or forward), feeding back a fixed token pattern."""
-    B, T = ids.shape
-    cache = KVCache(model.config, B, T + n, model.dtype, "cpu")
-    with torch.no_grad():
-        model(ids, attention_mask=mask, cache=cache, hidden_only=True)
-        p = DecodePlan.for_model(model) if plan else None
-        out = []
-        for i in range(n):
-            tok = ((ids[:, -1:] * 7 + 13 * i) % model.config.vocab_size).contiguous()  # (B, 1)
-            m = None if mask is None else torch.cat([mask, torch.ones(B, i + 1, dtype=mask.dtype)], dim=1)
-            if p is not None:
-                out.append(p.step(tok, cache, m))
-            else:
-                out.append(model(tok, attention_mask=m, cache=cache, hidden_only=True))
-    return out
-
-
 @pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padded"])
 @pytest.mark.parametrize("which", ["official", "chaotic"])
 def test_plan_steps_are_bit_identical_to_forward(which: str, padded: bool, request: pytest.FixtureRequest) -> None:
     model = request.getfixturevalue("official") if which == "official" else _chaotic()
     ids = torch.tensor([[5, 6, 7, 8, 9], [50, 40, 30, 20, 10]]) % model.config.vocab_size
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]) if padded else None
-    fast = _steps(model, ids, mask, 12, plan=True)
-    slow = _steps(model, ids, mask, 12, plan=False)
+    fast = decode_steps(model, ids, mask, 12, plan=True)
+    slow = decode_steps(model, ids, mask, 12, plan=False)
     assert len({tuple(h[0, 0, :4].tolist()) for h in slow}) == 12  # the steps do differ
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert a.shape == b.shape == (2, 1, model.config.n_embd)
@@ -91,8 +73,8 @@ def test_plan_calls_replaced_linears_as_modules(tiny_official: Path) -> None:
     model, _ = from_pretrained(tiny_official)
     quantize_int8(model)
     ids = torch.tensor([[3, 1, 4, 1, 5]]) % model.config.vocab_size
-    fast = _steps(model, ids, None, 6, plan=True)
-    slow = _steps(model, ids, None, 6, plan=False)
+    fast = decode_steps(model, ids, None, 6, plan=True)
+    slow = decode_steps(model, ids, None, 6, plan=False)
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
+from conftest import TINY, lowp_operands
 
 from gpt2_port.model import GPT2, lowp
 
@@ -22,15 +22,9 @@ def no_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lowp, "cpu_features", lambda: frozenset())
 
 
-def _xwb(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(rows)
-    x, w, b = torch.randn(rows, 256, generator=g), torch.randn(512, 256, generator=g), torch.randn(512, generator=g)
-    return x.to(dtype), w.to(dtype), b.to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_float32_product_rounds_once_and_is_as_close_as_the_low_precision_kernel(dtype, no_bf16_units) -> None:  # noqa: ANN001
-    x, w, b = _xwb(64, dtype)
+    x, w, b = lowp_operands(64, dtype)
     got = lowp.linear_wb(x, w, b)
     assert got.dtype == dtype
     assert torch.equal(got, F.linear(x.float(), w.float(), b.float()).to(dtype))  # widened exactly, rounded once
@@ -41,7 +35,10 @@ def test_the_float32_product_rounds_once_and_is_as_close_as_the_low_precision_ke
 
 
 def test_the_choice_rows_training_float32_and_the_cpu(no_bf16_units) -> None:  # noqa: ANN001
-    few, many = _xwb(lowp.UPCAST_MIN_ROWS - 1, torch.bfloat16), _xwb(lowp.UPCAST_MIN_ROWS, torch.bfloat16)
+    few, many = (
+        lowp_operands(lowp.UPCAST_MIN_ROWS - 1, torch.bfloat16),
+        lowp_operands(lowp.UPCAST_MIN_ROWS, torch.bfloat16),
+    )
     assert not lowp.upcasts(few[0], few[1]) and lowp.upcasts(many[0], many[1])  # decoding rows keep bf16
     assert not lowp.upcasts(many[0].float(), many[1].float())
     w = many[1].clone().requires_grad_(True)
@@ -52,7 +49,7 @@ def test_the_choice_rows_training_float32_and_the_cpu(no_bf16_units) -> None:  #
 
 def test_the_probe_decides_on_a_cpu_with_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lowp, "cpu_features", lambda: frozenset({"amx_bf16"}))
-    x, w, b = _xwb(64, torch.bfloat16)
+    x, w, b = lowp_operands(64, torch.bfloat16)
     assert not lowp.upcasts(x, w) and torch.equal(lowp.linear_wb(x, w, b), F.linear(x, w, b))
 
 
@@ -69,7 +66,7 @@ def test_the_threshold_follows_the_instructions() -> None:
 
 def test_avx512_bf16_alone_keeps_the_kernel_below_128_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lowp, "cpu_features", lambda: frozenset({"avx512_bf16"}))
-    few, many = _xwb(127, torch.bfloat16), _xwb(128, torch.bfloat16)
+    few, many = lowp_operands(127, torch.bfloat16), lowp_operands(128, torch.bfloat16)
     assert not lowp.upcasts(few[0], few[1]) and lowp.upcasts(many[0], many[1])
     assert lowp.upcasts(few[0].half(), few[1].half())  # fp16 without oneDNN's fp16 kernels: from 16 rows
 

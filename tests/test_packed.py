@@ -13,11 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY
+from conftest import TINY, decode_steps, lowp_operands
 
-from gpt2_port.generate.cache import KVCache
 from gpt2_port.model import GPT2, lowp
-from gpt2_port.model.decode import DecodePlan
 from gpt2_port.model.gpt2 import from_pretrained
 
 pytestmark = pytest.mark.exactness
@@ -94,16 +92,10 @@ def test_the_checkpoint_layout_float32_and_a_model_built_in_memory_are_not_packe
             assert not any(lowp.is_packed(w) for w in _weights(m))
 
 
-def _xwb(rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(rows)
-    x, w, b = torch.randn(rows, 256, generator=g), torch.randn(512, 256, generator=g), torch.randn(512, generator=g)
-    return x.to(dtype), w.to(dtype), b.to(dtype)
-
-
 @pytest.mark.parametrize("rows", [1, 8, 64, 200])
 @pytest.mark.parametrize("dtype", LOWP)
 def test_a_packed_product_is_as_close_to_the_truth_as_the_kernels(dtype: torch.dtype, rows: int) -> None:
-    x, w, b = _xwb(rows, dtype)
+    x, w, b = lowp_operands(rows, dtype)
     lowp.set_packed(w, True)
     got = lowp.linear_wb(x, w, b)
     assert lowp.is_packed(w) and got.dtype == dtype and got.shape == (rows, 512)
@@ -116,7 +108,7 @@ def test_a_packed_product_is_as_close_to_the_truth_as_the_kernels(dtype: torch.d
 
 @pytest.mark.parametrize("dtype", LOWP)
 def test_a_weight_changed_in_place_or_replaced_is_packed_again(dtype: torch.dtype) -> None:
-    x, w, _ = _xwb(4, dtype)
+    x, w, _ = lowp_operands(4, dtype)
     lowp.set_packed(w, True)
     before = lowp.linear_wb(x, w, None)
     w.mul_(2)  # exact in any dtype: every product and sum doubles
@@ -128,7 +120,7 @@ def test_a_weight_changed_in_place_or_replaced_is_packed_again(dtype: torch.dtyp
 
 @pytest.mark.parametrize("dtype", LOWP)
 def test_a_gradient_never_runs_on_the_packed_copy(dtype: torch.dtype) -> None:
-    x, w, b = _xwb(4, dtype)
+    x, w, b = lowp_operands(4, dtype)
     w = torch.nn.Parameter(w)
     lowp.set_packed(w, True)
     y = lowp.linear_wb(x, w, b)
@@ -139,7 +131,7 @@ def test_a_gradient_never_runs_on_the_packed_copy(dtype: torch.dtype) -> None:
 
 
 def test_the_packed_copy_goes_with_its_weight() -> None:
-    x, w, _ = _xwb(2, torch.bfloat16)
+    x, w, _ = lowp_operands(2, torch.bfloat16)
     lowp.set_packed(w, True)
     lowp.linear_wb(x, w, None)
     ref = weakref.ref(w)
@@ -147,19 +139,6 @@ def test_the_packed_copy_goes_with_its_weight() -> None:
     del w
     gc.collect()
     assert ref() is None and len(lowp._marks) == n - 1
-
-
-def _steps(model: GPT2, ids: torch.Tensor, n: int, plan: bool) -> list[torch.Tensor]:
-    B, T = ids.shape
-    cache = KVCache(model.config, B, T + n, model.dtype, "cpu")
-    with torch.no_grad():
-        model(ids, cache=cache, hidden_only=True)
-        p = DecodePlan.for_model(model) if plan else None
-        out = []
-        for i in range(n):
-            tok = ((ids[:, -1:] * 7 + 13 * i) % model.config.vocab_size).contiguous()  # (B, 1)
-            out.append(p.step(tok, cache) if p is not None else model(tok, cache=cache, hidden_only=True))
-    return out
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -173,9 +152,9 @@ def test_decode_steps_on_packed_weights_are_bit_identical_to_the_forward(
     calls: list[bool] = []
     real = lowp._on_packed
     monkeypatch.setattr(lowp, "_on_packed", lambda *a: calls.append(True) or real(*a))
-    fast = _steps(m, ids, 8, plan=True)
+    fast = decode_steps(m, ids, None, 8, plan=True)
     n_fast, calls[:] = len(calls), []
-    slow = _steps(m, ids, 8, plan=False)
+    slow = decode_steps(m, ids, None, 8, plan=False)
     assert n_fast == len(calls) == (6 * TINY.n_layer * 9 if _packs_here(dtype) else 0)  # prefill + 8 steps
     assert all(lowp.is_packed(w) for w in _weights(m)[1:]) is _packs_here(dtype)  # the blocks (no head here)
     assert len({tuple(h[0, 0, :4].tolist()) for h in slow}) == 8  # the steps do differ

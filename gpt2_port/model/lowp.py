@@ -170,22 +170,23 @@ def _on_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def linear_wb(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias): from float32 copies where `upcasts` says so, else on the packed weight where there
-    is one (see the module's docstring)."""
+def _shortcut(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ weight^T + bias from float32 copies where `upcasts` says so, else on the packed weight where there is one;
+    None where F.linear is the call (see the module's docstring)."""
     if upcasts(x, weight):
         return _from_float32(x, weight, bias)
     packed = _packed(x, weight)
-    return F.linear(x, weight, bias) if packed is None else _on_packed(x, packed, bias)
+    return None if packed is None else _on_packed(x, packed, bias)
+
+
+def linear_wb(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through `_shortcut` where one applies."""
+    y = _shortcut(x, weight, bias)
+    return F.linear(x, weight, bias) if y is None else y
 
 
 def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """m(x) for a Linear module: a plain nn.Linear as `linear_wb` computes it where that differs from F.linear;
     otherwise (and for another module, e.g. int8) the module is called."""
-    if type(m) is nn.Linear:
-        if upcasts(x, m.weight):
-            return _from_float32(x, m.weight, m.bias)
-        packed = _packed(x, m.weight)
-        if packed is not None:
-            return _on_packed(x, packed, m.bias)
-    return m(x)
+    y = _shortcut(x, m.weight, m.bias) if type(m) is nn.Linear else None
+    return m(x) if y is None else y
