@@ -218,7 +218,7 @@ def test_q_k_v_stay_views_of_one_c_attn_through_a_dtype_and_device_move(tiny_off
     three matmuls ran: on CUDA not bit-exact). 'meta' stands in for an accelerator."""
     from gpt2_port.io import adapter
     from gpt2_port.io.load import read_checkpoint
-    from gpt2_port.model.c_attn import c_attn_view, fused_qkv
+    from gpt2_port.model.c_attn import c_attn_view, fused_qkv, qkv_tied
 
     for dtype, device in ((torch.bfloat16, "cpu"), (torch.float32, "meta")):
         sd, rep = read_checkpoint(tiny_official)
@@ -236,12 +236,18 @@ def test_q_k_v_stay_views_of_one_c_attn_through_a_dtype_and_device_move(tiny_off
             a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias
         )
         assert fused_qkv(a.q_proj, a.k_proj, a.v_proj) is not None
-    # bf16 on the CPU by default: every weight its own contiguous [out, in] copy (the fast matmul layout there)
+    # bf16 on the CPU by default: every weight contiguous [out, in] (the fast matmul layout there), q/k/v the row
+    # blocks of one contiguous [3C, C] copy of c_attn, so that inference still runs one matmul
     m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16)
-    for block in m.h:
+    for i, block in enumerate(m.h):
         a = block.attn
-        assert all(p.is_contiguous() and p._base is None for p in (a.q_proj.weight, a.k_proj.weight, a.c_proj.weight))
-        assert fused_qkv(a.q_proj, a.k_proj, a.v_proj) is None
+        assert all(p.is_contiguous() for p in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.c_proj.weight))
+        assert qkv_tied(a.q_proj, a.k_proj, a.v_proj) == "rows"
+        w, b = fused_qkv(a.q_proj, a.k_proj, a.v_proj)
+        assert w.is_contiguous() and w.shape == (3 * TINY.n_embd, TINY.n_embd)
+        c_attn = sd[f"h.{i}.attn.c_attn.weight"].to(torch.bfloat16)
+        assert torch.equal(w, c_attn.t()) and torch.equal(b, sd[f"h.{i}.attn.c_attn.bias"].to(torch.bfloat16))
+        assert a.c_proj.weight.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
 
 
 def test_a_move_or_cast_after_the_load_keeps_q_k_v_views_of_one_c_attn(tiny_official: Path) -> None:
@@ -266,6 +272,9 @@ def test_a_move_or_cast_after_the_load_keeps_q_k_v_views_of_one_c_attn(tiny_offi
     for to in (torch.float64, "meta"):
         m = GPT2.from_pretrained(str(tiny_official)).to(to)
         assert tied(m)
-    # a model that was not tied (built, or loaded with each weight its own copy) is left as it was
+    # the contiguous layout's rows stay rows (each weight contiguous), and a model that was not tied (built from
+    # scratch) is left as it was
     m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16)
-    assert not tied(m.to(torch.float32))
+    assert all(qkv_tied(b.attn.q_proj, b.attn.k_proj, b.attn.v_proj) == "rows" for b in m.to(torch.float32).h)
+    assert all(b.attn.q_proj.weight.dtype == torch.float32 and b.attn.q_proj.weight.is_contiguous() for b in m.h)
+    assert not tied(GPT2(TINY).to(torch.bfloat16))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from conftest import TINY, decode_steps, lowp_operands
 
 from gpt2_port.model import GPT2, lowp
+from gpt2_port.model.c_attn import fused_qkv
 from gpt2_port.model.gpt2 import from_pretrained
 
 pytestmark = pytest.mark.exactness
@@ -46,17 +47,14 @@ LOWP = [
 
 
 def _weights(m: GPT2) -> list[torch.Tensor]:
+    """Every weight an inference matmul runs on: the head, and per block c_attn's (3C, C) where q/k/v are views of
+    one (else q, k and v), c_proj, c_fc and the MLP's c_proj."""
     out = [m.head_weight]
     for b in m.h:
         a = b.attn
-        out += [
-            a.q_proj.weight,
-            a.k_proj.weight,
-            a.v_proj.weight,
-            a.c_proj.weight,
-            b.mlp.c_fc.weight,
-            b.mlp.c_proj.weight,
-        ]
+        fused = fused_qkv(a.q_proj, a.k_proj, a.v_proj)
+        out += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight] if fused is None else [fused[0]]
+        out += [a.c_proj.weight, b.mlp.c_fc.weight, b.mlp.c_proj.weight]
     return out
 
 
@@ -155,8 +153,30 @@ def test_decode_steps_on_packed_weights_are_bit_identical_to_the_forward(
     fast = decode_steps(m, ids, None, 8, plan=True)
     n_fast, calls[:] = len(calls), []
     slow = decode_steps(m, ids, None, 8, plan=False)
-    assert n_fast == len(calls) == (6 * TINY.n_layer * 9 if _packs_here(dtype) else 0)  # prefill + 8 steps
+    # c_attn (one matmul: q/k/v are row blocks of one weight), c_proj, c_fc, mlp c_proj; prefill + 8 steps
+    assert n_fast == len(calls) == (4 * TINY.n_layer * 9 if _packs_here(dtype) else 0)
     assert all(lowp.is_packed(w) for w in _weights(m)[1:]) is _packs_here(dtype)  # the blocks (no head here)
     assert len({tuple(h[0, 0, :4].tolist()) for h in slow}) == 8  # the steps do differ
     for i, (a, b) in enumerate(zip(fast, slow)):
         assert torch.equal(a, b), f"step {i}: max diff {(a - b).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_a_packed_model_made_trainable_keeps_no_packed_copy_nor_the_loads_c_attn(
+    tiny_official: Path, dtype: torch.dtype
+) -> None:
+    """`train`'s prepare_model gives every parameter its own memory: the packed copies and the fused c_attn view
+    of the load's weights go with the old parameters (nothing packed, the old c_attn freed), and an inference
+    forward afterwards packs nothing (the model is in train mode with gradients on)."""
+    from gpt2_port.train import TrainArgs, prepare_model
+
+    m, _ = from_pretrained(tiny_official, dtype=dtype)
+    with torch.no_grad():
+        m(torch.tensor([[1, 2, 3]]))
+    old = [weakref.ref(w) for w in _weights(m)]
+    assert all(lowp.is_packed(r()) for r in old)
+    prepare_model(m, TrainArgs(steps=1, batch_size=1, block_size=8, dropout=0.0), torch.device("cpu"))
+    gc.collect()
+    assert all(r() is None for r in old)
+    assert not any(lowp.is_packed(w) for w in _weights(m))
+    assert all("_fused_qkv" not in b.attn.q_proj.__dict__ for b in m.h)

@@ -86,11 +86,16 @@ class Conversion:
     notes: list[str] = field(default_factory=list)
 
 
-def _apply(op: str, t: torch.Tensor, e: int) -> list[torch.Tensor]:
+def _apply(op: str, t: torch.Tensor, e: int, contiguous: bool = False) -> list[torch.Tensor]:
+    """One table operation on a checkpoint tensor: views of it, or (`contiguous`) [out, in] contiguous tensors, q/k/v
+    then row blocks of one contiguous [3e, e] copy (still one c_attn: c_attn.py's "rows" layout)."""
     if op == "copy":
-        return [t]
+        return [t.contiguous() if contiguous else t]
     if op == "transpose":  # [in, out] -> [out, in], a view
-        return [t.t()]
+        return [t.t().contiguous() if contiguous else t.t()]
+    if op == "split_qkv_weight" and contiguous:  # [e, 3e] -> [3e, e] copy -> 3 x [e_out, e_in], contiguous views
+        rows = t.t().contiguous()
+        return [rows[j * e : (j + 1) * e] for j in range(3)]
     if op == "split_qkv_weight":  # [e, 3e] -> 3 x [e_out, e_in], views
         return [t[:, j * e : (j + 1) * e].t() for j in range(3)]
     if op == "split_qkv_bias":  # [3e] -> 3 x [e]
@@ -190,11 +195,12 @@ def convert_sources(
 ) -> dict[str, torch.Tensor]:
     """The scratch state dict again, with `fn` (a dtype or device move) applied to each checkpoint tensor once,
     before the table's views are taken: q, k and v split from one c_attn stay views of one tensor. `contiguous`:
-    every tensor its own [out, in] contiguous copy instead (one checkpoint tensor's copies made at a time)."""
+    every tensor [out, in] and contiguous instead (one checkpoint tensor's copies made at a time; q, k and v the row
+    blocks of one contiguous [3C, C] copy of c_attn, so that inference still runs c_attn's one matmul)."""
     state: dict[str, torch.Tensor] = {}
     for src, op, targets in conv.mapping:
-        for key, view in zip(targets, _apply(op, fn(sd[src]), cfg.n_embd)):
-            state[key] = view.contiguous() if contiguous else view
+        for key, view in zip(targets, _apply(op, fn(sd[src]), cfg.n_embd, contiguous)):
+            state[key] = view
     return state
 
 

@@ -75,11 +75,12 @@ Layout = Literal["auto", "checkpoint", "contiguous"]
 
 
 def contiguous_layout(layout: Layout, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the weights get their own [out, in] contiguous copies instead of views of the checkpoint's [in, out]
-    tensors. "auto": only for bfloat16/float16 on the CPU, where torch's matmul on the transposed view runs 13-20x
-    slower than on a contiguous weight (2-core AVX2, torch 2.13: a (768 -> 3072) bf16 linear of one token takes 5.7 ms
-    on the view, 0.34 ms contiguous; float32 takes 0.43 ms on either; `python -m benchmarks.layout`). "checkpoint"
-    keeps the views (the parity checker: the same calls as transformers' Conv1D)."""
+    """Whether the weights get [out, in] contiguous copies (q, k and v the row blocks of one [3C, C] copy of c_attn,
+    so that inference keeps its one matmul) instead of views of the checkpoint's [in, out] tensors. "auto": only for
+    bfloat16/float16 on the CPU, where torch's matmul on the transposed view runs 13-20x slower than on a contiguous
+    weight (2-core AVX2, torch 2.13: a (768 -> 3072) bf16 linear of one token takes 5.7 ms on the view, 0.34 ms
+    contiguous; float32 takes 0.43 ms on either; BENCHMARKS.md, "bfloat16 decode on the CPU"). "checkpoint" keeps
+    the views (the parity checker: the same calls as transformers' Conv1D)."""
     if layout == "auto":
         return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
     return layout == "contiguous"
@@ -97,8 +98,8 @@ def read_state(
 
     On the CPU in the file's dtype the tensors are views of the memory-mapped file (a float32 load peaks at about one
     copy of the weights). Otherwise each checkpoint tensor is converted once and the adapter's views are taken of the
-    result, so the three projections split from c_attn still share its storage (or, with a contiguous layout, each
-    gets its own contiguous copy: `contiguous_layout`).
+    result, so the three projections split from c_attn still share its storage (with a contiguous layout, as row
+    blocks of one contiguous [3C, C] copy, every other weight its own contiguous copy: `contiguous_layout`).
     """
     dt, dev = parse_dtype(dtype), parse_device(device)
     sd, report = read_checkpoint(model, revision)

@@ -4,7 +4,9 @@ An official checkpoint stores one c_attn `[C, 3C]` and loads as three `nn.Linear
 copy). Two ways to run the one matmul from them:
 
 - inference: `fused_qkv` finds the (3C, C) weight the three are views of and hands it to F.linear. One matmul decodes
-  faster than three strided ones (measured ~30% less time in that matmul). The view is made with as_strided on
+  faster than three strided ones (measured ~30% less time in that matmul). The contiguous layout (io/load.py) keeps
+  the one matmul too: q, k and v are row blocks of one contiguous `[3C, C]` there (a bf16/fp16 decode on the CPU
+  spends ~30% less time in one (3C, C) product than in three (C, C) ones). The view is made with as_strided on
   q's weight, so autograd would send all of c_attn's gradient to q_proj: never used when a gradient is wanted.
 - training: `CAttn`, a custom autograd Function with transformers' Conv1D arithmetic. Forward: addmm(b, x, W), W the
   `[C, 3C]` c_attn matrix (the checkpoint's storage viewed when q/k/v are adjacent views of it, else assembled).
@@ -22,6 +24,8 @@ the compiler folds into the matmul's input; the arithmetic is the same.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
@@ -34,61 +38,107 @@ def c_attn_view(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The `[C, 3C]` weight and (3C,) bias that q/k/v's (C, C) [out, in] weights and biases are adjacent views of,
     as views of that storage (no copy), or None when they are not laid out so (or under torch.compile, which does
-    not trace storage pointers)."""
+    not trace storage pointers). Two layouts are views of one c_attn: `qkv_layout`'s "columns" (the checkpoint's
+    `[C, 3C]`, each weight a transposed column block) and "rows" (one contiguous `[3C, C]`, each weight a row
+    block: the contiguous layout's)."""
     if compiling():
         return None
+    layout = qkv_layout(wq, wk, wv, bq, bk, bv)
+    if layout is None:
+        return None
+    C = wq.shape[1]
+    w = wq.as_strided((C, 3 * C), (3 * C, 1) if layout == "columns" else (1, C))
+    return w, bq.as_strided((3 * C,), (1,))
+
+
+QkvLayout = Literal["columns", "rows"]
+
+
+def qkv_layout(
+    wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, bq: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor
+) -> QkvLayout | None:
+    """How q/k/v's (C, C) [out, in] weights are adjacent views of one c_attn, or None (they are not; their biases
+    must be adjacent views of one (3C,) too): "columns", transposed column blocks of a `[C, 3C]` (strides (1, 3C), a
+    checkpoint's c_attn), or "rows", row blocks of a contiguous `[3C, C]` (strides (C, 1))."""
     C = wq.shape[1]
     if not (wq.shape == wk.shape == wv.shape == (C, C) and wq.dtype == wk.dtype == wv.dtype == bq.dtype):
         return None
     if not (bq.shape == bk.shape == bv.shape == (C,) and bq.dtype == bk.dtype == bv.dtype):
         return None
+    if not bq.stride() == bk.stride() == bv.stride() == (1,):
+        return None
+    if wq.stride() == wk.stride() == wv.stride() == (1, 3 * C):
+        layout: QkvLayout = "columns"
+    elif wq.stride() == wk.stride() == wv.stride() == (C, 1):
+        layout = "rows"
+    else:
+        return None
+    step = C if layout == "columns" else C * C  # elements from one weight's start to the next's
     ws, bs = wq.untyped_storage().data_ptr(), bq.untyped_storage().data_ptr()
     wo, bo = wq.storage_offset(), bq.storage_offset()
     for i, (w, b) in enumerate(((wk, bk), (wv, bv)), start=1):
-        if w.untyped_storage().data_ptr() != ws or w.storage_offset() != wo + i * C:
+        if w.untyped_storage().data_ptr() != ws or w.storage_offset() != wo + i * step:
             return None
         if b.untyped_storage().data_ptr() != bs or b.storage_offset() != bo + i * C:
             return None
-    if not wq.stride() == wk.stride() == wv.stride() == (1, 3 * C):
-        return None
-    if not bq.stride() == bk.stride() == bv.stride() == (1,):
-        return None
-    return wq.as_strided((C, 3 * C), (3 * C, 1)), bq.as_strided((3 * C,), (1,))
+    return layout
 
 
 def c_attn_weight(
     wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, bq: torch.Tensor, bk: torch.Tensor, bv: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """c_attn's `[C, 3C]` weight and (3C,) bias: the shared storage viewed, else assembled (a copy)."""
+    """c_attn's `[C, 3C]` weight and (3C,) bias, row-major as Conv1D's parameter is (so that the matmuls and their
+    gradients run as transformers' do): the shared storage viewed in the checkpoint layout ("columns"), else
+    assembled (a copy)."""
     fused = c_attn_view(wq, wk, wv, bq, bk, bv)
-    if fused is not None:
+    if fused is not None and fused[0].is_contiguous():
         return fused
     return torch.cat((wq.t(), wk.t(), wv.t()), dim=1), torch.cat((bq, bk, bv))  # (C, 3C), (3C,)
 
 
 def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (3C, C) weight and (3C,) bias that q/k/v are adjacent views of, or None. Inference only (see above)."""
-    if not all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)):
+    """The (3C, C) weight and (3C,) bias that q/k/v are adjacent views of, or None. Inference only (see above).
+
+    The same two tensor objects while the views stand (kept in q's `__dict__`, keyed by where they point), so that
+    what is keyed by the tensor (oneDNN's packed copy, lowp.set_packed) holds across calls. The kept views hold
+    the storage they point to until the next call finds q/k/v elsewhere. None under torch.compile (see above)."""
+    if compiling() or not all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)):
         return None
     fused = c_attn_view(q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
-    return None if fused is None else (fused[0].t(), fused[1])
+    if fused is None:
+        q.__dict__.pop("_fused_qkv", None)
+        return None
+    w, b = fused[0].t(), fused[1]  # (3C, C) [out, in], (3C,)
+    key = (w.data_ptr(), w.stride(), w.dtype, w.device, b.data_ptr())
+    kept = q.__dict__.get("_fused_qkv")
+    if kept is None or kept[0] != key:
+        kept = q.__dict__["_fused_qkv"] = (key, (w, b))
+    return kept[1]
 
 
-def qkv_tied(q: nn.Module, k: nn.Module, v: nn.Module) -> bool:
-    """Whether q/k/v's weights and biases are adjacent views of one c_attn weight and bias."""
-    return fused_qkv(q, k, v) is not None
+def qkv_tied(q: nn.Module, k: nn.Module, v: nn.Module) -> QkvLayout | None:
+    """How q/k/v's weights and biases are adjacent views of one c_attn weight and bias (`qkv_layout`), or None."""
+    if not all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)):
+        return None
+    return qkv_layout(q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
 
 
 @torch.no_grad()
-def tie_qkv(q: nn.Linear, k: nn.Linear, v: nn.Linear) -> None:
-    """Make q/k/v's weights and biases adjacent views of one new `[C, 3C]` weight and (3C,) bias holding their values
-    (on their device, in their dtype): the layout a load gives. The parameters stay the same objects (an optimizer's
-    references hold)."""
+def tie_qkv(q: nn.Linear, k: nn.Linear, v: nn.Linear, layout: QkvLayout = "columns") -> None:
+    """Make q/k/v's weights and biases adjacent views of one new c_attn weight and (3C,) bias holding their values
+    (on their device, in their dtype), laid out as `layout` says: "columns" (a `[C, 3C]`, what a load of the
+    checkpoint layout gives) or "rows" (a contiguous `[3C, C]`, the contiguous layout's). The parameters stay the
+    same objects (an optimizer's references hold)."""
     C = q.weight.shape[1]
-    w = torch.cat((q.weight.t(), k.weight.t(), v.weight.t()), dim=1)  # (C, 3C), contiguous
+    if layout == "columns":
+        w = torch.cat((q.weight.t(), k.weight.t(), v.weight.t()), dim=1)  # (C, 3C), contiguous
+        blocks = [w[:, i * C : (i + 1) * C].t() for i in range(3)]  # (C, C) [out, in], strides (1, 3C)
+    else:
+        w = torch.cat((q.weight, k.weight, v.weight), dim=0)  # (3C, C), contiguous
+        blocks = [w[i * C : (i + 1) * C] for i in range(3)]  # (C, C) [out, in], strides (C, 1)
     b = torch.cat((q.bias, k.bias, v.bias))  # (3C,)
     for i, m in enumerate((q, k, v)):
-        m.weight.data = w[:, i * C : (i + 1) * C].t()  # (C, C) [out, in], strides (1, 3C)
+        m.weight.data = blocks[i]
         m.bias.data = b[i * C : (i + 1) * C]
 
 

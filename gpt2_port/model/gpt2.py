@@ -35,6 +35,7 @@ from ..io.load import Layout, LoadReport, contiguous_layout, read_state
 from ..io.save import write_checkpoint
 from ..io.tokenizer import find_files
 from . import modules
+from .c_attn import fused_qkv
 from .decode import DecodePlan
 from .fused import check_pad_multiple, linear_cross_entropy, padded_vocab
 from .init import init_tensor_
@@ -203,10 +204,12 @@ class GPT2(GenerationMixin, nn.Module):
         (lowp.py: one more copy of each packed weight, made on first use; where it pays on this CPU: bf16 decodes
         1.3x faster with AMX). A load in the contiguous layout turns it on. Training and other devices are untouched."""
         for block in self.h:
-            for m in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj, block.attn.c_proj):
-                if type(m) is nn.Linear:
-                    set_packed(m.weight, enabled)
-            for m in (block.mlp.c_fc, block.mlp.c_proj):
+            a = block.attn
+            fused = fused_qkv(a.q_proj, a.k_proj, a.v_proj)  # c_attn's one (3C, C) matmul, where q/k/v are views of it
+            qkv = [a.q_proj, a.k_proj, a.v_proj] if fused is None else []
+            if fused is not None:
+                set_packed(fused[0], enabled)
+            for m in (*qkv, a.c_proj, block.mlp.c_fc, block.mlp.c_proj):
                 if type(m) is nn.Linear:
                     set_packed(m.weight, enabled)
         if self.lm_head is None or type(self.lm_head) is nn.Linear:

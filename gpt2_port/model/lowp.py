@@ -9,8 +9,9 @@ GEMM returns, up to the order of the float32 sums. Fewer rows (decoding) keep th
 half the bytes and is as fast or faster there. Training (gradients wanted), float32 and other devices are untouched.
 
 Prepacked weights: oneDNN's bf16/fp16 matmul on a plain [out, in] weight reorders that weight into its blocked layout
-on every call, a pass over the weight that a decode step pays 73 times per token. `set_packed` marks weights (the
-model does it for the contiguous layout, `GPT2.set_packed_weights`); the first inference matmul on a marked weight
+on every call, a pass over the weight that a decode step pays 49 times per token (4 matmuls a block, and the head).
+`set_packed` marks weights (the model does it for the contiguous layout, `GPT2.set_packed_weights`: c_attn's one
+(3C, C) weight, c_proj, c_fc, the MLP's c_proj and the head); the first inference matmul on a marked weight
 keeps oneDNN's reordered copy (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing uses) and
 later ones run on it (`_linear_pointwise`), until the weight changes (its data pointer or version). It costs one more
 copy of each packed weight. `packs` says where: where oneDNN has bf16 (AVX512-BF16, AMX) or fp16 kernels. Measured on

@@ -75,8 +75,8 @@ class CausalSelfAttention(nn.Module):
         then keeps c_attn's one matmul, the reference's arithmetic)."""
         tied = qkv_tied(self.q_proj, self.k_proj, self.v_proj)
         out = super()._apply(fn, recurse)
-        if tied and not qkv_tied(self.q_proj, self.k_proj, self.v_proj):
-            tie_qkv(self.q_proj, self.k_proj, self.v_proj)
+        if tied is not None and qkv_tied(self.q_proj, self.k_proj, self.v_proj) != tied:
+            tie_qkv(self.q_proj, self.k_proj, self.v_proj, tied)
         return out
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, nh, T, hs)

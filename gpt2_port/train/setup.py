@@ -44,6 +44,7 @@ def prepare_model(model: GPT2, args: TrainArgs, device: torch.device) -> GPT2:
             if p is not None:  # a tied head has no tensor of its own (it is wte.weight): nothing to re-tie
                 t = p.detach().to(device=device, dtype=torch.float32).contiguous().clone()
                 mod._parameters[name] = nn.Parameter(t)
+    model.set_packed_weights(False)  # no packed copies of the load's weights, nor the fused c_attn view kept of them
     if args.dropout is not None:
         model.set_dropout(args.dropout)
     model.gradient_checkpointing = args.grad_checkpointing
