@@ -1,8 +1,10 @@
 """The loader: every layout found in the wild, dtype/device options, meta-device + zero-copy assignment."""
 
+import gc
 import json
 import shutil
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -143,6 +145,7 @@ def test_missing_and_empty(tmp_path: Path):
 
 _FILE_RSS = """
 import sys
+import weakref
 from pathlib import Path
 import torch
 from gpt2_port.model import from_pretrained
@@ -275,6 +278,9 @@ def test_a_move_or_cast_after_the_load_keeps_q_k_v_views_of_one_c_attn(tiny_offi
     # the contiguous layout's rows stay rows (each weight contiguous), and a model that was not tied (built from
     # scratch) is left as it was
     m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16)
+    kept = [weakref.ref(fused_qkv(b.attn.q_proj, b.attn.k_proj, b.attn.v_proj)[0]) for b in m.h]
     assert all(qkv_tied(b.attn.q_proj, b.attn.k_proj, b.attn.v_proj) == "rows" for b in m.to(torch.float32).h)
+    gc.collect()
+    assert all(r() is None for r in kept)  # the bf16 c_attn is not held by the view fused_qkv keeps
     assert all(b.attn.q_proj.weight.dtype == torch.float32 and b.attn.q_proj.weight.is_contiguous() for b in m.h)
     assert not tied(GPT2(TINY).to(torch.bfloat16))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import GPT2Config
-from .c_attn import project_qkv, qkv_tied, tie_qkv
+from .c_attn import fused_qkv, project_qkv, qkv_tied, tie_qkv
 from .fused import gelu_tanh
 from .lowp import linear
 from .masks import causal
@@ -77,6 +77,7 @@ class CausalSelfAttention(nn.Module):
         out = super()._apply(fn, recurse)
         if tied is not None and qkv_tied(self.q_proj, self.k_proj, self.v_proj) != tied:
             tie_qkv(self.q_proj, self.k_proj, self.v_proj, tied)
+        fused_qkv(self.q_proj, self.k_proj, self.v_proj)  # the view it keeps now of the new tensors, not the old ones
         return out
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, nh, T, hs)
