@@ -284,3 +284,21 @@ def test_a_move_or_cast_after_the_load_keeps_q_k_v_views_of_one_c_attn(tiny_offi
     assert all(r() is None for r in kept)  # the bf16 c_attn is not held by the view fused_qkv keeps
     assert all(b.attn.q_proj.weight.dtype == torch.float32 and b.attn.q_proj.weight.is_contiguous() for b in m.h)
     assert not tied(GPT2(TINY).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_contiguous_layout_saves_the_checkpoint_it_was_loaded_from(
+    tiny_official: Path, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """q/k/v as row blocks of one [3C, C] (the contiguous layout), used and packed, write back c_attn's [C, 3C] as
+    the file had it (in the load's dtype), every other tensor too."""
+    from safetensors.torch import load_file
+
+    m = GPT2.from_pretrained(str(tiny_official), dtype=dtype)
+    with torch.no_grad():
+        m(torch.tensor([[1, 2, 3]]))  # packs where this CPU can
+    m.save_pretrained(tmp_path)
+    saved, source = load_file(tmp_path / "model.safetensors"), load_file(tiny_official / "model.safetensors")
+    assert set(saved) == {k for k in source if not k.endswith(".attn.bias")}
+    for k, t in saved.items():
+        assert torch.equal(t, source[k].to(dtype)), k
