@@ -206,10 +206,12 @@ class GPT2(GenerationMixin, nn.Module):
         for block in self.h:
             a = block.attn
             fused = fused_qkv(a.q_proj, a.k_proj, a.v_proj)  # c_attn's one (3C, C) matmul, where q/k/v are views of it
-            qkv = [a.q_proj, a.k_proj, a.v_proj] if fused is None else []
             if fused is not None:
                 set_packed(fused[0], enabled)
-            for m in (*qkv, a.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+            for m in (a.q_proj, a.k_proj, a.v_proj):  # their own matmuls run only where they are not one c_attn
+                if type(m) is nn.Linear:
+                    set_packed(m.weight, enabled and fused is None)
+            for m in (a.c_proj, block.mlp.c_fc, block.mlp.c_proj):
                 if type(m) is nn.Linear:
                     set_packed(m.weight, enabled)
         if self.lm_head is None or type(self.lm_head) is nn.Linear:
