@@ -96,13 +96,18 @@ def c_attn_weight(
     return torch.cat((wq.t(), wk.t(), wv.t()), dim=1), torch.cat((bq, bk, bv))  # (C, 3C), (3C,)
 
 
+def _plain(q: nn.Module, k: nn.Module, v: nn.Module) -> bool:
+    """Whether q, k and v are plain biased nn.Linear (not, e.g., int8 modules): what one c_attn can stand for."""
+    return all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v))
+
+
 def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The (3C, C) weight and (3C,) bias that q/k/v are adjacent views of, or None. Inference only (see above).
 
     The same two tensor objects while the views stand (kept in q's `__dict__`, keyed by where they point), so that
     what is keyed by the tensor (oneDNN's packed copy, lowp.set_packed) holds across calls. The kept views hold
     the storage they point to until the next call finds q/k/v elsewhere. None under torch.compile (see above)."""
-    if compiling() or not all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)):
+    if compiling() or not _plain(q, k, v):
         return None
     fused = c_attn_view(q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
     if fused is None:
@@ -118,7 +123,7 @@ def fused_qkv(q: nn.Module, k: nn.Module, v: nn.Module) -> tuple[torch.Tensor, t
 
 def qkv_tied(q: nn.Module, k: nn.Module, v: nn.Module) -> QkvLayout | None:
     """How q/k/v's weights and biases are adjacent views of one c_attn weight and bias (`qkv_layout`), or None."""
-    if not all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v)):
+    if not _plain(q, k, v):
         return None
     return qkv_layout(q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
 
@@ -187,7 +192,7 @@ def project_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B, T, C) -> q, k, v (B, T, C) each. grad: a gradient is wanted (no shared-storage view then)."""
     B, T, C = x.shape
-    plain = all(type(m) is nn.Linear and m.bias is not None for m in (q, k, v))
+    plain = _plain(q, k, v)
     if grad and plain:  # c_attn as transformers runs it, [in, 3 out], gradients split back into q, k and v
         y = CAttn.apply(x.reshape(-1, C), q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)  # (B*T, 3C)
         return y.view(B, T, 3 * C).split(C, dim=-1)
