@@ -130,3 +130,16 @@ def decode_steps(model: GPT2, ids: torch.Tensor, mask: torch.Tensor | None, n: i
             else:
                 out.append(model(tok, attention_mask=m, cache=cache, hidden_only=True))
     return out
+
+
+def greedy_heads() -> list:
+    """The fast greedy heads as test parameters: the screened one reported NOT RUN, with the reason, where oneDNN has
+    no packed bf16 kernel (the transposed one is then what generate uses)."""
+    from gpt2_port.generate.greedy_head import ScreenedHead, TransposedHead
+
+    no_bf16 = pytest.mark.skipif(
+        not ScreenedHead.available(),
+        reason="NOT RUN: ScreenedHead needs oneDNN's packed bf16 kernel (AVX512-BF16 or AMX, and ONEDNN_MAX_CPU_ISA "
+        "not holding oneDNN below them); this machine or configuration has none, so generate uses TransposedHead",
+    )
+    return [pytest.param(TransposedHead, id="transposed"), pytest.param(ScreenedHead, marks=no_bf16, id="screened")]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chaotic_model
+from conftest import chaotic_model, greedy_heads
 
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a sec
 # A tiny model whose random weights are large enough that greedy text keeps changing (GPT-2's 0.02 init, untrained,
 # repeats one token forever, which would make equality tests weak). Context 256 so 200 new tokens fit.
 CHAOTIC = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=256)
+HEADS = greedy_heads()
 PROMPTS = [[464, 2444, 4721, 511, 3835], [15496, 11, 995], [36235, 39141, 373, 257, 1049, 290, 262, 717, 11]]
 
 
@@ -475,35 +476,41 @@ def test_fused_qkv_view_is_bit_exact(tiny_official: Path) -> None:
     torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-5)  # bit-equal with MKL; BLAS may order sums
 
 
-def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The transposed-head shortcut picks the same tokens as the exact logits; with no margin it falls back."""
+@pytest.mark.parametrize("kind", HEADS)
+def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytest.MonkeyPatch, kind: type) -> None:
+    """Each shortcut picks the same tokens as the exact logits; with no margin it falls back."""
     from gpt2_port.generate.greedy_head import FastGreedyHead
 
+    monkeypatch.setattr(FastGreedyHead, "make", staticmethod(kind))
+    monkeypatch.delitem(model.__dict__, "_fast_greedy_head", raising=False)  # the kind an earlier test kept
     ids, mask = _left_pad(PROMPTS)
     fast = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None)
     exact = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None, fast_head=False)
-    assert fast.extra["fast_head"] and not exact.extra["fast_head"]
+    assert fast.extra["fast_head_kind"] == kind.__name__ and exact.extra["fast_head_kind"] is None
     assert fast.sequences.tolist() == exact.sequences.tolist()
     assert fast.extra["exact_head_steps"] < 60  # the shortcut did the work
     h = torch.randn(4, CHAOTIC.n_embd)
-    head = FastGreedyHead(model.head_weight)
-    assert torch.equal(head.argmax(h), torch.argmax(model.head(h), dim=-1))  # margins are wide on this model
-    monkeypatch.setattr(FastGreedyHead, "argmax", lambda self, h: None)  # never provable: always the exact logits
+    assert torch.equal(kind(model.head_weight).argmax(h), torch.argmax(model.head(h), dim=-1))  # wide margins here
+    monkeypatch.setattr(kind, "argmax", lambda self, h: None)  # never provable: always the exact logits
     forced = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None)
     assert forced.extra["exact_head_steps"] == 60 and forced.sequences.tolist() == exact.sequences.tolist()
+    model.__dict__.pop("_fast_greedy_head")
 
 
 def test_fast_greedy_head_is_cached_and_follows_the_weight(tiny_official: Path) -> None:
-    """The transposed head copy is made once per model, and rebuilt when the head weight changes."""
-    from gpt2_port.generate.greedy_head import FastGreedyHead
+    """The shortcut's copy is made once per model, and rebuilt when the head weight changes."""
+    from gpt2_port.generate.greedy_head import FastGreedyHead, ScreenedHead, TransposedHead
 
     m = GPT2.from_pretrained(str(tiny_official))
     first = FastGreedyHead.for_model(m)
+    assert type(first) is (ScreenedHead if ScreenedHead.available() else TransposedHead)
     assert FastGreedyHead.for_model(m) is first
     with torch.no_grad():
         m.wte.weight.mul_(2.0)  # in place: the copy is stale
     second = FastGreedyHead.for_model(m)
-    assert second is not first and torch.equal(second.wt, m.wte.weight.t())
+    assert second is not first
+    h = torch.randn(3, m.config.n_embd) * 10
+    assert torch.equal(second.argmax(h), torch.argmax(m.head(h), dim=-1))  # the new weight's tokens
 
 
 # ------------------------------------------------------------------------------------------ non-finite values
@@ -541,20 +548,19 @@ def test_inf_in_the_head_weight_stops_generate() -> None:
         generate_full(m, torch.tensor([PROMPTS[0]]), 5, eos_token_id=None)
 
 
-def test_fast_greedy_head_declines_overflowing_logits() -> None:
+@pytest.mark.parametrize("kind", HEADS)
+def test_fast_greedy_head_declines_overflowing_logits(kind: type) -> None:
     """Finite weights and hidden state, one logit overflowing to +Inf: no fast answer, whatever its margin (the
     exact logits are then computed, and generate checks them). NaN and Inf in h or the weight: no answer either."""
-    from gpt2_port.generate.greedy_head import FastGreedyHead
-
-    w = torch.randn(10, 4) * 0.1
+    w = torch.randn(10, 8) * 0.1
     w[0, :2] = 2e38  # finite
-    h = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    h = torch.tensor([[1.0, 1.0] + [0.0] * 6])
     assert bool(torch.isinf(h @ w.t()).any()) and bool(torch.isfinite(w).all())
-    assert FastGreedyHead(w).argmax(h) is None
-    w2 = torch.randn(10, 4)
-    assert FastGreedyHead(w2).argmax(torch.tensor([[float("nan"), 1.0, 0.0, 0.0]])) is None
+    assert kind(w).argmax(h) is None
+    w2 = torch.randn(10, 8)
+    assert kind(w2).argmax(torch.tensor([[float("nan"), 1.0] + [0.0] * 6])) is None
     w2[3, 1] = float("inf")
-    assert FastGreedyHead(w2).argmax(torch.tensor([[0.0, 1.0, 0.0, 0.0]])) is None
+    assert kind(w2).argmax(torch.tensor([[0.0, 1.0] + [0.0] * 6])) is None
 
 
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])

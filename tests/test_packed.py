@@ -148,8 +148,8 @@ def test_decode_steps_on_packed_weights_are_bit_identical_to_the_forward(
     m, _ = from_pretrained(tiny_official, dtype=dtype)
     ids = torch.tensor([[5, 6, 7, 8, 9], [50, 40, 30, 20, 10]]) % m.config.vocab_size
     calls: list[bool] = []
-    real = lowp._on_packed
-    monkeypatch.setattr(lowp, "_on_packed", lambda *a: calls.append(True) or real(*a))
+    real = lowp.on_packed
+    monkeypatch.setattr(lowp, "on_packed", lambda *a: calls.append(True) or real(*a))
     fast = decode_steps(m, ids, None, 8, plan=True)
     n_fast, calls[:] = len(calls), []
     slow = decode_steps(m, ids, None, 8, plan=False)

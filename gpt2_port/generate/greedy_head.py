@@ -1,52 +1,57 @@
-"""Greedy next tokens on the CPU from a transposed copy of the head weight, used only when provably the exact argmax."""
+"""Greedy next tokens on the CPU without the head's full float32 product, used only when provably the exact argmax.
+
+The head is the largest single read of a float32 decode step (154 MB for GPT-2 124M, a quarter of the step's
+bytes). Two shortcuts, each proving per step that its token is the argmax of the float32 logits `model.head` would
+compute, and declining (None: the exact logits are computed as usual) when it cannot:
+
+- `ScreenedHead`, where oneDNN has bf16 kernels (AVX512-BF16 or AMX: `cpu.packs(torch.bfloat16)`): a bf16 product
+  with rigorous error bounds screens the vocabulary, and float32 dot products decide among the few tokens it cannot
+  rule out. Reads half the head's bytes.
+- `TransposedHead` elsewhere: the float32 product on a (C, V) copy of the weight, ~30% faster than (V, C) on a CPU.
+
+Both rest on one bound (Higham, any summation order): a float32 dot product of length n is within
+G = gamma_n * sum_i |h_i w_ji| <= gamma_n * |h| * |w_j| of the true one, gamma_n = n u / (1 - n u). The logits the
+model would compute and any other float32 evaluation of them are each within G of the true dot products, so within
+2 G of each other, and a lead of more than 4 G over every rival in one is a lead in the other.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..cpu import on_packed, pack, packs
 from .protocol import CausalLM
 
+F32_U = 2.0**-24  # float32's unit roundoff (round to nearest)
+BF16_U = 2.0**-8  # bfloat16's
+SCREEN_SAFETY = 2.0  # the screen's bound is doubled: a looser screen only leaves a few more candidates
+NO_OVERFLOW = 1e38  # |h| * max|w_j| below this: no logit can overflow float32 (max 3.4e38), so every logit is finite
 
-class FastGreedyHead:
-    """Greedy next tokens from a transposed copy of the head weight, used only when provably the exact argmax.
 
-    On CPU a matrix-vector product runs ~30% faster with the weight laid out (C, V) than (V, C), and the head is the
-    largest single read of a decode step. The two layouts sum in different orders, so their logits differ in the last
-    bits. Each is within gamma_n * sum_i |h_i w_ji| <= gamma_n * |h| * |w_j| of the true dot product (Higham, any
-    summation order; gamma_n = n u / (1 - n u), u = 2^-24, n = C), so when the fast top-1 leads the fast top-2 by more
-    than twice that bound (times 2 for safety), the exact logits have the same unique argmax. Otherwise the exact
-    logits are computed as usual. Costs one (C, V) copy of the head weight, kept on the model after the first greedy
-    call (154 MB for GPT-2 124M; `fast_head=False` avoids it).
-    """
+def gamma(n: int, u: float = F32_U) -> float:
+    """gamma_n: the relative error bound of an n-term sum or dot product in any order, at unit roundoff u."""
+    return n * u / (1 - n * u)
+
+
+def norm_slack(n: int) -> float:
+    """A factor that covers the float32 rounding of the norms a bound is made of (|h|, max |w_j|: each within about
+    gamma_n / 2 of its value) and of the bound's own arithmetic."""
+    return 1 + 4 * gamma(n)
+
+
+class TransposedHead:
+    """Greedy next tokens from a (C, V) copy of the head weight (one matrix-vector product, ~30% faster on a CPU than
+    the (V, C) layout). The two layouts sum in different orders, so their logits differ in the last bits: each of the
+    fast and the model's logits is within G = gamma_C |h| max|w_j| of the true one, so when the fast top-1 leads the
+    fast top-2 by more than 4 G, the model's logits have the same unique argmax. Costs one (C, V) copy of the head
+    weight (154 MB for GPT-2 124M)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         V, C = weight.shape
-        u = 2.0**-24
-        gamma = C * u / (1 - C * u)
         self.wt = weight.detach().t().contiguous()  # (C, V)
-        self.scale = 2 * 2 * gamma * float(weight.detach().norm(dim=1).max())
-
-    @staticmethod
-    def for_model(model: CausalLM) -> FastGreedyHead:
-        """The model's cached instance, rebuilt when the head weight changes (another tensor, or written in place).
-
-        Kept on the model between calls, so only the first greedy call pays the copy (0.1 s for 124M).
-        """
-        w = model.head_weight
-        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
-        cached = model.__dict__.get("_fast_greedy_head")
-        if cached is None or cached[0] != key:
-            cached = (key, FastGreedyHead(w))
-            model.__dict__["_fast_greedy_head"] = cached
-        return cached[1]
-
-    @staticmethod
-    def usable(model: CausalLM) -> bool:
-        """float32 on CPU (no reduced-precision matmul), a plain head, no recording of the logits, and inference
-        (not in train mode, no gradient wanted: the copy is detached)."""
-        plain = model.lm_head is None or type(model.lm_head) is torch.nn.Linear
-        cpu32 = model.device.type == "cpu" and model.dtype == torch.float32
-        return plain and cpu32 and model.taps.rec is None and not model.wants_grad()
+        self.scale = 4 * gamma(C) * norm_slack(C) * float(weight.detach().norm(dim=1).max())
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """(B, C) float32 final hidden states -> (B,) the exact argmax, or None when the margin is too thin.
@@ -66,3 +71,138 @@ class FastGreedyHead:
         if bool(((top1 - top2) > bound).all()):
             return best[:, 0]
         return None
+
+
+class ScreenedHead:
+    """Greedy next tokens from a bf16 screen of the vocabulary and float32 dot products over what it leaves.
+
+    The screen: W' = W - mean row (float32; a shift common to every logit of a row, so every difference between two
+    logits is kept, and GPT-2's large common offset, which would cost bf16 precision, is gone), stored in bf16 as
+    oneDNN's packed weight. h is split into two bf16 rows, h = hb + hl + h3 (h3 exact in float32, ~2^-16 |h|), both
+    multiplied in one call (the weight is read once): s = bf16(hb W'b^T) + bf16(hl W'b^T). bf16 products are exact
+    in float32 and oneDNN accumulates bf16 in float32. With e'_j = h . (w_j - mean) the true shifted logit and r_j
+    the row's residual, e'_j - s_j comes from h . r_j, h3 . w'b_j, the shift's own rounding, the two accumulations
+    and the two roundings to bf16, so
+
+        |s_j - e'_j| <= |h| max|r| + |h3| max|w'b| + 2 u |h| max|w'| + g' (|hb| + |hl|) max|w'b|
+                        + 2 u' (1 + g') |hl| max|w'b|                              (= B, the screen)
+                        + U |s_j|                                                  (the rounding of s_j)
+
+    with g' = gamma_C, u' = 2^-7 / (1 - 2^-7) and U = u' + 4 u at a full ulp of float32 (u) and bf16 (so any
+    rounding mode). A token whose screened logit, raised by its bound, still falls more than 2 G short of the leader's
+    lowered by its own (G: the float32 bound gamma_C |h| max|w|) cannot be the argmax of the model's float32 logits.
+    The rest (7 at the median on a random 124M) get float32 dot products with W's own rows; when the best of them
+    leads the next by more than 4 G, it is the argmax of the model's logits too. Else, or with more than
+    `max_candidates` left (a quarter of the vocabulary by default: the gathered rows then cost about what the screen
+    saved), None.
+
+    Finite h and weights with |h| max|w| < 1e38 make every logit of the model finite, so the exact path's finite
+    check is kept: anything else gets None. Costs one packed bf16 copy of the head weight (77 MB for GPT-2 124M), and
+    reads the float32 weight only at the candidates' rows.
+    """
+
+    def __init__(self, weight: torch.Tensor, max_candidates: int | None = None, chunk: int = 4096) -> None:
+        w = weight.detach()
+        V, C = w.shape
+        self.mean = w.mean(dim=0)  # (C,) any vector would do: the shift is common to every logit
+        wc = w - self.mean  # (V, C) W', rounded to float32
+        wb = wc.to(torch.bfloat16)
+        norms = []  # per chunk of rows: max |w_j|, max |w'_j|, max |w'b_j|, max |w'_j - w'b_j| (float32: norm_slack)
+        for i in range(0, V, chunk):
+            wi, wci, wbi = w[i : i + chunk], wc[i : i + chunk], wb[i : i + chunk].float()
+            norms.append([float(t.norm(dim=1).max()) for t in (wi, wci, wbi, wci - wbi)])  # wci - wbi is exact
+        self.w_max, self.wc_max, self.wb_max, self.r_max = (max(col) for col in zip(*norms))
+        del wc
+        self.w = w  # the float32 rows, read only at the candidates
+        self.max_candidates = V // 4 if max_candidates is None else max_candidates
+        g1 = gamma(C, 2 * F32_U)  # a full ulp: whatever rounding oneDNN's accumulation uses
+        u1 = 2 * BF16_U / (1 - 2 * BF16_U)  # the rounding to bf16, at a full ulp
+        slack = SCREEN_SAFETY * norm_slack(C)
+        # B = |h| a + |h3| b + (|hb| + |hl|) c + |hl| d: the coefficients, doubled
+        self.coef = [slack * k for k in (self.r_max + 2 * F32_U * self.wc_max, self.wb_max, g1 * self.wb_max)]
+        self.coef.append(slack * 2 * u1 * (1 + g1) * self.wb_max)
+        self.u_s = u1 + 4 * F32_U  # U
+        self.g_scale = gamma(C) * norm_slack(C) * self.w_max  # G = g_scale |h|
+        packed = pack(wb)
+        if packed is None:
+            raise RuntimeError("ScreenedHead needs oneDNN's packed bf16 kernel, which this torch or CPU lacks")
+        self.packed = packed
+
+    @staticmethod
+    def available() -> bool:
+        """Whether oneDNN runs bf16 matmuls here on its own kernels, packed (AVX512-BF16 or AMX, within any
+        ONEDNN_MAX_CPU_ISA cap): there the screen reads half the bytes at full speed. Elsewhere torch's bf16 GEMM is
+        slow code and TransposedHead is faster."""
+        return packs(torch.bfloat16) and pack(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
+
+    def screen(self, h: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+        """(B, C) float32 -> ((B, V) float32 screened logits, shifted; (B,) each row's screen bound B, as floats)."""
+        B = h.shape[0]
+        hb = h.to(torch.bfloat16)
+        d = h - hb.float()  # exact
+        hl = d.to(torch.bfloat16)
+        h3 = d - hl.float()  # exact
+        s2 = on_packed(torch.cat([hb, hl]), self.packed, None).float()  # (2B, V)
+        s = s2[:B] + s2[B:]  # (B, V)
+        parts = [h, h3, hb.float(), hl.float()]
+        n = torch.stack([t.norm(dim=1) for t in parts]).tolist()  # (4, B)
+        a, b, c, e = self.coef
+        bound = [a * n0 + b * n1 + c * (n2 + n3) + e * n3 + 1e-30 for n0, n1, n2, n3 in zip(*n)]
+        return s, bound
+
+    def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
+        """(B, C) float32 final hidden states -> (B,) the exact argmax, or None where it cannot be proven."""
+        s, bounds = self.screen(h)
+        lead = s.amax(dim=1).tolist()  # (B,)
+        hns = h.norm(dim=1).tolist()
+        out = []
+        for i, (s_m, b, hn) in enumerate(zip(lead, bounds, hns)):
+            if not (math.isfinite(hn) and hn * self.w_max < NO_OVERFLOW and math.isfinite(s_m) and math.isfinite(b)):
+                return None
+            g = self.g_scale * hn  # G: the float32 bound of every logit, the model's and the candidates' alike
+            u = self.u_s
+            y = s_m - u * abs(s_m) - 2 * b - 2 * g  # the leader's true logit lowered by its bound, less the margin
+            thr = y / (1 + u) if y >= 0 else y / (1 - u)  # s_j >= thr  <=>  s_j + u |s_j| >= y
+            thr -= 2**-20 * abs(thr) + 1e-30  # below its rounding to float32 (and this arithmetic's own)
+            idx = (s[i] >= thr).nonzero()[:, 0]  # (k,) the candidates (the leader is one)
+            if idx.numel() > self.max_candidates:
+                return None
+            if idx.numel() == 1:
+                out.append(idx[0])
+                continue
+            c = self.w.index_select(0, idx) @ h[i]  # (k,) float32 logits of the candidates, W's own rows
+            top = torch.topk(c, 2)
+            if not (float(top.values[0] - top.values[1]) > 4 * g):  # NaN fails too
+                return None
+            out.append(idx[top.indices[0]])
+        return torch.stack(out)
+
+
+class FastGreedyHead:
+    """Which shortcut a model gets, when it may use one, and the one it keeps between calls."""
+
+    @staticmethod
+    def make(weight: torch.Tensor) -> ScreenedHead | TransposedHead:
+        return ScreenedHead(weight) if ScreenedHead.available() else TransposedHead(weight)
+
+    @staticmethod
+    def for_model(model: CausalLM) -> ScreenedHead | TransposedHead:
+        """The model's cached instance, rebuilt when the head weight changes (another tensor, or written in place).
+
+        Kept on the model between calls, so only the first greedy call pays the copy (0.1-0.3 s for 124M).
+        """
+        w = model.head_weight
+        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
+        cached = model.__dict__.get("_fast_greedy_head")
+        if cached is None or cached[0] != key:
+            cached = (key, FastGreedyHead.make(w))
+            model.__dict__["_fast_greedy_head"] = cached
+        return cached[1]
+
+    @staticmethod
+    def usable(model: CausalLM) -> bool:
+        """float32 on CPU (no reduced-precision matmul), a plain head, no recording of the logits, and inference
+        (not in train mode, no gradient wanted: the copies are detached)."""
+        plain = model.lm_head is None or type(model.lm_head) is torch.nn.Linear
+        cpu32 = model.device.type == "cpu" and model.dtype == torch.float32
+        return plain and cpu32 and model.taps.rec is None and not model.wants_grad()

@@ -271,6 +271,7 @@ def generate_full(
         max_new_tokens=max_new_tokens,
         extra={
             "fast_head": choose.fast_head is not None,
+            "fast_head_kind": None if choose.fast_head is None else type(choose.fast_head).__name__,
             "exact_head_steps": choose.exact_steps,
             "fast_step": steps.name != "forward",
             "step": steps.name,

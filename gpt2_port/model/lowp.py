@@ -38,54 +38,16 @@ benchmarks.lowp_gemm`, the three 124M shapes summed; kernel time / float32 copie
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-log = logging.getLogger(__name__)
+from ..cpu import cpu_features, on_packed, pack, packs
 
 UPCAST_MIN_ROWS = 16  # no low-precision instructions (AVX2)
 UPCAST_MIN_ROWS_AVX512_BF16 = 128  # AVX512-BF16 without AMX
 _LOWP = (torch.bfloat16, torch.float16)
-
-
-# ONEDNN_MAX_CPU_ISA (DNNL_MAX_CPU_ISA, its older name) caps the instructions oneDNN's kernels use, and so what
-# torch's bf16 matmul runs; torch.cpu's probes read the CPU and ignore it. Levels below AVX512_CORE_BF16, and those
-# from it below AMX:
-_ISA_BELOW_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
-_ISA_BELOW_AMX = {"AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512"}
-
-
-def _probe(name: str) -> bool:
-    """One of torch's CPU feature probes (torch.cpu._is_*_supported); False where this torch has none by that name."""
-    return bool(getattr(torch.cpu, name, lambda: False)())
-
-
-def _onednn_fp16() -> bool:
-    """Whether torch's fp16 matmul on this CPU goes to oneDNN's fp16 kernels (AVX512-FP16 or AMX-FP16; it heeds
-    ONEDNN_MAX_CPU_ISA, as the matmul's own dispatch does)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-@functools.cache
-def cpu_features() -> frozenset[str]:
-    """What decides the thresholds: "amx_bf16" (AMX tiles), "avx512_bf16", "fp16_gemm" (oneDNN's fp16 kernels), as
-    oneDNN may use them under ONEDNN_MAX_CPU_ISA."""
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
-    found = {
-        "amx_bf16": _probe("_is_amx_tile_supported") and cap not in _ISA_BELOW_BF16 | _ISA_BELOW_AMX,
-        "avx512_bf16": _probe("_is_avx512_bf16_supported") and cap not in _ISA_BELOW_BF16,
-        "fp16_gemm": _onednn_fp16(),
-    }
-    return frozenset(k for k, v in found.items() if v)
 
 
 def upcast_min_rows(dtype: torch.dtype, features: frozenset[str] | None = None) -> int | None:
@@ -123,15 +85,6 @@ def _from_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 _marks: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def packs(dtype: torch.dtype, features: frozenset[str] | None = None) -> bool:
-    """Whether a `dtype` weight is worth packing on a CPU with `features` (this CPU's by default); see the module's
-    docstring for the measurements."""
-    f = cpu_features() if features is None else features
-    if dtype == torch.bfloat16:
-        return bool(f & {"amx_bf16", "avx512_bf16"})
-    return dtype == torch.float16 and "fp16_gemm" in f
-
-
 def set_packed(weight: torch.Tensor, enabled: bool) -> None:
     """Mark (or unmark) a 2-D weight for packing; it is packed on first use, where `packs` says it pays then."""
     if not enabled:
@@ -158,17 +111,8 @@ def _packed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
     key = (weight.data_ptr(), weight._version)
     if mark[0] != key:
-        try:  # the batch-size hint 1: the blocked layout oneDNN picks for decoding
-            mark[1] = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
-        except (AttributeError, RuntimeError) as e:  # no packed kernel in this torch or for this CPU's instructions
-            log.debug("no packed %s weight: %s", weight.dtype, e)
-            mark[1] = None
-        mark[0] = key
+        mark[1], mark[0] = pack(weight), key
     return mark[1]
-
-
-def _on_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _shortcut(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -177,7 +121,7 @@ def _shortcut(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     if upcasts(x, weight):
         return _from_float32(x, weight, bias)
     packed = _packed(x, weight)
-    return None if packed is None else _on_packed(x, packed, bias)
+    return None if packed is None else on_packed(x, packed, bias)
 
 
 def linear_wb(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

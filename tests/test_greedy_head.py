@@ -1,0 +1,108 @@
+"""The fast greedy heads (generate/greedy_head.py): each returns the argmax of the model's float32 logits or declines.
+
+ScreenedHead's bound is checked against float64 truth on a head shaped like GPT-2's (a large common component in
+every row of wte, so the logits carry a large common offset, and a hidden state with a few huge dimensions); both
+heads are checked against the float32 argmax on near ties they must decline or get right.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import greedy_heads
+
+from gpt2_port.generate import greedy_head
+from gpt2_port.generate.greedy_head import SCREEN_SAFETY, FastGreedyHead, ScreenedHead, TransposedHead, norm_slack
+
+pytestmark = pytest.mark.exactness
+
+HEADS = greedy_heads()
+SCREENED = [p for p in HEADS if p.id == "screened"]
+V, C = 5000, 256
+
+
+def gpt2_like_head(seed: int = 0) -> torch.Tensor:
+    """(V, C) rows with a common component 3x the size of each row's own (GPT-2's wte is as anisotropic), row norms
+    spread over 2x, and a few rare rows 3x longer."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(C, generator=g) * 0.4
+    w = torch.randn(V, C, generator=g) * 0.13 * (1 + torch.rand(V, 1, generator=g))
+    w[:: V // 10] *= 3
+    return w + common
+
+
+def hidden(n: int, w: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    """(n, C) final hidden states like GPT-2's: unit-scale dimensions, three 20x larger, and a component along the
+    common row that gives every logit a large negative offset (about -100)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, C, generator=g) * 1.5
+    h[:, [3, 77, 200]] *= 20
+    common = w.mean(dim=0)
+    return h - 100 * common / common.norm() ** 2
+
+
+@pytest.mark.parametrize("kind", SCREENED)
+def test_the_screens_bound_holds_against_float64_truth(kind: type) -> None:
+    """|s_j - e'_j| <= B + U |s_j| for every token (e'_j the exact shifted logit), without the bound's safety factor.
+    Worst case seen: 0.12 of the undoubled B."""
+    w = gpt2_like_head()
+    head = kind(w)
+    h = hidden(16, w)
+    s, bounds = head.screen(h)
+    truth = h.double() @ (w.double() - head.mean.double()).t()  # (16, V): the shifted logits, exactly enough
+    raw = torch.tensor(bounds, dtype=torch.float64)[:, None] / (SCREEN_SAFETY * norm_slack(C))
+    err = (s.double() - truth).abs() - head.u_s * s.double().abs()
+    worst = float((err / raw).max())
+    assert worst <= 1.0, worst
+    logits = F.linear(h, w)
+    assert float(logits.mean(dim=1).amax()) < -50  # GPT-2-like: a large common offset ...
+    assert float(s.mean(dim=1).abs().amax()) < 1.0  # ... that the shift removes before bf16 rounds
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_the_fast_argmax_is_the_float32_argmax_or_none(kind: type) -> None:
+    """On random hidden states and on near ties (pairs of rows apart by 1e-7 .. 1e-2 of their length, the hidden
+    state aimed at the pair), every answer equals torch.argmax of the model's float32 logits; ties too close to
+    prove are declined, clear leads are answered."""
+    w = gpt2_like_head(2)
+    for j, rel in enumerate([1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2]):
+        w[100 + j] = w[10 + j] * (1 + rel)  # the pair (10 + j, 100 + j): 100 + j leads by a hair when h aims at it
+    head = kind(w)
+    h = hidden(64, w, seed=3)
+    aimed = torch.stack([w[10 + j] * 4 for j in range(6)]) + hidden(6, w, seed=4) * 0.01  # (6, C)
+    answered = declined = 0
+    for row in torch.cat([h, aimed]):
+        got = head.argmax(row[None])
+        want = torch.argmax(F.linear(row[None], w), dim=-1)  # the model's head: one float32 matmul
+        if got is None:
+            declined += 1
+        else:
+            answered += 1
+            assert torch.equal(got, want)
+    assert answered >= 64  # every random state answered: clear leads
+    assert declined >= 2  # the closest ties (1e-7, 1e-6 of a row) cannot be proven in float32
+    batch = head.argmax(h)  # (64,) in one call
+    assert batch is not None and torch.equal(batch, torch.argmax(F.linear(h, w), dim=-1))
+
+
+@pytest.mark.parametrize("kind", SCREENED)
+def test_the_screened_head_keeps_no_float32_copy(kind: type) -> None:
+    """Its only copy of the head is the packed bf16 one (half the bytes of the float32 weight; oneDNN may pad it),
+    and it reads the float32 rows from the weight itself."""
+    w = gpt2_like_head()
+    head = kind(w)
+    assert head.w.data_ptr() == w.data_ptr()
+    own = [t for t in vars(head).values() if isinstance(t, torch.Tensor) and t is not head.w]
+    big = [t for t in own if t.numel() * t.element_size() > 4 * C * 4]
+    assert len(big) == 1 and big[0].element_size() == 2 and big[0].numel() <= 1.1 * V * C
+
+
+def test_the_screen_is_chosen_where_onednn_has_packed_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has no bf16 kernel (AVX2, or capped by ONEDNN_MAX_CPU_ISA) torch's bf16 GEMM is slow code, and
+    the transposed float32 head is used."""
+    w = gpt2_like_head()
+    want = ScreenedHead if ScreenedHead.available() else TransposedHead
+    assert type(FastGreedyHead.make(w)) is want
+    monkeypatch.setattr(greedy_head, "packs", lambda dtype: False)
+    assert not ScreenedHead.available() and type(FastGreedyHead.make(w)) is TransposedHead
