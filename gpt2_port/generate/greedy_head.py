@@ -85,14 +85,14 @@ class ScreenedHead:
     and the two roundings to bf16, so
 
         |s_j - e'_j| <= |h| max|r| + |h3| max|w'b| + 2 u |h| max|w'| + g' (|hb| + |hl|) max|w'b|
-                        + 2 u' (1 + g') |hl| max|w'b|                              (= B, the screen)
+                        + 2 u' (1 + g') (1 + u') |hl| max|w'b|                     (= B, the screen)
                         + U |s_j|                                                  (the rounding of s_j)
 
     with g' = gamma_C, u' = 2^-7 / (1 - 2^-7) and U = u' + 4 u at a full ulp of float32 (u) and bf16 (so any
     rounding mode). A token whose screened logit, raised by its bound, still falls more than 2 G short of the leader's
     lowered by its own (G: the float32 bound gamma_C |h| max|w|) cannot be the argmax of the model's float32 logits.
-    The rest (7 at the median on a random 124M) get float32 dot products with W's own rows; when the best of them
-    leads the next by more than 4 G, it is the argmax of the model's logits too. Else, or with more than
+    The rest (3 at the median, 16 at most, on a random 124M) get float32 dot products with W's own rows; when the
+    best of them leads the next by more than 4 G, it is the argmax of the model's logits too. Else, or with more than
     `max_candidates` left (a quarter of the vocabulary by default: the gathered rows then cost about what the screen
     saved), None.
 
@@ -120,7 +120,7 @@ class ScreenedHead:
         slack = SCREEN_SAFETY * norm_slack(C)
         # B = |h| a + |h3| b + (|hb| + |hl|) c + |hl| d: the coefficients, doubled
         self.coef = [slack * k for k in (self.r_max + 2 * F32_U * self.wc_max, self.wb_max, g1 * self.wb_max)]
-        self.coef.append(slack * 2 * u1 * (1 + g1) * self.wb_max)
+        self.coef.append(slack * 2 * u1 * (1 + g1) * (1 + u1) * self.wb_max)  # 2 u' |s_lo|, |s_lo| bounded
         self.u_s = u1 + 4 * F32_U  # U
         self.g_scale = gamma(C) * norm_slack(C) * self.w_max  # G = g_scale |h|
         packed = pack(wb)
