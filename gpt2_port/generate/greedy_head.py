@@ -80,9 +80,10 @@ class ScreenedHead:
     logits is kept, and GPT-2's large common offset, which would cost bf16 precision, is gone), stored in bf16 as
     oneDNN's packed weight. h is split into two bf16 rows, h = hb + hl + h3 (h3 exact in float32, ~2^-16 |h|), both
     multiplied in one call (the weight is read once): s = bf16(hb W'b^T) + bf16(hl W'b^T). bf16 products are exact
-    in float32 and oneDNN accumulates bf16 in float32. With e'_j = h . (w_j - mean) the true shifted logit and r_j
-    the row's residual, e'_j - s_j comes from h . r_j, h3 . w'b_j, the shift's own rounding, the two accumulations
-    and the two roundings to bf16, so
+    in float32, and oneDNN accumulates in float32 (its default accumulation mode, "strict", documented as f32 for
+    floating-point primitives; the bound below allows any rounding of those sums). With e'_j = h . (w_j - mean) the
+    true shifted logit and r_j the row's residual, e'_j - s_j comes from h . r_j, h3 . w'b_j, the shift's own
+    rounding, the two accumulations and the two roundings to bf16, so
 
         |s_j - e'_j| <= |h| max|r| + |h3| max|w'b| + 2 u |h| max|w'| + g' (|hb| + |hl|) max|w'b|
                         + 2 u' (1 + g') (1 + u') |hl| max|w'b|                     (= B, the screen)
