@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU half of the project's checks, in a few long commands, on a machine with CUDA whose python already has torch,
 # transformers and safetensors (no network needed: the checkpoints are random weights in the official layout, written
-# there). Each phase writes its log and its JSON/Markdown/PNG into OUT and prints a one-line verdict.
+# there). Each phase writes its log and its JSON/Markdown/PNG into RESULTS and prints a one-line verdict.
 #
 #   scripts/gpu_check.sh PHASE [PHASE ...]
 #     tests     the `cuda` tests (tests/test_cuda.py)
@@ -15,46 +15,58 @@
 #     decode    python -m benchmarks.gpu decode --sizes gpt2 (tokens/s beside transformers' generate)
 #     decode-xl the same for gpt2-xl, bf16
 #     smoke     the same commands at toy sizes on the CPU (checks this script, not the GPU)
-# Each call to a lent GPU runs at most 10 minutes: about one phase per call (tests and parity together fit).
-# Every invocation first writes OUT/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
+# Each call to a lent GPU runs at most 10 minutes: one phase per call (tests and parity together may not fit).
+# Every invocation first writes RESULTS/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
 #
-# Environment: OUT (default gpu-results), PYTHON (default python3), INSTALL=0 to skip `pip install -e .` (if it fails,
-# the commands run from the checkout on PYTHONPATH),
-# SHARED_FROM (the tests need ../shared beside the checkout: GPT-2's BPE files and tiny shakespeare; where it is
-# missing, a copy of it at SHARED_FROM is put there). The benchmarks share the script's checkpoints (weights/).
+# Environment: RESULTS (default gpu-results), PYTHON (default python3), INSTALL=0 to skip `pip install -e .` (if it
+# fails, the commands run from the checkout on PYTHONPATH),
+# SHARED_FROM (default .gpu_shared where it exists; the tests need ../shared beside the checkout: GPT-2's BPE files and
+# tiny shakespeare; where it is missing, a copy of it at SHARED_FROM is put there),
+# OUT: the device machine's folder of files sent back (set there): after env.log and after every step the RESULTS
+# folder is written to OUT/gpu-results.tgz, so a call cut off at its time limit still returns what was done (OUT
+# itself returns only a few files). The benchmarks share the script's checkpoints (weights/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-OUT=${OUT:-gpu-results}
+RESULTS=${RESULTS:-gpu-results}
+SHARED_FROM=${SHARED_FROM:-$([ -d .gpu_shared ] && echo .gpu_shared)}
 [ $# -gt 0 ] || { sed -n '6,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 for phase in "$@"; do
   case "$phase" in tests | suite | parity | train | train-xl | decode | decode-xl | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, suite, parity, train, train-xl, decode, decode-xl or smoke)" >&2; exit 2 ;; esac
 done
-mkdir -p "$OUT" weights
+mkdir -p "$RESULTS" weights
 
-if [ "${INSTALL:-1}" = 1 ] && ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
+bundle() {  # RESULTS as OUT/gpu-results.tgz where the device machine's OUT is set (and is another folder)
+  [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
+  [ "$(cd "$OUT" && pwd)" != "$(cd "$RESULTS" && pwd)" ] || return 0
+  tar czf "$OUT/gpu-results.tgz.part" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" &&
+    mv -f "$OUT/gpu-results.tgz.part" "$OUT/gpu-results.tgz"  # whole: a kill mid-write keeps the last bundle
+}
+
+if [ "${INSTALL:-1}" = 1 ] && ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$RESULTS/install.log" 2>&1; then
   # an old setuptools or pip must not cost the call: run from the checkout, checks/ importable as gpt2_port_checks
-  echo "gpu_check: pip install -e . failed, running from the checkout (PYTHONPATH); $OUT/install.log ends:" >&2
-  tail -5 "$OUT/install.log" >&2
-  pp="$(cd "$OUT" && pwd)/pythonpath"
+  echo "gpu_check: pip install -e . failed, running from the checkout (PYTHONPATH); $RESULTS/install.log ends:" >&2
+  tail -5 "$RESULTS/install.log" >&2
+  pp="$(cd "$RESULTS" && pwd)/pythonpath"
   mkdir -p "$pp" && ln -sfn "$PWD/checks" "$pp/gpt2_port_checks"
   export PYTHONPATH="$PWD:$pp${PYTHONPATH:+:$PYTHONPATH}"
 fi
 G=("$PY" -m gpt2_port)
 failed=0
 
-step() {  # step NAME COMMAND...: run it, its output into OUT/NAME.log, one line of verdict
+step() {  # step NAME COMMAND...: run it, its output into RESULTS/NAME.log, one line of verdict; then bundle
   local name=$1 t0 rc
   shift
   t0=$(date +%s)
   echo "== $name: $*" >&2
-  PYTHONUNBUFFERED=1 "$@" >"$OUT/$name.log" 2>&1
+  PYTHONUNBUFFERED=1 "$@" >"$RESULTS/$name.log" 2>&1
   rc=$?
-  echo "== $name: exit $rc in $(($(date +%s) - t0)) s (log $OUT/$name.log)" >&2
-  [ $rc -eq 0 ] || { failed=1; tail -20 "$OUT/$name.log" >&2; }
+  echo "== $name: exit $rc in $(($(date +%s) - t0)) s (log $RESULTS/$name.log)" >&2
+  [ $rc -eq 0 ] || { failed=1; tail -20 "$RESULTS/$name.log" >&2; }
+  bundle
 }
 
-"$PY" - >"$OUT/env.log" 2>&1 <<'PYEOF'
+"$PY" - >"$RESULTS/env.log" 2>&1 <<'PYEOF'
 import importlib.util, platform, shutil
 import torch
 print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)
@@ -67,7 +79,8 @@ for mod in ("triton", "transformers", "safetensors", "tiktoken", "matplotlib", "
     print(mod, "missing" if spec is None else __import__(mod).__version__)
 print("C compiler", shutil.which("cc") or shutil.which("gcc") or "missing")
 PYEOF
-echo "== env: $(tr '\n' ' ' <"$OUT/env.log")" >&2
+echo "== env: $(tr '\n' ' ' <"$RESULTS/env.log")" >&2
+bundle
 
 shared() {  # the tests read ../shared: put the copy at SHARED_FROM there when it is missing
   if [ -n "${SHARED_FROM:-}" ] && [ ! -e ../shared ]; then cp -r "$SHARED_FROM" ../shared; fi
@@ -90,47 +103,47 @@ for phase in "$@"; do
     parity)
       checkpoint gpt2
       checkpoint gpt2-xl
-      step parity-124m "${G[@]}" parity weights/gpt2-random --device cuda --json "$OUT/parity-124m.json"
-      step parity-1.5b "${G[@]}" parity weights/gpt2-xl-random --device cuda --json "$OUT/parity-1.5b.json"
+      step parity-124m "${G[@]}" parity weights/gpt2-random --device cuda --json "$RESULTS/parity-124m.json"
+      step parity-1.5b "${G[@]}" parity weights/gpt2-xl-random --device cuda --json "$RESULTS/parity-1.5b.json"
       step parity-124m-backward "${G[@]}" parity weights/gpt2-random --device cuda --backward --train-steps 10 \
-        --json "$OUT/parity-124m-backward.json"
+        --json "$RESULTS/parity-124m-backward.json"
       step parity-124m-backward-fast "${G[@]}" parity weights/gpt2-random --device cuda --backward --train-steps 10 \
-        --kernels fast --json "$OUT/parity-124m-backward-fast.json"
+        --kernels fast --json "$RESULTS/parity-124m-backward-fast.json"
       step parity-124m-bf16 "${G[@]}" parity weights/gpt2-random --device cuda --dtype float32,bfloat16 --backward \
-        --json "$OUT/parity-124m-bf16.json"
+        --json "$RESULTS/parity-124m-bf16.json"
       ;;
     train)
       checkpoint gpt2
       step bench-head-padding "$PY" -m benchmarks.head_padding --device cuda --dtype bf16 --rows 16384 \
-        --chunk-rows 256,1024,2048,4096,8192 --json "$OUT/head-padding.json"
-      step bench-train "$PY" -m benchmarks.gpu train --sizes gpt2 --weights-dir weights --out "$OUT/train.json" \
-        --markdown "$OUT/train.md" --plot "$OUT/train.png"
+        --chunk-rows 256,1024,2048,4096,8192 --json "$RESULTS/head-padding.json"
+      step bench-train "$PY" -m benchmarks.gpu train --sizes gpt2 --weights-dir weights --out "$RESULTS/train.json" \
+        --markdown "$RESULTS/train.md" --plot "$RESULTS/train.png"
       ;;
     train-xl)
       checkpoint gpt2-xl
       step bench-train-xl "$PY" -m benchmarks.gpu train --sizes gpt2-xl --no-compile --weights-dir weights \
-        --out "$OUT/train-xl.json" --markdown "$OUT/train-xl.md" --plot "$OUT/train-xl.png"
+        --out "$RESULTS/train-xl.json" --markdown "$RESULTS/train-xl.md" --plot "$RESULTS/train-xl.png"
       ;;
     decode)
       checkpoint gpt2
-      step bench-decode "$PY" -m benchmarks.gpu decode --sizes gpt2 --weights-dir weights --out "$OUT/decode.json" \
-        --markdown "$OUT/decode.md" --plot "$OUT/decode.png"
+      step bench-decode "$PY" -m benchmarks.gpu decode --sizes gpt2 --weights-dir weights --out "$RESULTS/decode.json" \
+        --markdown "$RESULTS/decode.md" --plot "$RESULTS/decode.png"
       ;;
     decode-xl)
       checkpoint gpt2-xl
       step bench-decode-xl "$PY" -m benchmarks.gpu decode --sizes gpt2-xl --weights-dir weights \
-        --out "$OUT/decode-xl.json" --markdown "$OUT/decode-xl.md" --plot "$OUT/decode-xl.png"
+        --out "$RESULTS/decode-xl.json" --markdown "$RESULTS/decode-xl.md" --plot "$RESULTS/decode-xl.png"
       ;;
     smoke)
       checkpoint gpt2
       step smoke-parity "${G[@]}" parity weights/gpt2-random --device cpu --ids "464 2444 4721" \
-        --json "$OUT/smoke-parity.json"
+        --json "$RESULTS/smoke-parity.json"
       step smoke-train "$PY" -m benchmarks.gpu train --device cpu --sizes tiny --batch 2 --block 64 --warmup 1 \
-        --steps 2 --compile-backend aot_eager --out "$OUT/smoke-train.json"
+        --steps 2 --compile-backend aot_eager --out "$RESULTS/smoke-train.json"
       step smoke-head-padding "$PY" -m benchmarks.head_padding --device cpu --rows 8 --width 16 --vocab 97 \
-        --rounds 1 --chunk-rows 3,8 --json "$OUT/smoke-head-padding.json"
+        --rounds 1 --chunk-rows 3,8 --json "$RESULTS/smoke-head-padding.json"
       step smoke-decode "$PY" -m benchmarks.gpu decode --device cpu --sizes tiny --new-tokens 8 --batches 2 \
-        --rounds 1 --out "$OUT/smoke-decode.json"
+        --rounds 1 --out "$RESULTS/smoke-decode.json"
       ;;
   esac
 done

@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -186,14 +187,14 @@ def test_a_failing_side_leaves_the_others_and_fp16_trains_with_a_grad_scaler(tmp
 
 
 def gpu_check_commands() -> list[tuple[str, list[str]]]:
-    """scripts/gpu_check.sh's gpt2-port and benchmarks.gpu command lines (continuations joined), "$OUT/x" read
+    """scripts/gpu_check.sh's gpt2-port and benchmarks.gpu command lines (continuations joined), "$RESULTS/x" read
     as out/x and the checkpoint helper's "$1" as gpt2."""
     text = (REPO / "scripts" / "gpu_check.sh").read_text().replace("\\\n", " ")
     out = []
     for line in text.splitlines():
         if line.lstrip().startswith("#"):
             continue
-        line = re.sub(r'"\$OUT/([^"]*)"', r"out/\1", line.strip())
+        line = re.sub(r'"\$RESULTS/([^"]*)"', r"out/\1", line.strip())
         line = line.replace("$1", "gpt2")
         for marker, tool in (
             ('"${G[@]}" ', "gpt2-port"),
@@ -247,14 +248,34 @@ def test_the_gpu_check_script_runs_from_the_checkout_when_the_install_fails(tmp_
         f'echo "$PYTHONPATH" >> {seen}\n'
     )
     fake.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(fake), "OUT": str(out)}
+    env = {**os.environ, "PYTHON": str(fake), "RESULTS": str(out)}
     env.pop("PYTHONPATH", None)
+    env.pop("OUT", None)
     r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "decode"], capture_output=True, env=env)
     assert r.returncode == 0, r.stderr.decode()
     assert "pip install -e . failed, running from the checkout" in r.stderr.decode()
     paths = set(seen.read_text().split())
     assert paths == {f"{REPO}:{out}/pythonpath"}
     assert (out / "pythonpath" / "gpt2_port_checks").resolve() == REPO / "checks"
+
+
+def test_the_gpu_check_script_bundles_its_results_into_the_devices_out(tmp_path: Path) -> None:
+    """On the device machine OUT (its folder of files sent back) returns only a few files: the script writes its
+    RESULTS folder there as one gpu-results.tgz after env.log and after every step, so a call cut off at its time limit
+    still returns the steps done. A stand-in python writes each command's log line; `decode` is one step here."""
+    fake, results, out = tmp_path / "python3", tmp_path / "res", tmp_path / "device-out"
+    fake.write_text('#!/usr/bin/env bash\necho "ran $*"\n')
+    fake.chmod(0o755)
+    out.mkdir()
+    env = {**os.environ, "PYTHON": str(fake), "RESULTS": str(results), "OUT": str(out), "INSTALL": "0"}
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "decode"], capture_output=True, env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-results.tgz"]
+    with tarfile.open(out / "gpu-results.tgz") as tar:
+        names = set(tar.getnames())
+        assert {"res/env.log", "res/bench-decode.log"} <= names, names
+        log = tar.extractfile("res/bench-decode.log").read().decode()  # type: ignore[union-attr]
+    assert log.startswith("ran -m benchmarks.gpu decode --sizes gpt2")
 
 
 def test_the_head_padding_benchmark_times_each_multiple_with_the_same_loss(tmp_path: Path) -> None:
