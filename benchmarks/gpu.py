@@ -337,7 +337,7 @@ def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], N
 # -- decode ---------------------------------------------------------------------------------------------------------
 def _interleaved(fns: dict[str, Callable[[], torch.Tensor]], dev: torch.device, rounds: int) -> dict[str, dict]:
     """name -> {"times", "tokens"}: each loop run `rounds` times, interleaved (alternating order), after one warm-up
-    run each; a loop that fails its warm-up gets {"error"} and is left out of the rounds."""
+    run each; a loop that fails its warm-up or a timed run gets {"error"} and is left out of the rounds after."""
     out: dict[str, dict] = {}
     for n, f in fns.items():  # warm-up: kernels, the graph's capture, compilation, the allocator
         try:
@@ -349,10 +349,17 @@ def _interleaved(fns: dict[str, Callable[[], torch.Tensor]], dev: torch.device, 
     names = [n for n in fns if "error" not in out[n]]
     for r in range(rounds):
         for n in names if r % 2 == 0 else names[::-1]:
-            sync(dev)
-            t0 = time.perf_counter()
-            toks = fns[n]()
-            sync(dev)
+            if "error" in out[n]:
+                continue
+            try:  # a timed run failing (OOM, a recompile error) leaves that loop out, not the whole benchmark
+                sync(dev)
+                t0 = time.perf_counter()
+                toks = fns[n]()
+                sync(dev)
+            except Exception as e:  # noqa: BLE001
+                out[n] = failure(e)
+                print(f"{n}: {out[n]['error']}", file=sys.stderr)
+                continue
             out[n]["times"].append(time.perf_counter() - t0)
             out[n]["tokens"] = toks[0].tolist()
     return out

@@ -320,3 +320,21 @@ def test_the_lowp_gemm_benchmark_times_both_paths_and_names_lowps_choice(tmp_pat
     for bad in (["--rows", "0,8"], ["--rows", "8,x"], ["--dtypes", "float32"]):
         with pytest.raises(SystemExit):
             lowp_gemm.build_parser().parse_args(bad)
+
+
+def test_a_decode_loop_failing_in_a_timed_round_is_left_out_not_fatal() -> None:
+    """One path failing after its warm-up (an OOM, a recompile error) becomes that row's error; the other paths keep
+    their rounds and the benchmark goes on (it used to end the process, losing the size's unsaved rows)."""
+    from benchmarks import gpu
+
+    calls = {"flaky": 0}
+
+    def flaky() -> torch.Tensor:
+        calls["flaky"] += 1
+        if calls["flaky"] == 3:  # the warm-up and the first round pass
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return torch.tensor([[7, 8]])
+
+    out = gpu._interleaved({"steady": lambda: torch.tensor([[1, 2]]), "flaky": flaky}, torch.device("cpu"), 4)
+    assert len(out["steady"]["times"]) == 4 and out["steady"]["tokens"] == [1, 2]
+    assert out["flaky"] == {"error": "out of memory"} and calls["flaky"] == 3

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gpt2_port.generate import cuda_graph
+from gpt2_port.generate.steps import StaticSteps
 
 
 class _Fake:
@@ -72,3 +73,36 @@ def test_the_step_is_captured_and_replayed_on_its_own_device(monkeypatch: pytest
     assert [e for e in fake.log if e[0] == "replay"] == [("replay", 1), ("replay", 1)]
     assert all(d == 1 for kind, d in fake.log if kind == "stream")
     assert fake.current == 0  # the caller's device is current again
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kernel that refuses capture (e.g. an attention backend's plan) must not fail every later generate call at
+    the same shapes: the failure is logged once and the same step runs without the graph."""
+    fake = _Fake(monkeypatch)
+    calls: list[str] = []
+
+    def step() -> torch.Tensor:
+        calls.append("step")
+        return torch.full((1,), float(len(calls)))
+
+    @contextlib.contextmanager
+    def refusing_graph(g, stream=None, **kw):  # noqa: ANN001, ANN003, ANN202
+        raise RuntimeError("operation not permitted when stream is capturing")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", refusing_graph)
+    captured = cuda_graph.CapturedStep(step, torch.device("cuda:0"), warmup=2)
+    with caplog.at_level("WARNING", logger="gpt2_port.generate.cuda_graph"):
+        first, second = captured(), captured()
+    assert captured.eager and captured.graph is None
+    assert calls == ["step"] * 4 and first.item() == 3.0 and second.item() == 4.0  # 2 warm-ups, then eager calls
+    assert [r.getMessage() for r in caplog.records] == [
+        "the decode step could not be recorded as a CUDA graph (operation not permitted when stream is capturing); "
+        "it runs eagerly instead"
+    ]
+    assert not [e for e in fake.log if e[0] == "replay"]
+    steps = object.__new__(StaticSteps)  # what generate reports as its step
+    steps.run = captured
+    assert steps.name == "static (capture failed)"

@@ -8,10 +8,13 @@ weights): generate/cache.py's StaticKVCache and model/decode.py's `static_step` 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class CapturedStep:
@@ -19,15 +22,17 @@ class CapturedStep:
     torch.cuda.graph asks) and replayed after; the returned tensor is the graph's own output buffer, overwritten by
     each replay. The warm-up runs write into the step's buffers as a real step would: capture before the first real
     step, whose own writes replace them. `capture_s`: the time the warm-up and the capture took (waited for once, so
-    it is not counted in the steps after). Warm-up, capture and replay run on `device` (its streams, under its guard):
-    torch.cuda.graph's default capture stream is made once, on whichever device was current then, and a step whose
-    tensors live on another GPU would record nothing there."""
+    it is not counted in the steps after). A capture that fails (RuntimeError) is logged once and the step runs
+    eagerly from then on, the same arithmetic without the graph. Warm-up, capture and replay run on `device` (its
+    streams, under its guard): torch.cuda.graph's default capture stream is made once, on whichever device was current
+    then, and a step whose tensors live on another GPU would record nothing there."""
 
     def __init__(self, fn: Callable[[], torch.Tensor], device: torch.device, warmup: int = 2) -> None:
         self.fn, self.device, self.warmup = fn, device, warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.capture_s = 0.0
+        self.eager = False  # the capture failed: every call runs fn(), the same step without the graph
 
     def capture(self) -> None:
         t0 = time.perf_counter()
@@ -46,8 +51,15 @@ class CapturedStep:
         self.capture_s = time.perf_counter() - t0
 
     def __call__(self) -> torch.Tensor:
+        if self.eager:
+            return self.fn()
         if self.graph is None:
-            self.capture()
+            try:
+                self.capture()
+            except RuntimeError as e:  # a kernel that cannot be captured here (e.g. an attention backend's plan)
+                log.warning("the decode step could not be recorded as a CUDA graph (%s); it runs eagerly instead", e)
+                self.graph, self.out, self.eager = None, None, True
+                return self.fn()
         with torch.cuda.device(self.device):
             self.graph.replay()  # type: ignore[union-attr]
         return self.out  # type: ignore[return-value]

@@ -56,9 +56,15 @@ class PlanSteps(ForwardSteps):
 class StaticSteps:
     def __init__(self, model: CausalLM, plan, cache: StaticKVCache, cuda_graph: bool) -> None:  # noqa: ANN001
         self.model, self.plan, self.cache = model, plan, cache
-        self.name = "cuda graph" if cuda_graph else "static"
         step = lambda: plan.static_step(cache)  # noqa: E731
         self.run = CapturedStep(step, cache.k.device) if cuda_graph else step
+
+    @property
+    def name(self) -> str:
+        """The step as generate reports it: cuda graph, static, or static (capture failed)."""
+        if not isinstance(self.run, CapturedStep):
+            return "static"
+        return "static (capture failed)" if self.run.eager else "cuda graph"
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.cache.length = 0
