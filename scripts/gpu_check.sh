@@ -13,7 +13,8 @@
 #               benchmarks.gpu train --sizes gpt2 (tokens/s, MFU, peak memory beside transformers, eager and compiled)
 #     train-xl  the eager sides and `train`'s own loop for gpt2-xl (its 48-layer compiles would not fit one call)
 #     decode    python -m benchmarks.gpu decode --sizes gpt2 (tokens/s beside transformers' generate)
-#     decode-xl the same for gpt2-xl, bf16
+#     decode-xl the same for gpt2-xl, bf16 (sampled batches of 8 and 32: with the 6.4 GB checkpoint written and
+#               transformers' 48-layer static cache compiled, 64 rows too might not fit one call)
 #     smoke     the same commands at toy sizes on the CPU (checks this script, not the GPU)
 # Each call to a lent GPU runs at most 10 minutes: one phase per call (tests and parity together may not fit).
 # Every invocation first writes RESULTS/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
@@ -131,7 +132,7 @@ for phase in "$@"; do
       ;;
     decode-xl)
       checkpoint gpt2-xl
-      step bench-decode-xl "$PY" -m benchmarks.gpu decode --sizes gpt2-xl --weights-dir weights \
+      step bench-decode-xl "$PY" -m benchmarks.gpu decode --sizes gpt2-xl --weights-dir weights --batches 8,32 \
         --out "$RESULTS/decode-xl.json" --markdown "$RESULTS/decode-xl.md" --plot "$RESULTS/decode-xl.png"
       ;;
     smoke)
