@@ -49,7 +49,7 @@ def test_the_screens_bound_holds_against_float64_truth(kind: type) -> None:
     w = gpt2_like_head()
     head = kind(w)
     h = hidden(16, w)
-    s, bounds = head.screen(h)
+    s, bounds, _ = head.screen(h)
     truth = h.double() @ (w.double() - head.mean.double()).t()  # (16, V): the shifted logits, exactly enough
     raw = torch.tensor(bounds, dtype=torch.float64)[:, None] / (SCREEN_SAFETY * norm_slack(C))
     err = (s.double() - truth).abs() - head.u_s * s.double().abs()

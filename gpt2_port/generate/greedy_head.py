@@ -136,8 +136,9 @@ class ScreenedHead:
         slow code and TransposedHead is faster."""
         return packs(torch.bfloat16) and pack(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
 
-    def screen(self, h: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-        """(B, C) float32 -> ((B, V) float32 screened logits, shifted; (B,) each row's screen bound B, as floats)."""
+    def screen(self, h: torch.Tensor) -> tuple[torch.Tensor, list[float], list[float]]:
+        """(B, C) float32 -> ((B, V) float32 screened logits, shifted; (B,) each row's screen bound B and |h|, as
+        floats)."""
         B = h.shape[0]
         hb = h.to(torch.bfloat16)
         d = h - hb.float()  # exact
@@ -149,13 +150,12 @@ class ScreenedHead:
         n = torch.stack([t.norm(dim=1) for t in parts]).tolist()  # (4, B)
         a, b, c, e = self.coef
         bound = [a * n0 + b * n1 + c * (n2 + n3) + e * n3 + 1e-30 for n0, n1, n2, n3 in zip(*n)]
-        return s, bound
+        return s, bound, n[0]
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """(B, C) float32 final hidden states -> (B,) the exact argmax, or None where it cannot be proven."""
-        s, bounds = self.screen(h)
+        s, bounds, hns = self.screen(h)
         lead = s.amax(dim=1).tolist()  # (B,)
-        hns = h.norm(dim=1).tolist()
         out = []
         for i, (s_m, b, hn) in enumerate(zip(lead, bounds, hns)):
             if not (math.isfinite(hn) and hn * self.w_max < NO_OVERFLOW and math.isfinite(s_m) and math.isfinite(b)):
