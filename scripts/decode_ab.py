@@ -1,12 +1,14 @@
 """Decode speed of this checkout's gpt2_port against another commit's, in one process, runs interleaved.
 
-    python scripts/decode_ab.py MODEL_DIR --base COMMIT [--new-tokens 128] [--prompt-len 16] [--rounds 5]
+    python scripts/decode_ab.py MODEL_DIR --base COMMIT [--dtype float32] [--new-tokens 128] [--prompt-len 16]
+        [--rounds 5]
 
 The other commit's `gpt2_port/` is extracted with `git archive` into a temporary directory under the name
 `gpt2_port_base` (the package imports itself only relatively) and both load the same checkpoint. Each round times,
 for each side in turn: `generate_full` greedy (DecodePlan steps and the fast greedy head), sampled (DecodePlan steps,
 the full head and the logits processors), and a bare loop of `DecodePlan.step` calls. Reports the median decode
-tok/s per side and the ratio this/base. A tool of the checkout: the package never imports it.
+tok/s per side and the ratio this/base, and which greedy head each side used (None: the exact logits). A tool of the
+checkout: the package never imports it.
 """
 
 from __future__ import annotations
@@ -45,16 +47,17 @@ def first_module(pkg: str, names: list[str], attr: str):  # noqa: ANN201
     raise SystemExit(f"{pkg}: none of {names} defines {attr}")
 
 
-def runners(pkg: str, model_dir: str, prompt: torch.Tensor, new_tokens: int) -> dict:
+def runners(pkg: str, model_dir: str, prompt: torch.Tensor, new_tokens: int, dtype: torch.dtype) -> tuple[dict, str]:
     load = first_module(pkg, ["model", "load"], "from_pretrained")
     gen = first_module(pkg, ["generate.loop", "generate"], "generate_full")
     decode = first_module(pkg, ["model.decode", "decode"], "DecodePlan")
     kv = first_module(pkg, ["generate.cache", "kv_cache", "model"], "KVCache")
-    model, _ = load.from_pretrained(model_dir)
+    model, _ = load.from_pretrained(model_dir, dtype=dtype)
+    head = gen.generate_full(model, prompt, 2, eos_token_id=None).extra.get("fast_head_kind")
 
     def greedy() -> float:
         g = gen.generate_full(model, prompt, new_tokens, eos_token_id=None)
-        assert g.extra["fast_step"] and g.extra["fast_head"]
+        assert g.extra["fast_step"] and (g.extra["fast_head"] or dtype != torch.float32)
         return g.decode_tok_per_s
 
     def sampled() -> float:
@@ -74,7 +77,7 @@ def runners(pkg: str, model_dir: str, prompt: torch.Tensor, new_tokens: int) -> 
             plan.step(tok, cache)
         return new_tokens / (time.perf_counter() - t0)
 
-    return {"generate greedy": greedy, "generate sampled": sampled, "DecodePlan.step": plan_steps}, model
+    return {"generate greedy": greedy, "generate sampled": sampled, "DecodePlan.step": plan_steps}, str(head)
 
 
 def main() -> int:
@@ -84,14 +87,16 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="decode_ab_"))
     extract(args.base, tmp)
     sys.path.insert(0, str(tmp))
     prompt = torch.randint(0, 50257, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
-    sides = {}
+    sides, heads = {}, {}
+    dtype = getattr(torch, args.dtype)
     for name, pkg in (("base", "gpt2_port_base"), ("this", "gpt2_port")):
-        sides[name], _ = runners(pkg, args.model, prompt, args.new_tokens)
+        sides[name], heads[name] = runners(pkg, args.model, prompt, args.new_tokens, dtype)
     rates: dict[tuple[str, str], list[float]] = {}
     for fn in sides["base"].values():  # warm-up: the fast head's copy, allocator, MKL
         fn()
@@ -103,6 +108,7 @@ def main() -> int:
             for side in order:
                 rates.setdefault((task, side), []).append(sides[side][task]())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, base {args.base}, {args.rounds} rounds")
+    print(f"{args.dtype}; greedy head: base {heads['base']}, this {heads['this']}")
     print(f"{'task':<18} {'base tok/s':>12} {'this tok/s':>12} {'this/base':>10}   (median; min-max)")
     for task in sides["base"]:
         b, t = rates[(task, "base")], rates[(task, "this")]

@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -338,3 +339,22 @@ def test_a_decode_loop_failing_in_a_timed_round_is_left_out_not_fatal() -> None:
     out = gpu._interleaved({"steady": lambda: torch.tensor([[1, 2]]), "flaky": flaky}, torch.device("cpu"), 4)
     assert len(out["steady"]["times"]) == 4 and out["steady"]["tokens"] == [1, 2]
     assert out["flaky"] == {"error": "out of memory"} and calls["flaky"] == 3
+
+
+def test_the_dtype_decode_script_times_each_dtype_with_and_without_the_fast_head(tiny_official: Path) -> None:
+    """scripts/decode_dtypes.py on a tiny checkpoint: a row per dtype and head, the fast runs' tokens equal to the
+    exact ones; a dtype it does not know is one line on stderr and exit 2."""
+    script = [sys.executable, str(REPO / "scripts" / "decode_dtypes.py"), str(tiny_official)]
+    run = subprocess.run(
+        [*script, "--dtypes", "float32,float16", "--rounds", "2", "--new-tokens", "3", "--prompt-len", "4"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith(("float32 ", "float16 "))]
+    assert [r[0] for r in rows] == ["float32", "float32", "float16", "float16"]
+    assert rows[0][-1] == "True" and rows[2][-1] == "True"  # fast and exact: the same tokens
+    assert rows[1][1:3] == ["exact", "logits"] and rows[0][1] in ("ScreenedHead", "TransposedHead")
+    bad = subprocess.run([*script, "--dtypes", "int4"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "--dtypes" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -489,12 +489,31 @@ def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytes
     assert fast.extra["fast_head_kind"] == kind.__name__ and exact.extra["fast_head_kind"] is None
     assert fast.sequences.tolist() == exact.sequences.tolist()
     assert fast.extra["exact_head_steps"] < 60  # the shortcut did the work
-    h = torch.randn(4, CHAOTIC.n_embd)
+    h = torch.randn(4, CHAOTIC.n_embd, generator=torch.Generator().manual_seed(0))
     assert torch.equal(kind(model.head_weight).argmax(h), torch.argmax(model.head(h), dim=-1))  # wide margins here
     monkeypatch.setattr(kind, "argmax", lambda self, h: None)  # never provable: always the exact logits
     forced = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None)
     assert forced.extra["exact_head_steps"] == 60 and forced.sequences.tolist() == exact.sequences.tolist()
     model.__dict__.pop("_fast_greedy_head")
+
+
+@pytest.mark.parametrize("kind", [p for p in HEADS if p.id == "screened"])
+def test_float16_greedy_goes_through_the_screen_with_the_exact_tokens(kind: type) -> None:
+    """A float16 model on the CPU decodes greedily through the screened head (where oneDNN has packed bf16 kernels):
+    the same tokens as its float16 logits give, with the head's work done by the screen; bf16 keeps its exact head,
+    and the transposed head takes float32 weights only."""
+    from gpt2_port.generate.greedy_head import FastGreedyHead, TransposedHead
+
+    m = _chaotic().half()
+    ids, mask = _left_pad(PROMPTS)
+    fast = generate_full(m, ids, 60, attention_mask=mask, eos_token_id=None)
+    exact = generate_full(m, ids, 60, attention_mask=mask, eos_token_id=None, fast_head=False)
+    assert fast.extra["fast_head_kind"] == kind.__name__ and exact.extra["fast_head_kind"] is None
+    assert fast.sequences.tolist() == exact.sequences.tolist()
+    assert fast.extra["exact_head_steps"] < 30  # the screen decided most steps
+    assert not FastGreedyHead.usable(_chaotic().to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 weight"):
+        TransposedHead(m.head_weight)
 
 
 def test_fast_greedy_head_is_cached_and_follows_the_weight(tiny_official: Path) -> None:
@@ -509,7 +528,7 @@ def test_fast_greedy_head_is_cached_and_follows_the_weight(tiny_official: Path) 
         m.wte.weight.mul_(2.0)  # in place: the copy is stale
     second = FastGreedyHead.for_model(m)
     assert second is not first
-    h = torch.randn(3, m.config.n_embd) * 10
+    h = torch.randn(3, m.config.n_embd, generator=torch.Generator().manual_seed(0)) * 10  # clear leads (seeded)
     assert torch.equal(second.argmax(h), torch.argmax(m.head(h), dim=-1))  # the new weight's tokens
 
 

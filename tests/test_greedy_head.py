@@ -1,8 +1,9 @@
-"""The fast greedy heads (generate/greedy_head.py): each returns the argmax of the model's float32 logits or declines.
+"""The fast greedy heads (generate/greedy_head.py): each returns the argmax of the model's logits or declines.
 
 ScreenedHead's bound is checked against float64 truth on a head shaped like GPT-2's (a large common component in
-every row of wte, so the logits carry a large common offset, and a hidden state with a few huge dimensions); both
-heads are checked against the float32 argmax on near ties they must decline or get right.
+every row of wte, so the logits carry a large common offset, and a hidden state with a few huge dimensions), in
+float32 and float16; both heads are checked against the float32 argmax on near ties they must decline or get right,
+and the screen against the float16 argmax, whose rounded logits tie where the float32 sums do not.
 """
 
 from __future__ import annotations
@@ -12,8 +13,16 @@ import torch
 import torch.nn.functional as F
 from conftest import greedy_heads
 
+from gpt2_port.cpu import on_packed, pack, packs
 from gpt2_port.generate import greedy_head
-from gpt2_port.generate.greedy_head import SCREEN_SAFETY, FastGreedyHead, ScreenedHead, TransposedHead, norm_slack
+from gpt2_port.generate.greedy_head import (
+    SCREEN_SAFETY,
+    FastGreedyHead,
+    LogitRounding,
+    ScreenedHead,
+    TransposedHead,
+    norm_slack,
+)
 
 pytestmark = pytest.mark.exactness
 
@@ -42,20 +51,21 @@ def hidden(n: int, w: torch.Tensor, seed: int = 1) -> torch.Tensor:
     return h - 100 * common / common.norm() ** 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("kind", SCREENED)
-def test_the_screens_bound_holds_against_float64_truth(kind: type) -> None:
+def test_the_screens_bound_holds_against_float64_truth(kind: type, dtype: torch.dtype) -> None:
     """|s_j - e'_j| <= B + U |s_j| for every token (e'_j the exact shifted logit), without the bound's safety factor.
-    Worst case seen: 0.12 of the undoubled B."""
-    w = gpt2_like_head()
+    Worst case seen: 0.12 of the undoubled B (float32 and float16 alike)."""
+    w = gpt2_like_head().to(dtype)
     head = kind(w)
-    h = hidden(16, w)
+    h = hidden(16, w.float()).to(dtype)
     s, bounds, _ = head.screen(h)
     truth = h.double() @ (w.double() - head.mean.double()).t()  # (16, V): the shifted logits, exactly enough
     raw = torch.tensor(bounds, dtype=torch.float64)[:, None] / (SCREEN_SAFETY * norm_slack(C))
     err = (s.double() - truth).abs() - head.u_s * s.double().abs()
     worst = float((err / raw).max())
     assert worst <= 1.0, worst
-    logits = F.linear(h, w)
+    logits = F.linear(h.float(), w.float())
     assert float(logits.mean(dim=1).amax()) < -50  # GPT-2-like: a large common offset ...
     assert float(s.mean(dim=1).abs().amax()) < 1.0  # ... that the shift removes before bf16 rounds
 
@@ -87,12 +97,84 @@ def test_the_fast_argmax_is_the_float32_argmax_or_none(kind: type) -> None:
 
 
 @pytest.mark.parametrize("kind", SCREENED)
+def test_the_float16_argmax_is_the_models_or_none_even_where_rounding_ties(kind: type) -> None:
+    """A float16 head rounds each float32 sum to float16, so two logits apart by more than the float32 margin 4 G
+    can round to one value, and torch.argmax then takes the first. On random states and near ties (pairs of rows apart
+    by 1e-5 .. 1e-2 of their length, the state aimed at the pair) every answer equals the argmax of the float16
+    logits as torch's fp16 GEMM and oneDNN's packed fp16 kernel compute them; the data holds such rounding ties, and
+    the float32 rule alone (no rounding gap) answers some of them wrongly."""
+    w = gpt2_like_head(2)
+    rels = torch.logspace(-5, -2, 24).tolist()
+    for j, rel in enumerate(rels):
+        w[100 + j] = w[10 + j] * (1 + rel)
+    w16 = w.half()
+    aimed = torch.stack([w[10 + j] * 4 for j in range(len(rels))]) + hidden(len(rels), w, seed=4) * 0.01
+    states = torch.cat([hidden(64, w, seed=3), aimed]).half()  # (88, C)
+    packed = pack(w16) if packs(torch.float16) else None
+    head = kind(w16)
+    answered, ties = [], 0
+    for i, row in enumerate(states):
+        logits = F.linear(row[None], w16)  # (1, V) float16
+        want = torch.argmax(logits.float(), dim=-1)
+        if packed is not None:
+            assert torch.equal(torch.argmax(on_packed(row[None], packed, None).float(), dim=-1), want)
+        sums = torch.topk((row.float() @ w16.float().t()), 2).values.tolist()  # float32 sums, before rounding
+        rounded = torch.topk(logits[0].float(), 2).values.tolist()
+        ties += sums[0] - sums[1] > 4 * head.g_scale * float(row.float().norm()) and rounded[0] == rounded[1]
+        got = head.argmax(row[None])
+        if got is not None:
+            answered.append(i)
+            assert torch.equal(got, want)
+    random = [i for i in answered if i < 64]
+    assert len(random) >= 60 and ties >= 1  # random states: a lead clear of float16's ulp; the near ties hold ties
+    batch = head.argmax(states[random])
+    assert batch is not None and torch.equal(batch, torch.argmax(F.linear(states[random], w16).float(), dim=-1))
+    with pytest.MonkeyPatch.context() as mp:  # the float32 rule alone: some rounding ties get the wrong token
+        mp.setattr(LogitRounding, "of", staticmethod(lambda dtype: LogitRounding(None, 0.0, 0.0, 1e38)))
+        loose = kind(w16)
+        answers = [(loose.argmax(row[None]), torch.argmax(F.linear(row[None], w16).float(), dim=-1)) for row in states]
+        assert any(got is not None and not torch.equal(got, want) for got, want in answers)
+
+
+@pytest.mark.parametrize("kind", SCREENED)
+def test_the_float16_screen_keeps_rivals_that_round_to_the_leaders_logit(kind: type) -> None:
+    """A screen that is nearly exact (weights, mean and state exact in bf16) rules a token out by a hair's margin;
+    but a rival 0.125 below a leader at -999 rounds to the same float16 logit (the spacing there is 0.5), and comes
+    first. The screen's margin holds float16's gap, so the rival stays a candidate and the tie is declined; without
+    that gap the screen drops it and answers the leader, the wrong token."""
+    w = torch.zeros(8, 64)
+    w[:, 0] = -100.0  # the mean row: every logit is -1000 + x_j
+    w[:, 1] = torch.tensor([0.875, 1.0, -0.5, -0.5, -0.875, 0.0, 0.0, 0.0])  # x_j, summing to 0
+    h = torch.zeros(1, 64)
+    h[0, 0], h[0, 1] = 10.0, 1.0
+    w16, h16 = w.half(), h.half()
+    logits = F.linear(h16, w16)
+    assert logits[0, :2].tolist() == [-999.0, -999.0] and int(torch.argmax(logits.float(), dim=-1)) == 0
+    assert kind(w16).argmax(h16) is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LogitRounding, "gap", lambda self, a, b: 0.0)
+        assert kind(w16).argmax(h16).tolist() == [1]  # what the test guards against
+
+
+@pytest.mark.parametrize("kind", SCREENED)
+def test_the_float16_screen_declines_logits_that_may_overflow(kind: type) -> None:
+    """float16 logits overflow past 65504: a bound on |logit| that may reach it gets None (the exact logits are then
+    computed and checked), a smaller one an answer."""
+    w = gpt2_like_head().half()
+    head = kind(w)
+    h = hidden(1, w.float())
+    top = float(h.norm()) * head.w_max
+    assert head.argmax((h * (1000 / top)).half()) is not None
+    assert head.argmax((h * (40000 / top)).half()) is None
+
+
+@pytest.mark.parametrize("kind", SCREENED)
 def test_the_screened_head_keeps_no_float32_copy(kind: type) -> None:
     """Its only copy of the head is the packed bf16 one (half the bytes of the float32 weight; oneDNN may pad it),
     and it reads the float32 rows from the weight itself."""
     w = gpt2_like_head()
     head = kind(w)
-    assert head.w.data_ptr() == w.data_ptr()
+    assert head.w.data_ptr() == w.data_ptr() and kind(w.half()).w.dtype == torch.float16
     own = [t for t in vars(head).values() if isinstance(t, torch.Tensor) and t is not head.w]
     big = [t for t in own if t.numel() * t.element_size() > 4 * C * 4]
     assert len(big) == 1 and big[0].element_size() == 2 and big[0].numel() <= 1.1 * V * C

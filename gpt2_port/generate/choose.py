@@ -35,7 +35,7 @@ class NextToken:
         self.exact_steps = 0  # steps where the fast head could not prove its argmax
 
     def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fast_head is not None:  # float32 on the CPU: its checks read host values, no device to wait for
+        if self.fast_head is not None:  # on the CPU only: its checks read host values, no device to wait for
             nxt = self.fast_head.argmax(h[:, -1])
             if nxt is not None:
                 return nxt, torch.ones((), dtype=torch.bool)

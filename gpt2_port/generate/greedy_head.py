@@ -1,23 +1,33 @@
-"""Greedy next tokens on the CPU without the head's full float32 product, used only when provably the exact argmax.
+"""Greedy next tokens on the CPU without the head's full product, used only when provably the exact argmax.
 
 The head is the largest single read of a float32 decode step (154 MB for GPT-2 124M, a quarter of the step's
-bytes). Two shortcuts, each proving per step that its token is the argmax of the float32 logits `model.head` would
-compute, and declining (None: the exact logits are computed as usual) when it cannot:
+bytes). Two shortcuts, each proving per step that its token is the argmax of the logits `model.head` would compute,
+and declining (None: the exact logits are computed as usual) when it cannot:
 
 - `ScreenedHead`, where oneDNN has bf16 kernels (AVX512-BF16 or AMX: `cpu.packs(torch.bfloat16)`): a bf16 product
   with rigorous error bounds screens the vocabulary, and float32 dot products decide among the few tokens it cannot
-  rule out. Reads half the head's bytes.
-- `TransposedHead` elsewhere: the float32 product on a (C, V) copy of the weight, ~30% faster than (V, C) on a CPU.
+  rule out. Reads half the head's bytes in float32; in float16 the same bytes as the fp16 head, but through oneDNN's
+  bf16 kernel, which is faster there than its fp16 one on CPUs without AMX-FP16 (1.7 ms against 3.4 ms for the
+  124M head on the Xeon of BENCHMARKS.md).
+- `TransposedHead` elsewhere (float32 only): the float32 product on a (C, V) copy of the weight, ~30% faster than
+  (V, C) on a CPU.
 
 Both rest on one bound (Higham, any summation order): a float32 dot product of length n is within
 G = gamma_n * sum_i |h_i w_ji| <= gamma_n * |h| * |w_j| of the true one, gamma_n = n u / (1 - n u). The logits the
 model would compute and any other float32 evaluation of them are each within G of the true dot products, so within
 2 G of each other, and a lead of more than 4 G over every rival in one is a lead in the other.
+
+A float16 model's head accumulates in float32 too (oneDNN's "strict" mode; torch's own fp16 GEMM sums in float) and
+rounds each logit once to float16, so its logits can tie where the float32 sums do not, and torch.argmax then takes
+the first. `LogitRounding` carries that rounding, in any mode: a sum x becomes one of its two float16 neighbours,
+down(x) <= r(x) <= up(x). The leader's sum is at least c0 - 2 G and every rival's at most c1 + 2 G, so down(c0 - 2 G)
+> up(c1 + 2 G) makes the leader's rounded logit strictly the largest: no tie, whichever way it would be broken.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +38,47 @@ F32_U = 2.0**-24  # float32's unit roundoff (round to nearest)
 BF16_U = 2.0**-8  # bfloat16's
 SCREEN_SAFETY = 2.0  # the screen's bound is doubled: a looser screen only leaves a few more candidates
 NO_OVERFLOW = 1e38  # |h| * max|w_j| below this: no logit can overflow float32 (max 3.4e38), so every logit is finite
+
+
+@dataclass(frozen=True)
+class LogitRounding:
+    """How the model's head rounds its float32 sums into logits (`dtype`; None: it does not, the sums are the
+    float32 logits): any rounding r has |r(x) - x| <= rel |x| + tiny, and r(x) is one of the two neighbours
+    `down(x)`, `up(x)`; every logit is finite while the bound on |sum| stays below `limit`."""
+
+    dtype: torch.dtype | None
+    rel: float
+    tiny: float
+    limit: float
+
+    @staticmethod
+    def of(dtype: torch.dtype) -> LogitRounding:
+        if dtype == torch.float32:
+            return LogitRounding(None, 0.0, 0.0, NO_OVERFLOW)
+        if dtype == torch.float16:
+            return LogitRounding(torch.float16, 2.0**-10, 2.0**-24, torch.finfo(torch.float16).max / 2)
+        raise ValueError(f"no fast greedy head for {dtype} logits (expected torch.float32 or torch.float16)")
+
+    def gap(self, a: float, b: float) -> float:
+        """What the rounding may take from the difference of two sums a > b (any rounding mode: a full ulp each)."""
+        return self.rel * (abs(a) + abs(b)) + 2 * self.tiny
+
+    def _near(self, x: float, toward: float) -> float:
+        """The nearest value of `dtype` to x on toward's side (x itself without a dtype; NaN stays NaN)."""
+        if self.dtype is None:
+            return x
+        y = torch.tensor(x, dtype=torch.float64).to(self.dtype)  # one of x's two neighbours, whichever the rounding
+        if (toward < 0 and float(y) > x) or (toward > 0 and float(y) < x):
+            y = torch.nextafter(y, torch.tensor(toward, dtype=self.dtype))
+        return float(y)
+
+    def down(self, x: float) -> float:
+        """The largest value of `dtype` at most x: no rounding of a sum >= x gives less."""
+        return self._near(x, -math.inf)
+
+    def up(self, x: float) -> float:
+        """The smallest value of `dtype` at least x: no rounding of a sum <= x gives more."""
+        return self._near(x, math.inf)
 
 
 def gamma(n: int, u: float = F32_U) -> float:
@@ -49,6 +100,8 @@ class TransposedHead:
     weight (154 MB for GPT-2 124M)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dtype != torch.float32:
+            raise ValueError(f"TransposedHead takes a float32 weight, got {weight.dtype}")
         V, C = weight.shape
         self.wt = weight.detach().t().contiguous()  # (C, V)
         self.scale = 4 * gamma(C) * norm_slack(C) * float(weight.detach().norm(dim=1).max())
@@ -90,31 +143,36 @@ class ScreenedHead:
                         + U |s_j|                                                  (the rounding of s_j)
 
     with g' = gamma_C, u' = 2^-7 / (1 - 2^-7) and U = u' + 4 u at a full ulp of float32 (u) and bf16 (so any
-    rounding mode). A token whose screened logit, raised by its bound, still falls more than 2 G short of the leader's
-    lowered by its own (G: the float32 bound gamma_C |h| max|w|) cannot be the argmax of the model's float32 logits.
-    The rest (3 at the median, 16 at most, on a random 124M) get float32 dot products with W's own rows; when the
-    best of them leads the next by more than 4 G, it is the argmax of the model's logits too. Else, or with more than
-    `max_candidates` left (a quarter of the vocabulary by default: the gathered rows then cost about what the screen
-    saved), None.
+    rounding mode). A token whose screened logit, raised by its bound, still falls more than 2 G + D short of the
+    leader's lowered by its own (G: the float32 bound gamma_C |h| max|w|; D: what the rounding of the logits may take,
+    `LogitRounding.gap` at the largest |logit| possible, 0 in float32) cannot be the argmax of the model's logits.
+    The rest (3 at the median, 16 at most, on a random 124M) get float32 dot products with W's own rows (a float16
+    weight's rows widen exactly); when the best of them leads the next by more than 4 G plus their rounding's gap, it
+    is the argmax of the model's logits too. Else, or with more than `max_candidates` left (a quarter of the
+    vocabulary by default: the gathered rows then cost about what the screen saved), None.
 
-    Finite h and weights with |h| max|w| < 1e38 make every logit of the model finite, so the exact path's finite
-    check is kept: anything else gets None. Costs one packed bf16 copy of the head weight (77 MB for GPT-2 124M), and
-    reads the float32 weight only at the candidates' rows.
+    Finite h and weights with |h| max|w| below the rounding's `limit` make every logit of the model finite, so the
+    exact path's finite check is kept: anything else gets None. Costs one packed bf16 copy of the head weight (77 MB
+    for GPT-2 124M), and reads the model's weight only at the candidates' rows.
     """
 
     def __init__(self, weight: torch.Tensor, max_candidates: int | None = None, chunk: int = 4096) -> None:
         w = weight.detach()
         V, C = w.shape
-        self.mean = w.mean(dim=0)  # (C,) any vector would do: the shift is common to every logit
-        wc = w - self.mean  # (V, C) W', rounded to float32
-        wb = wc.to(torch.bfloat16)
+        self.rounding = LogitRounding.of(w.dtype)
+        # (C,) the mean row, summed a chunk at a time in float32 (any vector would do: the shift is common to every
+        # logit); no float32 copy of a float16 weight is made
+        self.mean = sum(w[i : i + chunk].float().sum(dim=0) for i in range(0, V, chunk)) / V
+        wb = torch.empty(V, C, dtype=torch.bfloat16)
         norms = []  # per chunk of rows: max |w_j|, max |w'_j|, max |w'b_j|, max |w'_j - w'b_j| (float32: norm_slack)
         for i in range(0, V, chunk):
-            wi, wci, wbi = w[i : i + chunk], wc[i : i + chunk], wb[i : i + chunk].float()
+            wi = w[i : i + chunk].float()
+            wci = wi - self.mean  # W', rounded to float32
+            wb[i : i + chunk] = wci
+            wbi = wb[i : i + chunk].float()
             norms.append([float(t.norm(dim=1).max()) for t in (wi, wci, wbi, wci - wbi)])  # wci - wbi is exact
         self.w_max, self.wc_max, self.wb_max, self.r_max = (max(col) for col in zip(*norms))
-        del wc
-        self.w = w  # the float32 rows, read only at the candidates
+        self.w = w  # the model's rows, read only at the candidates
         self.max_candidates = V // 4 if max_candidates is None else max_candidates
         g1 = gamma(C, 2 * F32_U)  # a full ulp: whatever rounding oneDNN's accumulation uses
         u1 = 2 * BF16_U / (1 - 2 * BF16_U)  # the rounding to bf16, at a full ulp
@@ -137,9 +195,10 @@ class ScreenedHead:
         return packs(torch.bfloat16) and pack(torch.zeros(8, 8, dtype=torch.bfloat16)) is not None
 
     def screen(self, h: torch.Tensor) -> tuple[torch.Tensor, list[float], list[float]]:
-        """(B, C) float32 -> ((B, V) float32 screened logits, shifted; (B,) each row's screen bound B and |h|, as
-        floats)."""
+        """(B, C) float32 or float16 -> ((B, V) float32 screened logits, shifted; (B,) each row's screen bound B and
+        |h|, as floats)."""
         B = h.shape[0]
+        h = h.float()  # exact from float16
         hb = h.to(torch.bfloat16)
         d = h - hb.float()  # exact
         hl = d.to(torch.bfloat16)
@@ -153,16 +212,21 @@ class ScreenedHead:
         return s, bound, n[0]
 
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
-        """(B, C) float32 final hidden states -> (B,) the exact argmax, or None where it cannot be proven."""
+        """(B, C) final hidden states in the weight's dtype -> (B,) the exact argmax of the model's logits, or None
+        where it cannot be proven."""
         s, bounds, hns = self.screen(h)
+        h = h.float()
         lead = s.amax(dim=1).tolist()  # (B,)
+        r = self.rounding
         out = []
         for i, (s_m, b, hn) in enumerate(zip(lead, bounds, hns)):
-            if not (math.isfinite(hn) and hn * self.w_max < NO_OVERFLOW and math.isfinite(s_m) and math.isfinite(b)):
-                return None
             g = self.g_scale * hn  # G: the float32 bound of every logit, the model's and the candidates' alike
+            top = hn * self.w_max * norm_slack(h.shape[1]) + g  # no |logit| (before rounding) is larger
+            if not (math.isfinite(top) and top < r.limit and math.isfinite(s_m) and math.isfinite(b)):
+                return None
             u = self.u_s
-            y = s_m - u * abs(s_m) - 2 * b - 2 * g  # the leader's true logit lowered by its bound, less the margin
+            # the leader's true logit lowered by its bound, less the margin: 2 G, and the rounding's gap
+            y = s_m - u * abs(s_m) - 2 * b - 2 * g - r.gap(top, top)
             thr = y / (1 + u) if y >= 0 else y / (1 - u)  # s_j >= thr  <=>  s_j + u |s_j| >= y
             thr -= 2**-20 * abs(thr) + 1e-30  # below its rounding to float32 (and this arithmetic's own)
             idx = (s[i] >= thr).nonzero()[:, 0]  # (k,) the candidates (the leader is one)
@@ -171,11 +235,14 @@ class ScreenedHead:
             if idx.numel() == 1:
                 out.append(idx[0])
                 continue
-            c = self.w.index_select(0, idx) @ h[i]  # (k,) float32 logits of the candidates, W's own rows
-            top = torch.topk(c, 2)
-            if not (float(top.values[0] - top.values[1]) > 4 * g):  # NaN fails too
+            c = self.w.index_select(0, idx).float() @ h[i]  # (k,) float32 logits of the candidates, W's own rows
+            best = torch.topk(c, 2)
+            c0, c1 = best.values.tolist()
+            # the model's sums lie within 2 G of these; its rounded logits: the leader's no lower than down(c0 - 2 G),
+            # every other candidate's no higher than up(c1 + 2 G). In float32: a lead of more than 4 G.
+            if not (r.down(c0 - 2 * g) > r.up(c1 + 2 * g)):  # NaN fails too
                 return None
-            out.append(idx[top.indices[0]])
+            out.append(idx[best.indices[0]])
         return torch.stack(out)
 
 
@@ -184,6 +251,8 @@ class FastGreedyHead:
 
     @staticmethod
     def make(weight: torch.Tensor) -> ScreenedHead | TransposedHead:
+        """The screen where oneDNN has packed bf16 kernels (a float16 weight gets nothing else: `usable`), else the
+        transposed float32 product."""
         return ScreenedHead(weight) if ScreenedHead.available() else TransposedHead(weight)
 
     @staticmethod
@@ -202,8 +271,10 @@ class FastGreedyHead:
 
     @staticmethod
     def usable(model: CausalLM) -> bool:
-        """float32 on CPU (no reduced-precision matmul), a plain head, no recording of the logits, and inference
-        (not in train mode, no gradient wanted: the copies are detached)."""
+        """On the CPU, float32, or float16 where the screen runs (`ScreenedHead.available`; bf16 logits round too
+        coarsely for a screen to decide often, and the bf16 head reads no more bytes than the screen), a plain head,
+        no recording of the logits, and inference (not in train mode, no gradient wanted: the copies are detached)."""
         plain = model.lm_head is None or type(model.lm_head) is torch.nn.Linear
-        cpu32 = model.device.type == "cpu" and model.dtype == torch.float32
-        return plain and cpu32 and model.taps.rec is None and not model.wants_grad()
+        dtype = model.dtype == torch.float32 or (model.dtype == torch.float16 and ScreenedHead.available())
+        cpu = model.device.type == "cpu"
+        return plain and cpu and dtype and model.taps.rec is None and not model.wants_grad()

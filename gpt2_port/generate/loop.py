@@ -176,8 +176,9 @@ def generate_full(
     """Generate up to `max_new_tokens` per row; see the module docstring for the rules. Returns a `Generation`.
 
     sampling: `SamplingSettings`' fields by keyword (do_sample, temperature, top_k, top_p, repetition_penalty).
-    fast_head: for greedy float32 on CPU without a repetition penalty, pick tokens through `FastGreedyHead` (the
-    same tokens, proven per step; falls back to the exact logits when it cannot prove it).
+    fast_head: for greedy float32 (and float16, where oneDNN has bf16 kernels) on CPU without a repetition penalty,
+    pick tokens through `FastGreedyHead` (the same tokens, proven per step; falls back to the exact logits when it
+    cannot prove it).
     fast_step: run the decode steps through `DecodePlan` (the forward's ops without module dispatch; bit-identical
     hidden states) when the model allows it; False: `model.forward` every step.
     static_cache: decode over fixed-size buffers with a mask, every shape the same for the whole generation (None:
