@@ -14,7 +14,7 @@ from conftest import chaotic_model, greedy_heads
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
 from gpt2_port.errors import UsageError
-from gpt2_port.generate import SamplingSettings, generate_full
+from gpt2_port.generate import Generation, SamplingSettings, generate_full
 from gpt2_port.generate.sampling import process_logits, seen_tokens
 from gpt2_port.io import adapter
 from gpt2_port.io.tokenizer import load_tokenizer
@@ -476,6 +476,17 @@ def test_fused_qkv_view_is_bit_exact(tiny_official: Path) -> None:
     torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-5)  # bit-equal with MKL; BLAS may order sums
 
 
+def _fast_equals_exact(model: GPT2, kind: type, ids: torch.Tensor, mask: torch.Tensor, most: int) -> Generation:
+    """60 greedy tokens through the fast head of `kind` and through the exact logits: the same tokens, with fewer
+    than `most` steps left to the exact logits. Returns the exact run."""
+    fast = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None)
+    exact = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None, fast_head=False)
+    assert fast.extra["fast_head_kind"] == kind.__name__ and exact.extra["fast_head_kind"] is None
+    assert fast.sequences.tolist() == exact.sequences.tolist()
+    assert fast.extra["exact_head_steps"] < most
+    return exact
+
+
 @pytest.mark.parametrize("kind", HEADS)
 def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytest.MonkeyPatch, kind: type) -> None:
     """Each shortcut picks the same tokens as the exact logits; with no margin it falls back."""
@@ -484,11 +495,7 @@ def test_fast_greedy_head_gives_the_exact_argmax(model: GPT2, monkeypatch: pytes
     monkeypatch.setattr(FastGreedyHead, "make", staticmethod(kind))
     monkeypatch.delitem(model.__dict__, "_fast_greedy_head", raising=False)  # the kind an earlier test kept
     ids, mask = _left_pad(PROMPTS)
-    fast = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None)
-    exact = generate_full(model, ids, 60, attention_mask=mask, eos_token_id=None, fast_head=False)
-    assert fast.extra["fast_head_kind"] == kind.__name__ and exact.extra["fast_head_kind"] is None
-    assert fast.sequences.tolist() == exact.sequences.tolist()
-    assert fast.extra["exact_head_steps"] < 60  # the shortcut did the work
+    exact = _fast_equals_exact(model, kind, ids, mask, most=60)
     h = torch.randn(4, CHAOTIC.n_embd, generator=torch.Generator().manual_seed(0))
     assert torch.equal(kind(model.head_weight).argmax(h), torch.argmax(model.head(h), dim=-1))  # wide margins here
     monkeypatch.setattr(kind, "argmax", lambda self, h: None)  # never provable: always the exact logits
@@ -505,12 +512,7 @@ def test_float16_greedy_goes_through_the_screen_with_the_exact_tokens(kind: type
     from gpt2_port.generate.greedy_head import FastGreedyHead, TransposedHead
 
     m = _chaotic().half()
-    ids, mask = _left_pad(PROMPTS)
-    fast = generate_full(m, ids, 60, attention_mask=mask, eos_token_id=None)
-    exact = generate_full(m, ids, 60, attention_mask=mask, eos_token_id=None, fast_head=False)
-    assert fast.extra["fast_head_kind"] == kind.__name__ and exact.extra["fast_head_kind"] is None
-    assert fast.sequences.tolist() == exact.sequences.tolist()
-    assert fast.extra["exact_head_steps"] < 30  # the screen decided most steps
+    _fast_equals_exact(m, kind, *_left_pad(PROMPTS), most=30)  # the screen decides most steps
     assert not FastGreedyHead.usable(_chaotic().to(torch.bfloat16))
     with pytest.raises(ValueError, match="float32 weight"):
         TransposedHead(m.head_weight)
