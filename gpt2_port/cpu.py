@@ -51,6 +51,21 @@ def cpu_features() -> frozenset[str]:
     return frozenset(k for k, v in found.items() if v)
 
 
+def float32_matmuls_exact() -> bool:
+    """Whether torch's CPU float32 matmuls run in float32: not in bf16 or tf32 under
+    `torch.set_float32_matmul_precision("medium"/"high")` or `torch.backends.(mkldnn.matmul.)fp32_precision`. Every
+    one of those settings shows in `torch.backends.mkldnn.matmul.fp32_precision` ("none" or "ieee": float32); a torch
+    without that attribute is asked `torch.get_float32_matmul_precision()`."""
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision in ("none", "ieee")
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:  # the legacy and the new API mixed: some setting is not the default
+        return False
+
+
 def packs(dtype: torch.dtype, features: frozenset[str] | None = None) -> bool:
     """Whether a `dtype` weight is worth packing on a CPU with `features` (this CPU's by default): where oneDNN has
     bf16 (AVX512-BF16, AMX) or fp16 kernels (model/lowp.py's docstring has the measurements)."""

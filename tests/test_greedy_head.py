@@ -8,6 +8,9 @@ and the screen against the float16 argmax, whose rounded logits tie where the fl
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,18 @@ pytestmark = pytest.mark.exactness
 HEADS = greedy_heads()
 SCREENED = [p for p in HEADS if p.id == "screened"]
 V, C = 5000, 256
+
+
+@contextlib.contextmanager
+def onednn_float32_matmuls(precision: str) -> Iterator[None]:
+    """oneDNN's float32 matmul precision set to `precision` ("ieee", "bf16", "tf32") for the block, then put back."""
+    matmul = torch.backends.mkldnn.matmul
+    old = matmul.fp32_precision
+    matmul.fp32_precision = precision
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = old
 
 
 def gpt2_like_head(seed: int = 0) -> torch.Tensor:
@@ -154,6 +169,68 @@ def test_the_float16_screen_keeps_rivals_that_round_to_the_leaders_logit(kind: t
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LogitRounding, "gap", lambda self, a, b: 0.0)
         assert kind(w16).argmax(h16).tolist() == [1]  # what the test guards against
+
+
+@pytest.mark.parametrize("kind", SCREENED)
+def test_the_float16_decision_holds_under_a_reduced_float32_matmul_precision(kind: type) -> None:
+    """With oneDNN's float32 matmuls in bf16 (`torch.set_float32_matmul_precision("medium")` does the same), a float32
+    product of 33 rows or more is bf16 arithmetic, far outside the float32 bound, while the fp16 head is untouched.
+    Here 62 candidates: row 1 (bf16 rounds its entries up) trails row 0 (entries rounded down) by less than half a
+    float16 ulp, so their fp16 logits tie and the first wins; bf16 candidate products would put row 1 ahead. The
+    float64 products cannot be reduced: the answer is the model's or none."""
+    g = torch.Generator().manual_seed(0)
+    C, V = 768, 1000
+    h = (1 + torch.rand(C, generator=g, dtype=torch.float64)).to(torch.bfloat16).double()  # exact in bf16 and fp16
+    step = 2.0**-7  # bf16's spacing at 1.3
+    base = torch.floor(torch.full((C,), 1.3, dtype=torch.float64) / step) * step
+
+    def rounded_down(frac: float) -> torch.Tensor:  # entries bf16 rounds down; a fraction one bf16 step higher
+        return base + step * (torch.rand(C, generator=g, dtype=torch.float64) < frac) + 3 / 8 * step
+
+    up = base + 5 / 8 * step  # entries bf16 rounds up
+    while not (0 < float(h @ (lead := rounded_down(0.30))) - float(h @ up) < 0.25):  # half an ulp of ~1520: 0.5
+        pass
+    w = torch.randn(V, C, generator=g, dtype=torch.float64) * 0.05
+    w[0], w[1] = lead, up
+    fill = 2
+    while fill < 62:  # rivals below row 1, close enough to stay candidates
+        row = rounded_down(0.22)
+        if float(h @ row) < float(h @ up):
+            w[fill], fill = row, fill + 1
+    w16, h16 = w.half(), h.half()[None]
+    want = torch.argmax(F.linear(h16, w16).float(), dim=-1)
+    assert int(want) == 0
+    with onednn_float32_matmuls("bf16"):
+        got = kind(w16).argmax(h16)
+    assert got is None or torch.equal(got, want)
+
+
+def test_float32_heads_are_not_used_when_float32_matmuls_are_reduced() -> None:
+    """Under a reduced float32 matmul precision the model's own float32 logits are bf16 or tf32 arithmetic, which the
+    float32 proof does not describe: no shortcut for float32 models then (float16 keeps the screen: its head is
+    untouched by that setting)."""
+    from gpt2_port.config import GPT2Config
+    from gpt2_port.cpu import float32_matmuls_exact
+    from gpt2_port.model import GPT2
+
+    model = GPT2(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)).eval()
+    model.requires_grad_(False)
+    assert float32_matmuls_exact() and FastGreedyHead.usable(model)
+    for setting in ("bf16", "tf32"):
+        with onednn_float32_matmuls(setting):
+            assert not float32_matmuls_exact() and not FastGreedyHead.usable(model)
+            assert FastGreedyHead.usable(model.half()) == ScreenedHead.available()
+            model.float()
+    with onednn_float32_matmuls("ieee"):
+        assert float32_matmuls_exact() and FastGreedyHead.usable(model)
+    with pytest.MonkeyPatch.context() as mp:  # the legacy API sets the same thing
+        mp.setattr(torch.backends.mkldnn, "matmul", None)  # a torch without the new API is asked the legacy one
+        assert float32_matmuls_exact()
+        torch.set_float32_matmul_precision("medium")
+        try:
+            assert not float32_matmuls_exact()
+        finally:
+            torch.set_float32_matmul_precision("highest")
 
 
 @pytest.mark.parametrize("kind", SCREENED)

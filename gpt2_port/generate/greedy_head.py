@@ -5,7 +5,7 @@ bytes). Two shortcuts, each proving per step that its token is the argmax of the
 and declining (None: the exact logits are computed as usual) when it cannot:
 
 - `ScreenedHead`, where oneDNN has bf16 kernels (AVX512-BF16 or AMX: `cpu.packs(torch.bfloat16)`): a bf16 product
-  with rigorous error bounds screens the vocabulary, and float32 dot products decide among the few tokens it cannot
+  with rigorous error bounds screens the vocabulary, and float64 dot products decide among the few tokens it cannot
   rule out. Reads half the head's bytes in float32; in float16 the same bytes as the fp16 head, but through oneDNN's
   bf16 kernel, which is faster there than its fp16 one on CPUs without AMX-FP16 (1.7 ms against 3.4 ms for the
   124M head on the Xeon of BENCHMARKS.md).
@@ -15,13 +15,17 @@ and declining (None: the exact logits are computed as usual) when it cannot:
 Both rest on one bound (Higham, any summation order): a float32 dot product of length n is within
 G = gamma_n * sum_i |h_i w_ji| <= gamma_n * |h| * |w_j| of the true one, gamma_n = n u / (1 - n u). The logits the
 model would compute and any other float32 evaluation of them are each within G of the true dot products, so within
-2 G of each other, and a lead of more than 4 G over every rival in one is a lead in the other.
+2 G of each other, and a lead of more than 4 G over every rival in one is a lead in the other (the screen's float64
+products are within e << G of the truth: a lead of 2 (G + e) there). The bound holds where float32 matmuls run in
+float32: a reduced `torch.set_float32_matmul_precision` (bf16 or tf32 on oneDNN) makes the model's own logits
+something else, and float32 models then get no shortcut (`cpu.float32_matmuls_exact`).
 
 A float16 model's head accumulates in float32 too (oneDNN's "strict" mode; torch's own fp16 GEMM sums in float) and
 rounds each logit once to float16, so its logits can tie where the float32 sums do not, and torch.argmax then takes
 the first. `LogitRounding` carries that rounding, in any mode: a sum x becomes one of its two float16 neighbours,
-down(x) <= r(x) <= up(x). The leader's sum is at least c0 - 2 G and every rival's at most c1 + 2 G, so down(c0 - 2 G)
-> up(c1 + 2 G) makes the leader's rounded logit strictly the largest: no tie, whichever way it would be broken.
+down(x) <= r(x) <= up(x). The leader's sum is at least c0 - (G + e) and every rival's at most c1 + (G + e), so
+down(c0 - G - e) > up(c1 + G + e) makes the leader's rounded logit strictly the largest: no tie, whichever way it
+would be broken. The fp16 head itself is not touched by the float32 precision setting.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cpu import on_packed, pack, packs
+from ..cpu import float32_matmuls_exact, on_packed, pack, packs
 from .protocol import CausalLM
 
 F32_U = 2.0**-24  # float32's unit roundoff (round to nearest)
+F64_U = 2.0**-53  # float64's
 BF16_U = 2.0**-8  # bfloat16's
 SCREEN_SAFETY = 2.0  # the screen's bound is doubled: a looser screen only leaves a few more candidates
 NO_OVERFLOW = 1e38  # |h| * max|w_j| below this: no logit can overflow float32 (max 3.4e38), so every logit is finite
@@ -146,10 +151,11 @@ class ScreenedHead:
     rounding mode). A token whose screened logit, raised by its bound, still falls more than 2 G + D short of the
     leader's lowered by its own (G: the float32 bound gamma_C |h| max|w|; D: what the rounding of the logits may take,
     `LogitRounding.gap` at the largest |logit| possible, 0 in float32) cannot be the argmax of the model's logits.
-    The rest (3 at the median, 16 at most, on a random 124M) get float32 dot products with W's own rows (a float16
-    weight's rows widen exactly); when the best of them leads the next by more than 4 G plus their rounding's gap, it
-    is the argmax of the model's logits too. Else, or with more than `max_candidates` left (a quarter of the
-    vocabulary by default: the gathered rows then cost about what the screen saved), None.
+    The rest (3 at the median, 16 at most, on a random 124M) get float64 dot products with W's own rows (the rows and
+    h widen exactly; within e = gamma_C(float64) |h| max|w| of the truth, whatever the matmul precision setting); when
+    the best of them leads the next by more than 2 (G + e), after the rounding to the logits' dtype (module
+    docstring), it is the argmax of the model's logits too. Else, or with more than `max_candidates` left (a quarter
+    of the vocabulary by default: the gathered rows then cost about what the screen saved), None.
 
     Finite h and weights with |h| max|w| below the rounding's `limit` make every logit of the model finite, so the
     exact path's finite check is kept: anything else gets None. Costs one packed bf16 copy of the head weight (77 MB
@@ -171,7 +177,8 @@ class ScreenedHead:
             wb[i : i + chunk] = wci
             wbi = wb[i : i + chunk].float()
             norms.append([float(t.norm(dim=1).max()) for t in (wi, wci, wbi, wci - wbi)])  # wci - wbi is exact
-        self.w_max, self.wc_max, self.wb_max, self.r_max = (max(col) for col in zip(*norms))
+        # the largest of each over the chunks (NaN if any is: a NaN weight must not vanish from the bound)
+        self.w_max, self.wc_max, self.wb_max, self.r_max = (float(torch.tensor(col).max()) for col in zip(*norms))
         self.w = w  # the model's rows, read only at the candidates
         self.max_candidates = V // 4 if max_candidates is None else max_candidates
         g1 = gamma(C, 2 * F32_U)  # a full ulp: whatever rounding oneDNN's accumulation uses
@@ -182,6 +189,7 @@ class ScreenedHead:
         self.coef.append(slack * 2 * u1 * (1 + g1) * (1 + u1) * self.wb_max)  # 2 u' |s_lo|, |s_lo| bounded
         self.u_s = u1 + 4 * F32_U  # U
         self.g_scale = gamma(C) * norm_slack(C) * self.w_max  # G = g_scale |h|
+        self.e_scale = gamma(C, F64_U) * norm_slack(C) * self.w_max  # e = e_scale |h|: the float64 products'
         packed = pack(wb)
         if packed is None:
             raise RuntimeError("ScreenedHead needs oneDNN's packed bf16 kernel, which this torch or CPU lacks")
@@ -235,12 +243,15 @@ class ScreenedHead:
             if idx.numel() == 1:
                 out.append(idx[0])
                 continue
-            c = self.w.index_select(0, idx).float() @ h[i]  # (k,) float32 logits of the candidates, W's own rows
+            # (k,) the candidates' logits in float64 from W's own rows (exact inputs; no matmul precision setting
+            # reaches a float64 product), each within e = gamma_C(float64) |h| max|w| of the true one
+            c = self.w.index_select(0, idx).double() @ h[i].double()
             best = torch.topk(c, 2)
             c0, c1 = best.values.tolist()
-            # the model's sums lie within 2 G of these; its rounded logits: the leader's no lower than down(c0 - 2 G),
-            # every other candidate's no higher than up(c1 + 2 G). In float32: a lead of more than 4 G.
-            if not (r.down(c0 - 2 * g) > r.up(c1 + 2 * g)):  # NaN fails too
+            m = g + self.e_scale * hn  # the model's sums lie within G + e of these
+            # its rounded logits: the leader's no lower than down(c0 - m), every other candidate's no higher than
+            # up(c1 + m). In float32: a lead of more than 2 (G + e).
+            if not (r.down(c0 - m) > r.up(c1 + m)):  # NaN fails too
                 return None
             out.append(idx[best.indices[0]])
         return torch.stack(out)
@@ -271,10 +282,12 @@ class FastGreedyHead:
 
     @staticmethod
     def usable(model: CausalLM) -> bool:
-        """On the CPU, float32, or float16 where the screen runs (`ScreenedHead.available`; bf16 logits round too
-        coarsely for a screen to decide often, and the bf16 head reads no more bytes than the screen), a plain head,
-        no recording of the logits, and inference (not in train mode, no gradient wanted: the copies are detached)."""
+        """On the CPU, float32 (with float32 matmuls in float32: `cpu.float32_matmuls_exact`), or float16 where the
+        screen runs (`ScreenedHead.available`; bf16 logits round too coarsely for a screen to decide often, and the
+        bf16 head reads no more bytes than the screen), a plain head, no recording of the logits, and inference (not
+        in train mode, no gradient wanted: the copies are detached)."""
         plain = model.lm_head is None or type(model.lm_head) is torch.nn.Linear
-        dtype = model.dtype == torch.float32 or (model.dtype == torch.float16 and ScreenedHead.available())
+        f32 = model.dtype == torch.float32 and float32_matmuls_exact()  # else the model's logits are not float32's
+        dtype = f32 or (model.dtype == torch.float16 and ScreenedHead.available())
         cpu = model.device.type == "cpu"
         return plain and cpu and dtype and model.taps.rec is None and not model.wants_grad()
