@@ -358,3 +358,24 @@ def test_the_dtype_decode_script_times_each_dtype_with_and_without_the_fast_head
     assert rows[1][1:3] == ["exact", "logits"] and rows[0][1] in ("ScreenedHead", "TransposedHead")
     bad = subprocess.run([*script, "--dtypes", "int4"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "--dtypes" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_screen_candidates_script_counts_per_dtype(tiny_official: Path) -> None:
+    """scripts/screen_candidates.py on a tiny checkpoint: a line per dtype with the candidate counts, where the screen
+    runs; elsewhere one line saying why, exit 2 (as for a dtype it does not know)."""
+    from gpt2_port.generate.greedy_head import ScreenedHead
+
+    script = [sys.executable, str(REPO / "scripts" / "screen_candidates.py"), str(tiny_official)]
+    run = subprocess.run([*script, "--prompts", "1", "--prompt-len", "4"], capture_output=True, text=True, cwd=REPO)
+    if ScreenedHead.available():
+        assert run.returncode == 0, run.stderr
+        lines = run.stdout.strip().splitlines()
+        assert [line.split(":")[0] for line in lines] == ["float32", "float16"]
+        assert all(
+            re.search(r"4 states, candidates median \S+, 90th percentile -?\d+, max -?\d+; declined \d", x)
+            for x in lines
+        )
+    else:
+        assert run.returncode == 2 and "packed bf16" in run.stderr
+    bad = subprocess.run([*script, "--dtypes", "bfloat16"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

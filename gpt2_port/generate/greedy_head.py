@@ -219,26 +219,33 @@ class ScreenedHead:
         bound = [a * n0 + b * n1 + c * (n2 + n3) + e * n3 + 1e-30 for n0, n1, n2, n3 in zip(*n)]
         return s, bound, n[0]
 
+    def candidates(self, s: torch.Tensor, b: float, hn: float) -> torch.Tensor | None:
+        """One row's (V,) screened logits, screen bound and |h| (from `screen`) -> (k,) the tokens the screen cannot
+        rule out (the leader among them), or None where no logit can be bounded (non-finite, or past the rounding's
+        `limit`)."""
+        s_m = float(s.max())
+        g = self.g_scale * hn  # G: the float32 bound of every logit the model computes
+        top = hn * self.w_max * norm_slack(self.w.shape[1]) + g  # no |logit| (before rounding) is larger
+        r = self.rounding
+        if not (math.isfinite(top) and top < r.limit and math.isfinite(s_m) and math.isfinite(b)):
+            return None
+        u = self.u_s
+        # the leader's true logit lowered by its bound, less the margin: 2 G, and the rounding's gap
+        y = s_m - u * abs(s_m) - 2 * b - 2 * g - r.gap(top, top)
+        thr = y / (1 + u) if y >= 0 else y / (1 - u)  # s_j >= thr  <=>  s_j + u |s_j| >= y
+        thr -= 2**-20 * abs(thr) + 1e-30  # below its rounding to float32 (and this arithmetic's own)
+        return (s >= thr).nonzero()[:, 0]  # (k,)
+
     def argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """(B, C) final hidden states in the weight's dtype -> (B,) the exact argmax of the model's logits, or None
         where it cannot be proven."""
         s, bounds, hns = self.screen(h)
         h = h.float()
-        lead = s.amax(dim=1).tolist()  # (B,)
         r = self.rounding
         out = []
-        for i, (s_m, b, hn) in enumerate(zip(lead, bounds, hns)):
-            g = self.g_scale * hn  # G: the float32 bound of every logit, the model's and the candidates' alike
-            top = hn * self.w_max * norm_slack(h.shape[1]) + g  # no |logit| (before rounding) is larger
-            if not (math.isfinite(top) and top < r.limit and math.isfinite(s_m) and math.isfinite(b)):
-                return None
-            u = self.u_s
-            # the leader's true logit lowered by its bound, less the margin: 2 G, and the rounding's gap
-            y = s_m - u * abs(s_m) - 2 * b - 2 * g - r.gap(top, top)
-            thr = y / (1 + u) if y >= 0 else y / (1 - u)  # s_j >= thr  <=>  s_j + u |s_j| >= y
-            thr -= 2**-20 * abs(thr) + 1e-30  # below its rounding to float32 (and this arithmetic's own)
-            idx = (s[i] >= thr).nonzero()[:, 0]  # (k,) the candidates (the leader is one)
-            if idx.numel() > self.max_candidates:
+        for i, (b, hn) in enumerate(zip(bounds, hns)):
+            idx = self.candidates(s[i], b, hn)
+            if idx is None or idx.numel() > self.max_candidates:
                 return None
             if idx.numel() == 1:
                 out.append(idx[0])
@@ -248,7 +255,7 @@ class ScreenedHead:
             c = self.w.index_select(0, idx).double() @ h[i].double()
             best = torch.topk(c, 2)
             c0, c1 = best.values.tolist()
-            m = g + self.e_scale * hn  # the model's sums lie within G + e of these
+            m = (self.g_scale + self.e_scale) * hn  # the model's sums lie within G + e of these
             # its rounded logits: the leader's no lower than down(c0 - m), every other candidate's no higher than
             # up(c1 + m). In float32: a lead of more than 2 (G + e).
             if not (r.down(c0 - m) > r.up(c1 + m)):  # NaN fails too
