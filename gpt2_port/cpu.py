@@ -66,6 +66,14 @@ def float32_matmuls_exact() -> bool:
         return False
 
 
+def float16_sums_in_float32() -> bool:
+    """Whether torch's own CPU float16 GEMM accumulates in float32: not where a process allowed it float16 sums
+    (`torch._C._set_cpu_allow_fp16_reduced_precision_reduction(True)`, which only CPUs with float16 arithmetic
+    accept; off by default). oneDNN's fp16 kernels sum in float32 either way (their "strict" default)."""
+    allowed = getattr(torch._C, "_get_cpu_allow_fp16_reduced_precision_reduction", lambda: False)
+    return not allowed()
+
+
 def packs(dtype: torch.dtype, features: frozenset[str] | None = None) -> bool:
     """Whether a `dtype` weight is worth packing on a CPU with `features` (this CPU's by default): where oneDNN has
     bf16 (AVX512-BF16, AMX) or fp16 kernels (model/lowp.py's docstring has the measurements)."""

@@ -208,7 +208,7 @@ def test_the_float16_decision_holds_under_a_reduced_float32_matmul_precision(kin
 def test_float32_heads_are_not_used_when_float32_matmuls_are_reduced() -> None:
     """Under a reduced float32 matmul precision the model's own float32 logits are bf16 or tf32 arithmetic, which the
     float32 proof does not describe: no shortcut for float32 models then (float16 keeps the screen: its head is
-    untouched by that setting)."""
+    untouched by that setting). Nor for float16 models where torch's fp16 GEMM may sum in float16."""
     from gpt2_port.config import GPT2Config
     from gpt2_port.cpu import float32_matmuls_exact
     from gpt2_port.model import GPT2
@@ -223,6 +223,9 @@ def test_float32_heads_are_not_used_when_float32_matmuls_are_reduced() -> None:
             model.float()
     with onednn_float32_matmuls("ieee"):
         assert float32_matmuls_exact() and FastGreedyHead.usable(model)
+    with pytest.MonkeyPatch.context() as mp:  # float16 sums allowed in torch's fp16 GEMM: no float16 shortcut
+        mp.setattr(torch._C, "_get_cpu_allow_fp16_reduced_precision_reduction", lambda: True)
+        assert not FastGreedyHead.usable(model.half()) and FastGreedyHead.usable(model.float())
     with pytest.MonkeyPatch.context() as mp:  # the legacy API sets the same thing
         mp.setattr(torch.backends.mkldnn, "matmul", None)  # a torch without the new API is asked the legacy one
         assert float32_matmuls_exact()
