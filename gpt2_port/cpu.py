@@ -4,7 +4,8 @@
 where a bf16 or fp16 weight is worth keeping in oneDNN's blocked layout, `pack` makes that copy and `on_packed`
 multiplies by it (torch.ops.mkldnn's private ops, what inductor's CPU freezing uses). model/lowp.py decides with
 them how bf16/fp16 inference matmuls run (its docstring has the measurements); generate/greedy_head.py screens the
-vocabulary with a packed bf16 head.
+vocabulary with a packed bf16 head. `float32_matmuls_exact` and `float16_sums_in_float32` say whether the process's
+settings leave float32 matmuls and float16 sums as the fast greedy heads' proofs assume them.
 """
 
 from __future__ import annotations
