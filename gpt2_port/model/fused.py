@@ -106,7 +106,7 @@ def nll_and_logit_grad(
         grad = torch._log_softmax_backward_data(nll_grad, lp, 1, torch.float32, out=lp)
     else:  # log-softmax's backward, public: g - exp(lp) * sum(g) over the row
         grad = lp.exp_().mul_(-nll_grad.sum(1, keepdim=True)).add_(nll_grad)
-    nll_grad[at] = 0.0
+    nll_grad[at] = nll_grad.new_zeros(())  # a zero on the device: a Python number would be copied from the host, a wait
     return nll, grad
 
 

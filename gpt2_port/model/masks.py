@@ -27,6 +27,7 @@ def build_mask(attention_mask: torch.Tensor | None, T: int, S: int, device: torc
         raise UsageError(f"attention_mask has {attention_mask.shape[-1]} columns, expected {S} (past + new tokens)")
     mask = causal(T, S, device)[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
     # A padding query would see no key at all; let every query see itself so softmax stays finite.
-    diag = torch.zeros(T, S, dtype=torch.bool, device=device)
-    diag[torch.arange(T, device=device), torch.arange(S - T, S, device=device)] = True  # index on the device: no wait
+    # (T, S): query t's own key is key S - T + t; made by a comparison on the device (putting True through an index
+    # would copy it from the host and wait)
+    diag = torch.arange(S, device=device)[None, :] == torch.arange(S - T, S, device=device)[:, None]
     return mask | diag[None, None]
