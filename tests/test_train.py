@@ -445,6 +445,30 @@ def test_a_run_that_cannot_fit_stops_with_the_estimate_and_what_to_change(
     assert not out.exists()
 
 
+def test_the_cuda_check_adds_adams_moments_only_where_the_optimizer_has_none(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trainer.check_cuda_memory: the dry step's peak, plus 8 bytes a parameter for the moments the first step makes;
+    after a step (or on a resume, whose moments are on the device before the dry step), the peak already holds them.
+    The CUDA calls are stood in for here (a CPU model); tests/test_cuda.py runs the check on a GPU."""
+    from gpt2_port.train import loop
+
+    peak = 3 * memory.GiB
+    monkeypatch.setattr(loop, "dry_step_peak", lambda model, loss, device: peak)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * memory.GiB, 80 * memory.GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a stand-in GPU")
+    model, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=3, batch_size=2, block_size=16, eval_every=0, dropout=0.0)
+    prepare_model(model, args, torch.device("cpu"))
+    t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "o", "cpu")
+    params = sum(p.numel() for p in model.parameters())
+    fresh = t.check_cuda_memory()
+    assert fresh["estimate_bytes"] == peak + 8 * params and "AdamW moments" in fresh["detail"]
+    t.step(0)
+    assert t.check_cuda_memory()["estimate_bytes"] == peak
+
+
 def test_a_nan_loss_stops_with_the_step_and_skip_nonfinite_skips_it(small_ckpt: Path, small_data: Path) -> None:
     m, _ = from_pretrained(small_ckpt)
     args = TrainArgs(steps=3, batch_size=2, block_size=16, eval_every=0, dropout=0.0)

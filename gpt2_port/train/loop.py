@@ -361,8 +361,10 @@ class Trainer:
         compiles: the dry micro-batch has the real ones' shapes, strides and divisor, so the steps reuse its graph)."""
         dev, a = self.device, self.args
         peak = dry_step_peak(self.model, lambda: self._micro_loss(*self.batches.blank(a.batch_size)), dev)
-        params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        return check_measured(self.model.config, a, self.block_size, dev, peak, params)
+        # AdamW's two float32 moments, for the parameters that have none yet (a resumed run's are in the peak)
+        state = self.optimizer.state
+        fresh = [p for p in self.model.parameters() if p.requires_grad and "exp_avg" not in state.get(p, {})]
+        return check_measured(self.model.config, a, self.block_size, dev, peak, 8 * sum(p.numel() for p in fresh))
 
     def describe(self) -> dict[str, Any]:
         """What the run is, for the caller's first lines: sizes, kernels, the attention kernel SDPA picks for this

@@ -241,14 +241,14 @@ def dry_step_peak(model: torch.nn.Module, loss: Callable[[], torch.Tensor], devi
 
 
 def check_measured(
-    cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, step_peak: int | None, params: int
+    cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, step_peak: int | None, moments: int
 ) -> dict:
-    """The CUDA check: the dry step's peak (None: it ran out of memory) plus AdamW's moments (8 bytes per parameter,
-    allocated by the first real step), against what this process can have (free memory plus its own allocations)."""
+    """The CUDA check: the dry step's peak (None: it ran out of memory) plus the bytes of AdamW's moments that the
+    first real step will allocate (`moments`: 8 per parameter without them; 0 on a resume, whose moments were on the
+    device during the dry step), against what this process can have (free memory plus its own allocations)."""
     free, total = torch.cuda.mem_get_info(device)
     have = free + torch.cuda.memory_reserved(device)
     source = f"{torch.cuda.get_device_name(device)}: {total / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
-    moments = 8 * params
     if step_peak is not None:
         need = step_peak + moments
         info = {
@@ -256,7 +256,7 @@ def check_measured(
             "available_bytes": have,
             "source": source,
             "detail": f"{need / GiB:.1f} GiB (a dry step's peak {step_peak / GiB:.1f}, "
-            f"AdamW moments {moments / GiB:.1f})",
+            + (f"AdamW moments {moments / GiB:.1f})" if moments else "AdamW's moments in it)"),
             "method": "measured",
         }
         if need <= int(have * MEMORY_HEADROOM):
