@@ -28,6 +28,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=NO_CUDA))
 
 
+def hide_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CUDA for the rest of a test: torch.cuda.is_available() is False in this process, and the commands it starts
+    see no device (CUDA_VISIBLE_DEVICES empty)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests not marked `cuda` are CPU tests on every machine. Where a GPU is, `--device auto` (generate's, eval's and
+    parity's default) would move them onto it, against expectations made for the CPU; so they see none. The `cuda`
+    tests have the GPU."""
+    if request.node.get_closest_marker("cuda") is None and torch.cuda.is_available():
+        hide_cuda(monkeypatch)
+
+
 SHARED_TOKENIZER = REPO.parent / "shared" / "gpt2-tokenizer"
 
 TINY = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128)

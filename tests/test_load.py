@@ -2,6 +2,7 @@
 
 import gc
 import json
+import os
 import shutil
 import sys
 import weakref
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, save_hf
+from conftest import TINY, hide_cuda, save_hf
 
 from gpt2_port import GPT2
 from gpt2_port.devices import parse_device, parse_dtype
@@ -130,10 +131,18 @@ def test_dtype_and_device_errors():
         parse_dtype("float8")
     with pytest.raises(UsageError, match="unknown device 'tpu'"):
         parse_device("tpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(UsageError, match="CUDA is not available"):
-            parse_device("cuda")
-    assert parse_device("auto").type in ("cpu", "cuda", "mps")
+    with pytest.raises(UsageError, match="CUDA is not available"):  # a CPU test sees no CUDA (conftest)
+        parse_device("cuda")
+    assert parse_device("auto").type in ("cpu", "mps")
+
+
+def test_a_cpu_test_runs_on_the_cpu_where_a_gpu_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """conftest.hide_cuda, which each test not marked `cuda` gets where CUDA is: `auto` picks the CPU again, and the
+    commands a test starts see no device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parse_device("auto").type == "cuda"
+    hide_cuda(monkeypatch)
+    assert parse_device("auto").type in ("cpu", "mps") and os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def test_missing_and_empty(tmp_path: Path):
