@@ -16,7 +16,9 @@
 #     decode-xl the same for gpt2-xl, bf16 (sampled batches of 8 and 32: with the 6.4 GB checkpoint written and
 #               transformers' 48-layer static cache compiled, 64 rows too might not fit one call)
 #     smoke     the same commands at toy sizes on the CPU (checks this script, not the GPU)
-# Each call to a lent GPU runs at most 10 minutes: one phase per call (tests and parity together may not fit).
+# Each call to a lent GPU runs at most 10 minutes: one phase per call (tests and parity together may not fit). A step
+# still running at the deadline (BUDGET_S after the start, default 570 s) is stopped, so the bundle after it is made;
+# steps left after the deadline are named as not run. While a step runs, RESULTS is bundled every 60 s too.
 # Every invocation first writes RESULTS/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
 #
 # Environment: RESULTS (default gpu-results), PYTHON (default python3), INSTALL=0 to skip `pip install -e .` (if it
@@ -29,6 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+DEADLINE=$(($(date +%s) + ${BUDGET_S:-570}))
 RESULTS=${RESULTS:-gpu-results}
 SHARED_FROM=${SHARED_FROM:-$([ -d .gpu_shared ] && echo .gpu_shared)}
 [ $# -gt 0 ] || { sed -n '6,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -55,13 +58,25 @@ fi
 G=("$PY" -m gpt2_port)
 failed=0
 
-step() {  # step NAME COMMAND...: run it, its output into RESULTS/NAME.log, one line of verdict; then bundle
-  local name=$1 t0 rc
+step() {  # step NAME COMMAND...: run it until the deadline, its output into RESULTS/NAME.log, one line of verdict;
+  # RESULTS bundled every 60 s while it runs and once after
+  local name=$1 t0 rc left bundler
   shift
   t0=$(date +%s)
+  left=$((DEADLINE - t0))
+  if [ $left -lt 3 ]; then
+    echo "== $name: not run (the deadline, ${BUDGET_S:-570} s after the start, has passed)" >&2
+    failed=1
+    return
+  fi
   echo "== $name: $*" >&2
-  PYTHONUNBUFFERED=1 "$@" >"$RESULTS/$name.log" 2>&1
+  (while sleep 60; do bundle; done) >/dev/null 2>&1 &  # no pipe of the caller held open by its sleep
+  bundler=$!
+  PYTHONUNBUFFERED=1 timeout -k 10 "$left" "$@" >"$RESULTS/$name.log" 2>&1
   rc=$?
+  kill "$bundler" 2>/dev/null
+  wait "$bundler" 2>/dev/null
+  [ $rc -ne 124 ] || echo "== $name: stopped at the deadline; what it wrote is in $RESULTS" >&2
   echo "== $name: exit $rc in $(($(date +%s) - t0)) s (log $RESULTS/$name.log)" >&2
   [ $rc -eq 0 ] || { failed=1; tail -20 "$RESULTS/$name.log" >&2; }
   bundle

@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,25 @@ def test_the_gpu_check_script_bundles_its_results_into_the_devices_out(tmp_path:
         assert {"res/env.log", "res/bench-decode.log"} <= names, names
         log = tar.extractfile("res/bench-decode.log").read().decode()  # type: ignore[union-attr]
     assert log.startswith("ran -m benchmarks.gpu decode --sizes gpt2")
+
+
+def test_a_step_past_the_calls_deadline_is_stopped_and_what_it_wrote_is_bundled(tmp_path: Path) -> None:
+    """A lent GPU's call ends at 600 s, and whatever has not reached OUT by then is lost: a step still running at the
+    script's deadline (BUDGET_S) is stopped, the bundle made after it holds its log, and the steps left are named as
+    not run. A stand-in python prints, then hangs."""
+    fake, results, out = tmp_path / "python3", tmp_path / "res", tmp_path / "device-out"
+    fake.write_text('#!/usr/bin/env bash\n[ "$1" = - ] && exit 0\necho "started $*"\nexec sleep 60\n')
+    fake.chmod(0o755)
+    out.mkdir()
+    env = {**os.environ, "PYTHON": str(fake), "RESULTS": str(results), "OUT": str(out), "INSTALL": "0", "BUDGET_S": "4"}
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "tests", "suite"], capture_output=True, env=env)
+    err = r.stderr.decode()
+    assert time.monotonic() - t0 < 30 and r.returncode == 1, err
+    assert "== tests-cuda: stopped at the deadline" in err and "== tests-all: not run (the deadline" in err
+    with tarfile.open(out / "gpu-results.tgz") as tar:
+        log = tar.extractfile("res/tests-cuda.log").read().decode()  # type: ignore[union-attr]
+    assert log.startswith("started -m pytest -q -m cuda")
 
 
 def test_the_head_padding_benchmark_times_each_multiple_with_the_same_loss(tmp_path: Path) -> None:
