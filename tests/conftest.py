@@ -159,3 +159,64 @@ def greedy_heads() -> list:
         "not holding oneDNN below them); this machine or configuration has none, so generate uses TransposedHead",
     )
     return [pytest.param(TransposedHead, id="transposed"), pytest.param(ScreenedHead, marks=no_bf16, id="screened")]
+
+
+# The draw's own rounding, in log terms: it takes the argmax of softmax(s) / q in float32, where s - log q is exact
+# arithmetic's; the softmax and the division each move a ratio by a few units of 2^-24 (worst bound ~5e-7), taken x20.
+DRAW_ROUNDING = 1e-5
+
+
+def same_tokens_where_decided(
+    ref: torch.Tensor,
+    ref_scores: list[torch.Tensor],
+    got: torch.Tensor,
+    got_scores: list[torch.Tensor],
+    tol: float,
+    noise: list[torch.Tensor] | None = None,
+    eos: int | None = None,
+) -> list[int]:
+    """The contract of two token sequences made by paths whose scores differ by rounding (another shape, cache, dtype
+    or library): the scores within `tol` of their largest |score| at each step (the paths compute the same function),
+    and the tokens equal wherever that decides them. (B, n) new tokens of each, and per step the (B, V) scores each
+    token was chosen from (`Generation.scores`, transformers' `output_scores`); noise: a sampled run's Exp(1) draws per
+    step (the token is then the argmax of s - log q: `sampling.draw`; no top-k or top-p, which could mask other
+    tokens on each side); eos: a row's comparison ends with its EOS token (padding follows).
+
+    At a step where the scores lie within d of each other at every token and the reference's top token leads the next
+    by more than 2 d, both paths choose that token, so the tokens must be equal there; where the lead is smaller (a
+    near tie) the paths may part, and the row's comparison ends at the first token they do not share (what follows
+    depends on the prefix). The reference's tokens are checked to be its scores' choice, so the scores are the ones
+    the tokens came from. Returns per row the number of steps compared."""
+    compared = []
+    for r in range(ref.shape[0]):
+        n = 0
+        for t in range(min(ref.shape[1], got.shape[1], len(ref_scores), len(got_scores))):
+            a, b = ref_scores[t][r].double(), got_scores[t][r].double()
+            d = float(torch.where(a == b, 0.0, (a - b).abs()).max())  # equal infinities (masked tokens) count 0
+            scale = float(a[a.isfinite()].abs().max())
+            what = f"row {r} step {t}: scores {d:.3g} apart, above {tol:g} of their largest {scale:.3g}"
+            assert d <= tol * scale, what
+            slack = 0.0
+            if noise is not None:
+                log_q = noise[t][r].double().log()
+                a, slack = a - log_q, DRAW_ROUNDING
+            top = torch.topk(a, 2).values
+            lead = float(top[0] - top[1])
+            assert not (lead > slack and int(ref[r, t]) != int(a.argmax())), f"row {r} step {t}: not its scores' choice"
+            if int(ref[r, t]) != int(got[r, t]):
+                assert not (lead > 2 * d + slack), (
+                    f"row {r} step {t}: tokens {int(ref[r, t])} and {int(got[r, t])} differ, but the lead {lead:.3g} "
+                    f"exceeds twice the scores' distance {d:.3g}"
+                )
+                break
+            n += 1
+            if eos is not None and int(ref[r, t]) == eos:
+                break
+        compared.append(n)
+    return compared
+
+
+def exp_draws(seed: int, shape: tuple[int, int], steps: int) -> list[torch.Tensor]:
+    """The Exp(1) noise a sampled generation seeded with `seed` draws at each step (`sampling.draw`, on the CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.empty(shape).exponential_(1, generator=g) for _ in range(steps)]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, chaotic_model, decode_steps
+from conftest import TINY, chaotic_model, decode_steps, exp_draws, same_tokens_where_decided
 
 from gpt2_port.errors import UsageError
 from gpt2_port.generate import generate_full
@@ -18,6 +18,11 @@ from gpt2_port.model.decode import DecodePlan
 from gpt2_port.model.masks import build_mask
 
 pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
+
+# The static step's scores against the plan's, as a fraction of their largest |score| (conftest.same_tokens_where_
+# decided). Worst seen on this CPU: 5.4e-7 (default configuration) and 5.8e-7 (second).
+STATIC_SCORES = 2e-5
 
 
 def _chaotic(seed: int = 3) -> GPT2:
@@ -171,14 +176,19 @@ def test_the_static_step_is_the_dynamic_step_bit_for_bit_where_the_keys_are_the_
 
 @pytest.mark.parametrize("sample", [False, True])
 def test_static_generation_gives_the_dynamic_generations_tokens(sample: bool) -> None:
+    """The static step attends over the whole fixed-size buffer with a mask, the plan over the keys so far: other
+    shapes, so the same tokens wherever the scores decide them (conftest.same_tokens_where_decided; a sampled step
+    decides by its scores less the log of the draw's noise, which both runs share)."""
     m = _chaotic()
     ids = torch.tensor([[5, 17, 42, 7, 99, 3], [0, 0, 0, 8, 11, 12]])
     mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
-    opts = dict(attention_mask=mask, eos_token_id=None, do_sample=sample, seed=3, top_k=20 if sample else None)
+    opts = dict(attention_mask=mask, eos_token_id=None, do_sample=sample, seed=3, output_scores=True)
     a = generate_full(m, ids, 40, static_cache=False, **opts)
     b = generate_full(m, ids, 40, static_cache=True, **opts)
     assert a.extra["step"] == "plan" and b.extra["step"] == "static"
-    assert torch.equal(a.sequences, b.sequences)
+    noise = exp_draws(3, (2, TINY.vocab_size), 40) if sample else None
+    new_a, new_b = a.sequences[:, 6:], b.sequences[:, 6:]
+    assert min(same_tokens_where_decided(new_a, a.scores, new_b, b.scores, STATIC_SCORES, noise)) >= 1
 
 
 def test_the_static_step_attends_over_one_shape_for_the_whole_generation(monkeypatch) -> None:

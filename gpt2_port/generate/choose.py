@@ -18,6 +18,9 @@ class NextToken:
 
     Logits that hold NaN or Inf must stop generation (the loop raises, naming the step: `nonfinite_message`): their
     argmax would be an arbitrary token and text made of it silent garbage.
+
+    record: a list to append each step's (B, V) float32 scores to, the processed logits the token was chosen from (the
+    fast head is then off: it makes no logits).
     """
 
     def __init__(
@@ -27,10 +30,12 @@ class NextToken:
         seen: torch.Tensor | None,
         generator: torch.Generator | None,
         fast_head: bool,
+        record: list[torch.Tensor] | None = None,
     ) -> None:
         self.model, self.settings, self.seen, self.generator = model, settings, seen, generator
+        self.record = record
         greedy = not settings.do_sample and settings.repetition_penalty == 1.0
-        usable = fast_head and greedy and FastGreedyHead.usable(model)
+        usable = fast_head and greedy and record is None and FastGreedyHead.usable(model)
         self.fast_head = FastGreedyHead.for_model(model) if usable else None
         self.exact_steps = 0  # steps where the fast head could not prove its argmax
 
@@ -48,6 +53,8 @@ class NextToken:
         # loop raises on `finite` before any of those tokens is used
         logits = logits.masked_fill(~finite, 0.0)
         scores = process_logits(logits, self.seen, self.settings)
+        if self.record is not None:
+            self.record.append(scores.clone())  # (B, V), on the device: no wait
         if self.settings.do_sample:
             probs = F.softmax(scores, dim=-1)
             return draw(probs, self.generator), finite  # (B,)

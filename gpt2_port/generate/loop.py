@@ -49,6 +49,8 @@ class Generation:
     prefill_s: the prompt's forward pass and the choice of the first token; decode_s: all later steps, without
     capture_s, the one-time recording of the CUDA-graph step (warm-up included) when this call made it.
     decode_tokens: tokens made by the later steps (all rows; a finished row's padding not counted).
+    scores: with output_scores, per step the (B, V) float32 scores each row's token was chosen from (the logits after
+    repetition penalty, temperature, top-k and top-p, as transformers' `output_scores`); else None.
     """
 
     sequences: torch.Tensor
@@ -63,6 +65,7 @@ class Generation:
     context_limited: bool = False
     max_new_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    scores: list[torch.Tensor] | None = None
 
     @property
     def decode_tok_per_s(self) -> float:
@@ -171,6 +174,7 @@ def generate_full(
     static_cache: bool | None = None,
     cuda_graph: bool = True,
     progress: Callable[[int], None] | None = None,
+    output_scores: bool = False,
     **sampling: object,
 ) -> Generation:
     """Generate up to `max_new_tokens` per row; see the module docstring for the rules. Returns a `Generation`.
@@ -185,6 +189,8 @@ def generate_full(
     on CUDA, where it lets the step be captured; elsewhere the plan over a growing cache is faster).
     cuda_graph: on CUDA, record the static step once as a CUDA graph and replay it (False: run it eagerly).
     progress: called after each step with the number of new tokens made so far (all rows).
+    output_scores: keep each step's scores in `Generation.scores` (the fast greedy head is then off: it makes no
+    logits; the tokens are the same, as it proves).
     None of these shortcuts runs in train mode (generation then runs the forward, dropout included).
 
     The loop waits for the device once per token: the new ids and whether the logits were finite come back in one
@@ -222,7 +228,8 @@ def generate_full(
     seen = seen_tokens(input_ids, cfg.vocab_size, attention_mask) if settings.repetition_penalty != 1.0 else None
     how = {"use_cache": use_cache, "fast_step": fast_step, "static_cache": static_cache, "cuda_graph": cuda_graph}
     steps = _steps(model, B, L, seq, full_mask, how)
-    choose = NextToken(model, settings, seen, gen, fast_head)
+    scores: list[torch.Tensor] | None = [] if output_scores else None
+    choose = NextToken(model, settings, seen, gen, fast_head, scores)
     rows = Rows(B, dev, eos_token_id, stops, tokenizer, on_text)
     rows_idx = torch.arange(B, device=dev)
 
@@ -270,6 +277,7 @@ def generate_full(
         decode_tokens=decode_tokens,
         context_limited=context_limited,
         max_new_tokens=max_new_tokens,
+        scores=scores,
         extra={
             "fast_head": choose.fast_head is not None,
             "fast_head_kind": None if choose.fast_head is None else type(choose.fast_head).__name__,
