@@ -155,8 +155,8 @@ def from_hf_dict(d: Mapping[str, Any], source: str = "config.json") -> GPT2Confi
         for k in (key, *aliases):
             if k in d:
                 return d[k]
-        if default is None:
-            raise ConfigError(f"{source}: missing required key {key!r}")
+        if default is None:  # the handler below puts `source` in front, as for every "config: " message
+            raise ConfigError(f"config: missing required key {key!r}")
         return default
 
     n_ctx = d.get("n_ctx")

@@ -7,7 +7,9 @@ What a write does, by what is at the path (symlinks are followed to their final 
   nor a power loss can leave a half-written or empty file where a complete one was;
 - a character device (/dev/null, /dev/stdout, a terminal) or a FIFO: written in place, never replaced;
 - a directory, a block device or a socket: refused, by `check_writable` before any work is done;
-- `-`: standard output (`write_output` only).
+- one of the command's own inputs (the same file, however it is reached: a symlink, a hard link): refused, by
+  `check_writable` and `check_dir_writable` given the inputs, before any work is done;
+- `-`: standard output (`write_output` only); an empty path: refused.
 
 `check_writable` and `check_dir_writable` create and delete a real file where the output will go (os.access says
 yes to root on a read-only or virtual file system). A write that still fails after the work (a full disk,
@@ -27,13 +29,17 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from .errors import UsageError
 
 STDOUT = "-"  # an output path that means standard output
+
+# The files a command reads (or keeps), to keep its outputs off them: (what the file is, as a phrase for a message,
+# e.g. "the --text input a.txt", the file)
+Inputs = Iterable[tuple[str, str | os.PathLike[str]]]
 
 
 def target_of(path: str | os.PathLike[str]) -> Path:
@@ -90,12 +96,36 @@ def _new_file_mode() -> int:
 
 
 # -- probes (before any work) ----------------------------------------------------------------------------------------
-def check_writable(path: str | os.PathLike[str], what: str = "--json") -> Path | None:
-    """Fail early, before any work, if output to `path` could not be written; return the target (None for `-`)."""
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether a write to `a` lands on `b`: the same path once every symlink is followed. (A hard link is another
+    path: a write renames a new file over it and the other link keeps the old data.)"""
+    return target_of(a) == target_of(b)
+
+
+def input_at(path: str | os.PathLike[str], inputs: Inputs) -> str | None:
+    """What `path` is among `inputs` (e.g. "the --text input a.txt"), or None when it is none of them."""
+    for label, p in inputs:
+        if same_file(path, p):
+            return label
+    return None
+
+
+def _not_empty(path: str | os.PathLike[str], what: str, expected: str) -> None:
+    if os.fspath(path) == "":
+        raise UsageError(f"{what} '': an empty path; expected {expected}")
+
+
+def check_writable(path: str | os.PathLike[str], what: str = "--json", inputs: Inputs = ()) -> Path | None:
+    """Fail early, before any work, if output to `path` could not be written, or would overwrite one of `inputs`
+    (the files the command reads); return the target (None for `-`)."""
     if os.fspath(path) == STDOUT:
         return None
+    _not_empty(path, what, "a file path (or - for stdout)")
     t = target_of(path)
     shown = _shown(path, t)
+    label = input_at(path, inputs)
+    if label is not None:
+        raise UsageError(f"{what} {shown}: is {label}; writing there would destroy it, so give another path")
     kind = _kind(t)
     if kind == "directory":
         raise UsageError(f"{what} {shown}: is a directory, expected a file path")
@@ -146,9 +176,29 @@ def _probe(directory: Path) -> None:
     os.unlink(probe)
 
 
-def check_dir_writable(path: str | os.PathLike[str], what: str = "--out") -> Path:
+def check_dir_outputs(
+    path: str | os.PathLike[str], what: str = "--out", inputs: Inputs = (), writes: Iterable[str] = ()
+) -> None:
+    """Refuse an empty directory path, and one where a file the command writes (`writes`: names) is one of `inputs`
+    (the files the command reads)."""
+    _not_empty(path, what, "a directory path")
+    t = target_of(path)
+    for name in writes:
+        label = input_at(t / name, inputs)
+        if label is not None:
+            raise UsageError(
+                f"{what} {_shown(path, t)}: the command writes {name} there, which is {label}; writing it would "
+                "destroy it, so give another directory"
+            )
+
+
+def check_dir_writable(
+    path: str | os.PathLike[str], what: str = "--out", inputs: Inputs = (), writes: Iterable[str] = ()
+) -> Path:
     """Fail early if files cannot be written into directory `path` (made later if missing): probe with a real file
-    in it, or a real directory in its nearest existing ancestor. Nothing is left behind."""
+    in it, or a real directory in its nearest existing ancestor. Nothing is left behind. `inputs` and `writes`: see
+    `check_dir_outputs`."""
+    check_dir_outputs(path, what, inputs, writes)
     t, shown, base = _existing_dir(path, what)
     try:
         if t.is_dir():

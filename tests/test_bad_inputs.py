@@ -24,6 +24,7 @@ from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
 from gpt2_port.io.demo import write_demo_checkpoint
 from gpt2_port.io.safetensors_io import SafetensorsFile, write_safetensors
+from gpt2_port.io.tokenizer import find_files
 
 REPO = Path(__file__).resolve().parents[1]
 BASE_CFG = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=1000)
@@ -1180,6 +1181,443 @@ def c_train_out_unwritable_proc(tmp: Path, base: Path) -> dict:
     return {"argv": train_argv(base, _train_data(tmp), Path("/proc/x")), "expect": ["--out /proc/x", "cannot write"]}
 
 
+# -- an output that is one of the command's inputs: refused before any work, the input left as it was ---------------
+def _unchanged(*paths: Path) -> Callable[[str], None]:
+    """An "after" check: each file still holds the bytes it held when the case was built."""
+    before = {p: p.read_bytes() for p in paths}
+
+    def check(line: str) -> None:
+        for p, data in before.items():
+            assert p.read_bytes() == data, f"{p} was written over"
+
+    return check
+
+
+@case
+def c_inspect_json_is_the_weights(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    return {
+        "argv": ["inspect", str(d), "--json", str(d / "model.safetensors")],
+        "expect": ["--json", "model.safetensors", "is a file of MODEL", "would destroy it", "another path"],
+        "after": [_unchanged(d / "model.safetensors")],
+    }
+
+
+@case
+def c_gen_json_links_to_the_config(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    (tmp / "out.json").symlink_to(d / "config.json")  # written through, the link would replace the config
+    return {
+        "argv": gen(d, "--greedy", "--json", str(tmp / "out.json"), prompt="a,b"),
+        "expect": ["--json", "out.json", "config.json", "is a file of MODEL"],
+        "after": [_unchanged(d / "config.json")],
+    }
+
+
+@case
+def c_gen_json_is_the_tokenizer(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    tok = find_files(d)[0]
+    return {
+        "argv": gen(base, "--json", str(tok), "--tokenizer", str(d), prompt="a,b"),
+        "expect": ["--json", tok.name, "is a file of --tokenizer"],
+        "after": [_unchanged(tok)],
+    }
+
+
+@case
+def c_attention_png_is_the_weights(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    return {
+        "argv": ["attention", str(d), "a,b", "--layer", "0", "--png", str(d / "model.safetensors")],
+        "expect": ["--png", "model.safetensors", "is a file of MODEL"],
+        "after": [_unchanged(d / "model.safetensors")],
+    }
+
+
+@case
+def c_parity_json_is_the_weights_file_given_as_model(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = d / "model.safetensors"
+    return {
+        "argv": ["parity", str(f), "--ids", "1 2 3", "--json", str(f)],
+        "expect": ["--json", "model.safetensors", "is a file of MODEL"],
+        "after": [_unchanged(f)],
+    }
+
+
+@case
+def c_parity_plot_is_the_config(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    return {
+        "argv": ["parity", str(d), "--ids", "1 2 3", "--plot", str(d / "config.json")],
+        "expect": ["--plot", "config.json", "is a file of MODEL"],
+        "after": [_unchanged(d / "config.json")],
+    }
+
+
+@case
+def c_parity_markdown_is_the_ids_file(tmp: Path, base: Path) -> dict:
+    f = tmp / "ids.txt"
+    f.write_text("1 2 3\n")
+    return {
+        "argv": ["parity", str(base), "--ids-file", str(f), "--markdown", str(f)],
+        "expect": ["--markdown", "ids.txt", "is the --ids-file input"],
+        "after": [_unchanged(f)],
+    }
+
+
+@case
+def c_parity_json_and_plot_one_file(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--ids", "1 2 3", "--json", str(tmp / "r.out"), "--plot", str(tmp / "r.out")],
+        "expect": ["--json", "--plot", "r.out", "the same file"],
+    }
+
+
+@case
+def c_eval_json_is_the_text(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    return {
+        "argv": ["eval", str(base), "--text", str(f), "--json", str(f)],
+        "expect": ["--json", "in.txt", "is the --text input"],
+        "after": [_unchanged(f)],
+    }
+
+
+@case
+def c_eval_markdown_is_the_weights(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    f = _text(tmp)
+    return {
+        "argv": ["eval", str(d), "--text", str(f), "--markdown", str(d / "model.safetensors")],
+        "expect": ["--markdown", "model.safetensors", "is a file of MODEL"],
+        "after": [_unchanged(d / "model.safetensors")],
+    }
+
+
+@case
+def c_eval_json_is_the_splits_meta_json(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    (d / "meta.json").write_text(json.dumps({"dtype": "uint16", "train_tokens": 2700, "val_tokens": 300}))
+    return {
+        "argv": ["eval", str(base), "--data", str(d), "--json", str(d / "meta.json")],
+        "expect": ["--json", "meta.json", "is a file of --data"],
+        "after": [_unchanged(d / "meta.json")],
+    }
+
+
+@case
+def c_eval_json_and_markdown_one_file(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    out = tmp / "r.out"
+    return {
+        "argv": ["eval", str(base), "--text", str(f), "--json", str(out), "--markdown", str(out)],
+        "expect": ["--json", "--markdown", "r.out", "the same file"],
+    }
+
+
+@case
+def c_prepare_out_holds_the_input_train_bin(tmp: Path, base: Path) -> dict:
+    d = tmp / "prepared"
+    d.mkdir()
+    f = text_file(d, "train.bin")  # text that happens to be named like the output
+    return {
+        "argv": prep(tmp, base, f, out=d),
+        "expect": ["--out", "writes train.bin there", "the TEXT_FILE input", "another directory"],
+        "after": [_unchanged(f)],
+    }
+
+
+@case
+def c_prepare_out_holds_the_input_meta_json(tmp: Path, base: Path) -> dict:
+    d = tmp / "prepared"
+    d.mkdir()
+    f = text_file(d, "meta.json")
+    return {
+        "argv": prep(tmp, base, text_file(tmp), f, out=d),
+        "expect": ["--out", "writes meta.json there", "the TEXT_FILE input"],
+        "after": [_unchanged(f)],
+    }
+
+
+@case
+def c_train_out_is_the_init_checkpoint(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    return {
+        "argv": train_argv(d, _train_data(tmp), d),
+        "expect": ["--out", "writes model.safetensors there", "a file of --init"],
+        "after": [_unchanged(d / "model.safetensors", d / "config.json")],
+    }
+
+
+@case
+def c_train_out_holds_another_checkpoint(tmp: Path, base: Path) -> dict:
+    other = copy(base, tmp, "other")
+    return {
+        "argv": train_argv(base, _train_data(tmp), other),
+        "expect": ["--out", "other", "holds a checkpoint already (model.safetensors)", "another --out"],
+        "after": [_unchanged(other / "model.safetensors")],
+    }
+
+
+@case
+def c_train_json_is_its_own_trainer_state(tmp: Path, base: Path) -> dict:
+    run = _saved_run(tmp, base)
+    f = run / "trainer_state.json"
+    return {
+        "argv": ["train", "--resume", str(run), "--steps", "3", "--no-plot", "--json", str(f)],
+        "expect": ["--json", "trainer_state.json", "is a file of --resume"],
+        "after": [_unchanged(f, run / "log.jsonl")],
+    }
+
+
+@case
+def c_train_json_in_its_out_dir(tmp: Path, base: Path) -> dict:
+    out = tmp / "out"
+    return {
+        "argv": train_argv(base, _train_data(tmp), out, "--json", str(out / "log.jsonl")),
+        "expect": ["--json", "log.jsonl", "is a file the run writes in --out"],
+    }
+
+
+@case
+def c_train_json_is_the_train_bin(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    return {
+        "argv": train_argv(base, d, tmp / "out", "--json", str(d / "train.bin")),
+        "expect": ["--json", "train.bin", "is a file of --data"],
+        "after": [_unchanged(d / "train.bin")],
+    }
+
+
+@case
+def c_demo_out_holds_a_checkpoint(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    return {
+        "argv": ["demo-checkpoint", "--out", str(d)],
+        "expect": ["--out", "holds a checkpoint already (model.safetensors)", "random weights would replace"],
+        "after": [_unchanged(d / "model.safetensors", d / "config.json")],
+    }
+
+
+# -- seeds out of range, and writes that fail after the work -----------------------------------------------------------
+HUGE_SEED = "99999999999999999999"
+
+
+@case
+def c_gen_seed_too_large(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--seed", HUGE_SEED), "expect": ["--seed", "0..9223372036854775807", HUGE_SEED]}
+
+
+@case
+def c_gen_seed_negative(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--seed=-1"), "expect": ["--seed", "0..9223372036854775807", "got -1"]}
+
+
+@case
+def c_train_seed_too_large(tmp: Path, base: Path) -> dict:
+    argv = train_argv(base, _train_data(tmp), tmp / "out", "--seed", HUGE_SEED)
+    return {"argv": argv, "expect": ["--seed", "0..9223372036854775807", HUGE_SEED]}
+
+
+@case
+def c_demo_seed_too_large(tmp: Path, base: Path) -> dict:
+    argv = ["demo-checkpoint", "--out", str(tmp / "demo"), "--seed", HUGE_SEED]
+    return {"argv": argv, "expect": ["--seed", "0..9223372036854775807", HUGE_SEED]}
+
+
+# -- a trainer_state.json with values of the wrong type or range: refused when read, before anything is written ----
+def _saved_run(tmp: Path, base: Path) -> Path:
+    run = tmp / "run"
+    assert main(train_argv(base, _train_data(tmp), run, "--steps", "2", "--stop-at", "1", "--no-progress")) == 0
+    return run
+
+
+def _broken_state(tmp: Path, base: Path, change: Callable[[dict], None]) -> tuple[Path, Callable[[str], None]]:
+    run = _saved_run(tmp, base)
+    f = run / "trainer_state.json"
+    meta = json.loads(f.read_text())
+    change(meta)
+    f.write_text(json.dumps(meta))
+    return run, _unchanged(f, run / "log.jsonl", run / "model.safetensors")
+
+
+def _resume(run: Path) -> list[str]:
+    return ["train", "--resume", str(run), "--steps", "3", "--no-plot"]
+
+
+@case
+def c_train_state_negative_step(tmp: Path, base: Path) -> dict:
+    run, same = _broken_state(tmp, base, lambda m: m.update(step=-1))
+    expect = ["trainer_state.json", "step", "non-negative integer", "got -1"]
+    return {"argv": _resume(run), "expect": expect, "after": [same]}
+
+
+@case
+def c_train_state_step_as_text(tmp: Path, base: Path) -> dict:
+    run, same = _broken_state(tmp, base, lambda m: m.update(step="1"))
+    return {"argv": _resume(run), "expect": ["trainer_state.json", "step", "got '1'"], "after": [same]}
+
+
+@case
+def c_train_state_data_not_a_path(tmp: Path, base: Path) -> dict:
+    run, same = _broken_state(tmp, base, lambda m: m["args"].update(data=5))
+    expect = ["trainer_state.json", "args.data", "a directory path", "got 5"]
+    return {"argv": _resume(run), "expect": expect, "after": [same]}
+
+
+@case
+def c_train_state_batch_size_as_text(tmp: Path, base: Path) -> dict:
+    run, same = _broken_state(tmp, base, lambda m: m["args"].update(batch_size="8"))
+    expect = ["trainer_state.json", "args.batch_size", "positive integer", "got '8'"]
+    return {"argv": _resume(run), "expect": expect, "after": [same]}
+
+
+@case
+def c_train_state_lr_as_text(tmp: Path, base: Path) -> dict:
+    run, same = _broken_state(tmp, base, lambda m: m["args"].update(lr="fast"))
+    return {"argv": _resume(run), "expect": ["trainer_state.json", "args.lr", "a number", "'fast'"], "after": [same]}
+
+
+@case
+def c_train_state_best_step_after_step(tmp: Path, base: Path) -> dict:
+    run, same = _broken_state(tmp, base, lambda m: m.update(best_step=9))
+    return {"argv": _resume(run), "expect": ["trainer_state.json", "best_step 9", "after step 1"], "after": [same]}
+
+
+# -- a tokenizer named for training: read before the run, not at its first save -------------------------------------
+@case
+def c_train_tokenizer_missing(tmp: Path, base: Path) -> dict:
+    argv = train_argv(base, _train_data(tmp), tmp / "out", "--steps", "3", "--tokenizer", str(tmp / "nonexist"))
+    return {"argv": argv, "expect": ["--tokenizer", "nonexist", "not a directory"], "absent": [tmp / "out"]}
+
+
+@case
+def c_train_tokenizer_dir_without_files(tmp: Path, base: Path) -> dict:
+    (tmp / "tok").mkdir()
+    argv = train_argv(base, _train_data(tmp), tmp / "out", "--tokenizer", str(tmp / "tok"))
+    return {"argv": argv, "expect": ["--tokenizer", "tok", "missing vocab.json and merges.txt"]}
+
+
+# -- generate: a batch that cannot fit in memory -----------------------------------------------------------------------
+@case
+def c_gen_num_samples_beyond_memory(tmp: Path, base: Path) -> dict:
+    # 10^8 samples of the 1000-token vocabulary: about 2 TB of next-token scores alone
+    return {
+        "argv": gen(base, "--max-new-tokens", "2", "--num-samples", "100000000", prompt="a,b"),
+        "expect": ["memory: 100000000 sample(s)", "next-token scores", "is available", "try --num-samples"],
+    }
+
+
+# -- flags that would be ignored, values out of range, messages -------------------------------------------------------
+@case
+def c_eval_json_and_markdown_both_stdout(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    return {
+        "argv": ["eval", str(base), "--text", str(f), "--json", "-", "--markdown", "-"],
+        "expect": ["--json and --markdown", "stdout"],
+    }
+
+
+@case
+def c_eval_text_is_a_directory(tmp: Path, base: Path) -> dict:
+    (tmp / "texts").mkdir()
+    return {"argv": ev(base, tmp, "--text", str(tmp / "texts")), "expect": ["--text", "texts", "is a directory"]}
+
+
+@case
+def c_eval_text_dev_null(tmp: Path, base: Path) -> dict:
+    return {"argv": ev(base, tmp, "--text", "/dev/null"), "expect": ["--text /dev/null", "not a regular file"]}
+
+
+@case
+def c_eval_lambada_is_a_directory(tmp: Path, base: Path) -> dict:
+    (tmp / "l").mkdir()
+    return {"argv": ev(base, tmp, "--lambada", str(tmp / "l")), "expect": ["--lambada", "is a directory"]}
+
+
+@case
+def c_eval_split_without_data(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    return {
+        "argv": ev(base, tmp, "--text", str(f), "--split", "train"),
+        "expect": ["--split train", "--data only"],
+    }
+
+
+@case
+def c_parity_lr_without_train_steps(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--lr", "0.1"], "expect": ["--lr", "--train-steps"]}
+
+
+@case
+def c_backward_clip_without_train_steps(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--backward", "--clip", "2"], "expect": ["--clip", "--train-steps"]}
+
+
+@case
+def c_train_stop_at_after_steps(tmp: Path, base: Path) -> dict:
+    argv = train_argv(base, _train_data(tmp), tmp / "out", "--stop-at", "5")
+    return {"argv": argv, "expect": ["--stop-at", "at most --steps 1", "got 5"]}
+
+
+@case
+def c_train_resume_stop_at_a_step_already_done(tmp: Path, base: Path) -> dict:
+    run = _saved_run(tmp, base)
+    return {
+        "argv": ["train", "--resume", str(run), "--stop-at", "1", "--no-plot"],
+        "expect": ["--stop-at 1", "at step 1 already", "a later step"],
+        "after": [_unchanged(run / "trainer_state.json", run / "log.jsonl")],
+    }
+
+
+@case
+def c_prepare_out_empty(tmp: Path, base: Path) -> dict:
+    return {"argv": prep(tmp, base, text_file(tmp), out=""), "expect": ["--out ''", "empty path", "directory"]}
+
+
+@case
+def c_attention_png_empty(tmp: Path, base: Path) -> dict:
+    argv = ["attention", str(base), "a,b", "--layer", "0", "--png", ""]
+    return {"argv": argv, "expect": ["--png ''", "empty path", "file path"]}
+
+
+@case
+def c_demo_out_empty(tmp: Path, base: Path) -> dict:
+    return {"argv": ["demo-checkpoint", "--out", ""], "expect": ["--out ''", "empty path"]}
+
+
+@case
+def c_gen_temperature_inf(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--temperature", "inf"), "expect": ["--temperature", "finite", "got inf"]}
+
+
+@case
+def c_gen_device_cpu_with_an_index(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--device", "cpu:1"), "expect": ["'cpu:1'", "no index but 0"]}
+
+
+def _named_once(name: str) -> Callable[[str], None]:
+    def check(line: str) -> None:
+        assert line.count(name) == 1, line
+
+    return check
+
+
+@case
+def c_config_missing_key(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["n_embd"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    return {
+        "argv": ["inspect", str(d)],
+        "expect": ["config.json", "missing required key 'n_embd'"],
+        "after": [_named_once("config.json")],
+    }
+
+
 def _files(root: Path) -> set[str]:
     out = set()
     for dirpath, dirnames, filenames in os.walk(root):
@@ -1224,6 +1662,48 @@ def test_bad_input(
         assert not p.exists(), f"{p} exists: code from the file ran"
     for after in spec.get("after", []):
         after(line)
+
+
+def _full_vocab_checkpoint(tmp: Path) -> Path:
+    """A 1-layer checkpoint with GPT-2's vocabulary (eval needs <|endoftext|> as the first token's context)."""
+    return write_demo_checkpoint(tmp / "full_vocab", config=GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32))
+
+
+# Outputs whose write fails after the work (/dev/full): (argv, the option, whether the results are kept in a file)
+WRITE_FAILS = {
+    "eval_json": (lambda tmp, base: ["eval", str(_full_vocab_checkpoint(tmp)), "--text", str(_text(tmp))], "--json"),
+    "eval_markdown": (
+        lambda tmp, base: ["eval", str(_full_vocab_checkpoint(tmp)), "--text", str(_text(tmp))],
+        "--markdown",
+    ),
+    "parity_json": (lambda tmp, base: ["parity", str(base), "--ids", "1 2 3"], "--json"),
+    "parity_markdown": (lambda tmp, base: ["parity", str(base), "--ids", "1 2 3"], "--markdown"),
+    "parity_plot": (lambda tmp, base: ["parity", str(base), "--ids", "1 2 3"], "--plot"),
+}
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full is Linux only")
+@pytest.mark.parametrize("name", sorted(WRITE_FAILS))
+def test_write_that_fails_after_the_work(
+    name: str, base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full device met after the work (the early check passes on /dev/full): exit 2 and one line naming the option
+    and the reason, the text and JSON results kept in a file named there (a PNG is not kept), the device untouched.
+    These commands print timings on stderr before their outputs are written, so the error is the last line."""
+    build, opt = WRITE_FAILS[name]
+    argv = [*build(tmp_path, base), opt, "/dev/full"]
+    before = _files(tmp_path)
+    capsys.readouterr()
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    line = err.splitlines()[-1]
+    assert line.startswith(f"gpt2-port {argv[0]}: error: {opt} /dev/full: cannot write (No space left on device)")
+    if opt == "--plot":
+        assert "kept in" not in line
+    else:
+        _stays_char_device("/dev/full")(line)
+    assert _files(tmp_path) == before
 
 
 def test_catalogue_size() -> None:

@@ -1,6 +1,7 @@
 """The console command: help on every subcommand, inspect, demo-checkpoint, exit codes in a real process."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,40 @@ print("transformers" in sys.modules)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_attention_counts_one_token_in_the_singular(tiny_official: Path, tmp_path: Path, capsys):
+    assert main(["attention", str(tiny_official), "Hi", "--layer", "0", "--png", str(tmp_path / "a.png")]) == 0
+    out = capsys.readouterr().out
+    assert "1 token" in out and "1 tokens" not in out
+
+
+def test_generate_memory_check_refuses_only_what_does_not_fit(tiny_official: Path, monkeypatch, capsys):
+    """The estimate against the memory available (faked here): a batch over 90% of it stops before generating with
+    the number of samples that fits; that number, and any batch under the estimate's limit, runs."""
+    from gpt2_port.cli.generate import decode_memory
+    from gpt2_port.train import memory
+
+    greedy = {"do_sample": False, "repetition_penalty": 1.0}
+    one = sum(decode_memory(TINY, 1, 1, 3, 4, greedy, True).values())
+    assert sum(decode_memory(TINY, 100, 1, 3, 4, greedy, True).values()) == 100 * one  # linear in the samples
+    assert decode_memory(TINY, 1, 1, 3, 4, greedy, True)["next-token scores"] == TINY.vocab_size * 12
+    monkeypatch.setattr(memory, "available_memory", lambda device: (1000 * one, "faked"))
+    argv = ["generate", str(tiny_official), "Hi", "--greedy", "--max-new-tokens", "2"]
+    capsys.readouterr()
+    assert main([*argv, "--num-samples", "901"]) == 2
+    err = capsys.readouterr().err
+    fits = int(re.search(r"\(faked\); try --num-samples (\d+)", err).group(1))  # type: ignore[union-attr]
+    assert "memory: 901 sample(s) of 3 tokens" in err and fits in (899, 900), err  # 90% of 1000 (float rounding)
+    assert main([*argv, "--num-samples", str(fits)]) == 0
+    assert main([*argv, "--num-samples", "901", "--no-memory-check"]) == 0
+
+
+def test_demo_checkpoint_takes_the_largest_seed(tmp_path: Path):
+    from gpt2_port.config import GPT2Config
+    from gpt2_port.io.demo import write_demo_checkpoint
+
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=8, vocab_size=64)
+    a = write_demo_checkpoint(tmp_path / "a", config=cfg, seed=2**63 - 1)
+    b = write_demo_checkpoint(tmp_path / "b", config=cfg, seed=2**63 - 2)
+    assert (a / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()

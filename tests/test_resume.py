@@ -221,3 +221,23 @@ def test_toggling_deterministic_on_resume_is_named() -> None:
     saved = TrainArgs(data="d")
     lines = resume_changes(saved, dataclasses.replace(saved, deterministic=True), 1, 1)
     assert len(lines) == 1 and lines[0].startswith("resuming with --deterministic True where the saved run used False")
+
+
+def test_resume_in_place_may_name_its_own_tokenizer_but_not_replace_another_checkpoint(
+    ck: Path, data: Path, tmp_path: Path, tokenizer_dir: Path, capsys
+) -> None:
+    """A resume rewrites its own directory (--tokenizer may name it: the files it holds are not copied onto
+    themselves), while an --out elsewhere that holds a checkpoint is refused before anything is written."""
+    out = tmp_path / "run"
+    base = ["--data", str(data), *SETTINGS[:4]]
+    rc, _, err = train(capsys, "--init", str(ck), "--out", str(out), "--steps", "2", "--stop-at", "1",
+                       "--tokenizer", str(tokenizer_dir), *base)  # fmt: skip
+    assert rc == 0, err
+    vocab = (out / "vocab.json").read_bytes()
+    other = shutil.copytree(ck, tmp_path / "other")
+    rc, _, err = train(capsys, "--resume", str(out), "--out", str(other))
+    assert rc == 2 and "--out" in err and "holds a checkpoint already (model.safetensors)" in err, err
+    assert (other / "model.safetensors").read_bytes() == (ck / "model.safetensors").read_bytes()
+    rc, _, err = train(capsys, "--resume", str(out), "--out", str(out), "--tokenizer", str(out))
+    assert rc == 0, err
+    assert trainer_state.load(out).step == 2 and (out / "vocab.json").read_bytes() == vocab

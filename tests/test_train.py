@@ -798,3 +798,52 @@ def test_a_skipped_fp16_step_leaves_the_grad_scaler_ready_for_the_next(finite_fi
         opt.zero_grad(set_to_none=True)
     assert scaler.get_scale() == 2.0**9  # backed off once, for the non-finite step
     assert not torch.equal(w.detach(), torch.ones(3))  # the finite step was taken
+
+
+def test_summary_json_write_failing_after_the_run_is_one_line(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """--json on a full device (/dev/full passes the early check): the run is saved, then exit 2 with one line naming
+    --json and the reason, and the summary kept in a file in the system's temporary directory."""
+    import tempfile
+
+    kept_dir = tmp_path / "systmp"
+    kept_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(kept_dir))
+    out = tmp_path / "run"
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "1", *FAST]
+    rc = train(*argv, "--json", "/dev/full", "--no-progress")
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    line = err.splitlines()[-1]
+    assert line.startswith("gpt2-port train: error: --json /dev/full: cannot write (No space left on device)"), line
+    (kept,) = kept_dir.glob("gpt2-port-results-*")
+    assert json.loads(kept.read_text())["step"] == 1 and f"kept in {kept}" in line
+    assert trainer_state.load(out).step == 1
+
+
+def test_tokenizer_named_is_checked_before_the_first_step(
+    small_ckpt: Path, small_data: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """--tokenizer is read before training (a missing file would otherwise end the run at its first save), and a
+    good one is copied beside the saved model."""
+    steps: list[int] = []
+    real_step = Trainer.step
+    monkeypatch.setattr(Trainer, "step", lambda self, i: steps.append(i) or real_step(self, i))
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--steps", "2", *FAST]
+    assert train(*argv, "--out", str(tmp_path / "bad"), "--tokenizer", str(tmp_path / "nonexist")) == 2
+    assert steps == [] and not (tmp_path / "bad").exists()
+    assert "--tokenizer" in capsys.readouterr().err
+    assert train(*argv, "--out", str(tmp_path / "good"), "--tokenizer", str(tokenizer_dir)) == 0
+    assert steps == [0, 1] and (tmp_path / "good" / "vocab.json").is_file()
+
+
+def test_train_args_name_the_state_file_and_key() -> None:
+    """Settings read from a trainer_state.json are named by the file and key, not by a flag the user never gave."""
+    with pytest.raises(UsageError, match=r"^--grad-accum must be a positive integer, got 0$"):
+        TrainArgs(grad_accum=0).validate()
+    with pytest.raises(UsageError, match=r"^run/trainer_state.json: args.grad_accum must be a positive integer"):
+        TrainArgs(grad_accum="2").validate("run/trainer_state.json")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"args.compile must be true or false, got 'yes'"):
+        TrainArgs(compile="yes").validate("s.json")  # type: ignore[arg-type]
+    TrainArgs(seed=2**63 - 1, stop_at=100, steps=100).validate()  # the largest seed, a stop at the last step

@@ -8,7 +8,16 @@ import functools
 import importlib.util
 import sys
 
-from .common import add_device_arg, add_model_arg, add_revision_arg, add_tokenizer_arg
+from .common import (
+    add_device_arg,
+    add_model_arg,
+    add_revision_arg,
+    add_tokenizer_arg,
+    checkpoint_inputs,
+    count,
+    parse_device_arg,
+    tokenizer_inputs,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,21 +50,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..devices import parse_device, parse_dtype
+    from ..devices import parse_dtype
     from ..errors import UsageError
     from ..files import check_writable
     from ..io.tokenizer import load_tokenizer, tokenizer_for
     from ..model import from_pretrained
     from ..plots import require_matplotlib
 
-    check_writable(args.png, "--png")
+    check_writable(args.png, "--png", checkpoint_inputs(args.model) + tokenizer_inputs(args.tokenizer))
     require_matplotlib("--png")
     if args.compare:
         if importlib.util.find_spec("transformers") is None:  # checked here, imported in checks/ only
             raise UsageError("--compare needs transformers: pip install 'gpt2-port[check]'")
     from gpt2_port_checks import attention_maps
 
-    dt, dev = parse_dtype(args.dtype), parse_device(args.device)
+    dt, dev = parse_dtype(args.dtype), parse_device_arg(args.device)
     tok = load_tokenizer(args.tokenizer, strict=True) if args.tokenizer is not None else None
     model, rep = from_pretrained(args.model, dtype=dt, device=dev, revision=args.revision)
     cfg = rep.config
@@ -83,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         ref = attention_maps.reference_probs(args.model, args.revision, cfg, x, layer, dt, dev).float().cpu()
         diff = (probs - ref).abs()  # (nh, T, T)
     pieces = [tok.decode([i]) for i in ids]
-    title = f"{args.model}: layer {layer}, {len(ids)} tokens, {str(dt).removeprefix('torch.')}"
+    title = f"{args.model}: layer {layer}, {count(len(ids), 'token')}, {str(dt).removeprefix('torch.')}"
     if diff is not None:
         title += f"; max |scratch - transformers (eager)| {float(diff[heads].max()):.2e}"
     try:
@@ -94,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     say(
         f"wrote {'stdout' if args.png == '-' else args.png}: layer {layer}, "
         f"{'head ' + str(args.head) if args.head is not None else 'all heads'}, "
-        f"{len(ids)} tokens"
+        f"{count(len(ids), 'token')}"
     )
     if diff is not None:
         for h in heads:

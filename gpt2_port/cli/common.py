@@ -3,6 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
+
+# The files a checkpoint directory holds besides its weights (shard indexes, config, tokenizer): what a load reads
+CHECKPOINT_SIDE_FILES = (
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+    "config.json",
+    "vocab.json",
+    "merges.txt",
+    "encoder.json",
+    "vocab.bpe",
+)
+# Files that say a directory holds a checkpoint's weights already, which a command writing one there would replace
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
 def add_model_arg(p: argparse.ArgumentParser) -> None:
@@ -53,3 +68,84 @@ def report_written(written: list[str], stderr: bool = False) -> None:
     for w in written:
         if w != "stdout":
             print(f"wrote {w}", file=stream)
+
+
+def checkpoint_inputs(model: str | None, option: str = "MODEL") -> list[tuple[str, Path]]:
+    """The files a local checkpoint MODEL is read from (weights, shard index, config.json, tokenizer files), each with
+    a phrase naming it (files.Inputs), so that no output lands on them. None for a Hub id (its files live in the
+    Hugging Face cache), and none for a path the load will reject: the load's own error says why."""
+    from ..errors import GPT2PortError
+    from ..io.checkpoint import locate
+
+    if model is None or not os.path.lexists(model):
+        return []
+    try:
+        ck = locate(model)
+    except GPT2PortError:
+        return []
+    side = [ck.root / name for name in CHECKPOINT_SIDE_FILES]
+    return [(f"a file of {option} {model} (an input)", f) for f in [*ck.weight_files, *side] if f.is_file()]
+
+
+def tokenizer_inputs(directory: str | None, option: str = "--tokenizer") -> list[tuple[str, Path]]:
+    """The tokenizer files a --tokenizer DIR is read from, each with a phrase naming it (files.Inputs)."""
+    from ..io.tokenizer import find_files
+
+    if directory is None:
+        return []
+    return [(f"a file of {option} {directory} (an input)", f) for f in find_files(directory) or ()]
+
+
+def file_input(path: str | None, option: str) -> list[tuple[str, Path]]:
+    """One input file named by an option (--text FILE, ...), with a phrase naming it (files.Inputs)."""
+    return [] if path is None else [(f"the {option} input {path}", Path(path))]
+
+
+SPLIT_FILES = ("train.bin", "val.bin", "meta.json")  # what `gpt2-port prepare` writes into its --out
+
+
+def data_inputs(directory: str | None, option: str = "--data") -> list[tuple[str, Path]]:
+    """The files of a prepared --data DIR, each with a phrase naming it (files.Inputs)."""
+    if directory is None:
+        return []
+    return [(f"a file of {option} {directory} (an input)", Path(directory) / name) for name in SPLIT_FILES]
+
+
+def check_input_file(path: str, option: str, expected: str) -> None:
+    """UsageError unless `path` is a regular file: missing, a directory, or a device or pipe (read more than once,
+    or nothing to read) each named as such."""
+    from ..errors import UsageError
+
+    p = Path(path)
+    if p.is_file():
+        return
+    if p.is_dir():
+        why = "is a directory"
+    elif p.exists():
+        why = "is not a regular file (a device or a pipe?)"
+    else:
+        why = "no such file"
+    raise UsageError(f"{option} {path}: {why}; expected {expected}")
+
+
+def parse_device_arg(name: str):  # noqa: ANN201 (a torch.device; torch is imported lazily)
+    """--device as devices.parse_device reads it, refusing a CPU index other than 0: torch takes cpu:N for any N and
+    runs on the one CPU, so cpu:1 would silently mean cpu."""
+    from ..devices import parse_device
+    from ..errors import UsageError
+
+    dev = parse_device(name)
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        raise UsageError(
+            f"unknown device {name!r}: the CPU has no index but 0; expected cpu, cuda, cuda:N, mps or auto"
+        )
+    return dev
+
+
+def check_seed(seed: int | None, what: str = "--seed") -> None:
+    """A seed in the range every command takes (train's: 0 <= seed < 2**63), or UsageError."""
+    from ..errors import UsageError
+    from ..train.args import SEED_LIMIT
+
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise UsageError(f"{what} must be an integer in 0..{SEED_LIMIT - 1} (2**63 - 1), got {seed}")

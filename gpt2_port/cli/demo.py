@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from ..config import PRESETS
+from .common import WEIGHT_FILES, check_seed
+
+# Files that say a directory holds a checkpoint or a training run: random weights must not replace them
+CHECKPOINT_MARKERS = (*WEIGHT_FILES, "config.json", "trainer_state.json")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,8 +39,15 @@ def run(args: argparse.Namespace) -> int:
     from ..files import check_dir_writable
     from ..io.demo import write_demo_checkpoint
 
-    out = args.out or f"weights/{args.size}-random"
+    out = args.out if args.out is not None else f"weights/{args.size}-random"
+    check_seed(args.seed)
     check_dir_writable(out, "--out")
+    held = [name for name in CHECKPOINT_MARKERS if (Path(out) / name).exists()]
+    if held:
+        raise UsageError(
+            f"--out {out}: holds a checkpoint already ({held[0]}), which random weights would replace; choose "
+            "another --out, or delete it first"
+        )
     t0 = time.perf_counter()
     try:
         d = write_demo_checkpoint(out, size=args.size, seed=args.seed, tokenizer_dir=args.tokenizer_from)

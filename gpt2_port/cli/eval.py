@@ -9,7 +9,19 @@ import sys
 import time
 from pathlib import Path
 
-from .common import add_device_arg, add_model_arg, add_progress_arg, add_revision_arg, add_tokenizer_arg
+from .common import (
+    add_device_arg,
+    add_model_arg,
+    add_progress_arg,
+    add_revision_arg,
+    add_tokenizer_arg,
+    check_input_file,
+    checkpoint_inputs,
+    data_inputs,
+    file_input,
+    parse_device_arg,
+    tokenizer_inputs,
+)
 
 EPILOG = """\
 --text FILE: rolling windows by default, exactly lm-evaluation-harness's loglikelihood_rolling (disjoint windows of
@@ -49,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     task.add_argument("--lambada", metavar="FILE", help="LAMBADA in lambada_openai's JSONL format")
     task.add_argument("--choices", metavar="FILE", help="multiple choice, HellaSwag's shape, as JSONL")
     task.add_argument("--data", metavar="DIR", help="a split gpt2-port prepare wrote (DIR/val.bin by default)")
-    p.add_argument("--split", choices=["val", "train"], default="val", help="--data: which .bin to score (val)")
+    p.add_argument("--split", choices=["val", "train"], default=None, help="--data: which .bin to score (val)")
     p.add_argument("--max-length", type=int, default=None, metavar="N", help="tokens per window (default: n_positions)")
     p.add_argument("--stride", type=int, default=None, metavar="S", help="--text: strided windows every S tokens")
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="windows per forward pass (default 8)")
@@ -106,9 +118,37 @@ def _published_lines(model: str, task: str, res: dict, markdown: bool) -> list[s
     return out
 
 
+def _inputs(args: argparse.Namespace) -> list:
+    """Every file the run reads (files.Inputs), to keep --json and --markdown off them."""
+    return (
+        checkpoint_inputs(args.model)
+        + tokenizer_inputs(args.tokenizer)
+        + file_input(args.text, "--text")
+        + file_input(args.lambada, "--lambada")
+        + file_input(args.choices, "--choices")
+        + data_inputs(args.data)
+    )
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--json and --markdown: at most one on stdout, not the same file, neither an input, both writable."""
+    from ..errors import UsageError
+    from ..files import STDOUT, check_writable, same_file
+
+    if args.json and args.markdown:
+        if args.json == args.markdown == STDOUT:
+            raise UsageError("--json and --markdown both ask for stdout ('-'); give one of them a file path")
+        if STDOUT not in (args.json, args.markdown) and same_file(args.json, args.markdown):
+            raise UsageError(f"--json {args.json} and --markdown {args.markdown} are the same file; give each its own")
+    inputs = _inputs(args)
+    for path, what in ((args.json, "--json"), (args.markdown, "--markdown")):
+        if path:
+            check_writable(path, what, inputs)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..devices import dtype_name as name_of
-    from ..devices import parse_device, parse_dtype
+    from ..devices import parse_dtype
     from ..errors import UsageError
     from ..eval.jsonl import read_jsonl
     from ..eval.perplexity import (
@@ -129,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         lambada_requests,
         scored_tokens,
     )
-    from ..files import atomic_write_text, check_writable
+    from ..files import write_output
     from ..io.tokenizer import load_tokenizer
     from ..model import from_pretrained
     from .progress import Progress
@@ -144,17 +184,21 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-length must be a positive integer, got {args.max_length}")
     if args.stride is not None and args.max_length is not None and args.stride > args.max_length:
         raise UsageError(f"--stride {args.stride} is larger than --max-length {args.max_length} (expected <=)")
+    if args.split is not None and task != "data":
+        raise UsageError(f"--split {args.split} applies to --data only (it picks the prepared .bin to score)")
+    args.split = args.split or "val"
     check_batch_size(args.batch_size)
-    dtype, device = parse_dtype(args.dtype), parse_device(args.device)
-    for path, what in ((args.json, "--json"), (args.markdown, "--markdown")):
-        if path and path != "-":
-            check_writable(path, what)
+    dtype, device = parse_dtype(args.dtype), parse_device_arg(args.device)
+    _check_outputs(args)
     docs = None
     if task == "text":
+        check_input_file(args.text, "--text", "a UTF-8 text file")
         check_text_file(args.text)
     elif task == "lambada":
+        check_input_file(args.lambada, "--lambada", "JSON lines")
         docs = read_jsonl(args.lambada, "--lambada", {"text": str})
     elif task == "choices":
+        check_input_file(args.choices, "--choices", "JSON lines")
         docs = read_jsonl(args.choices, "--choices", {"ctx": str, "endings": list, "label": int})
         check_choice_docs(docs, "--choices " + args.choices)
     else:  # the file, its size against meta.json and its dtype now; its ids against the vocabulary after the load
@@ -272,11 +316,9 @@ def run(args: argparse.Namespace) -> int:
     if parity is not None:
         data["check"] = parity.to_json()
     if args.json:
-        text = json.dumps(data, indent=2) + "\n"
-        sys.stdout.write(text) if args.json == "-" else atomic_write_text(args.json, text)
+        write_output(args.json, json.dumps(data, indent=2) + "\n", "--json")
     if args.markdown:
         md = [f"**{header}**", "", "| metric | value |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in _rows(task, res)]
         md += _published_lines(args.model, task, res, markdown=True)
-        text = "\n".join(md) + "\n"
-        sys.stdout.write(text) if args.markdown == "-" else atomic_write_text(args.markdown, text)
+        write_output(args.markdown, "\n".join(md) + "\n", "--markdown")
     return 0 if parity is None or parity.passed else 1

@@ -10,7 +10,7 @@ import functools
 import json
 import sys
 
-from .common import add_model_arg, add_revision_arg, report_written
+from .common import add_model_arg, add_revision_arg, checkpoint_inputs, report_written
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from ..io.load import nonfinite_tensors, read_checkpoint
 
     if args.json:
-        check_writable(args.json, "--json")
+        check_writable(args.json, "--json", checkpoint_inputs(args.model))
     sd, rep = read_checkpoint(args.model, args.revision)
     # with --json - the JSON alone goes to stdout, so that it can be piped; the readable report goes to stderr
     say = functools.partial(print, file=sys.stderr if args.json == "-" else sys.stdout)

@@ -119,17 +119,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the scratch model's training kernels: reference (default: transformers' arithmetic op for op) or fast "
         "(what `gpt2-port train --kernels fast` runs: one-kernel GELU, the head fused with the loss)",
     )
-    g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate for --train-steps (default 1e-4)")
+    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate for --train-steps (default 1e-4)")
     g.add_argument(
         "--weight-decay",
         type=float,
-        default=0.1,
+        default=None,
         help="AdamW weight decay on the 2+-dim weights for --train-steps (default 0.1; biases and LayerNorm none)",
     )
     g.add_argument(
         "--clip",
         type=float,
-        default=1.0,
+        default=None,
         help="gradient clipping (clip_grad_norm_) for --train-steps (default 1.0)",
     )
     p.set_defaults(func=run)
@@ -150,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib("--plot")
     if args.kernels is not None and not (args.backward or args.train_steps is not None):
         raise UsageError("--kernels chooses the training kernels: it needs --backward or --train-steps")
+    optimizer_flags = (("--lr", args.lr), ("--weight-decay", args.weight_decay), ("--clip", args.clip))
+    given = [f for f, v in optimizer_flags if v is not None]
+    if given and args.train_steps is None:
+        raise UsageError(f"{', '.join(given)} set the AdamW steps: it needs --train-steps N (no step is taken without)")
     if args.backward or args.train_steps is not None:
         return parity_backward.run(args, outs)
     inputs = read_inputs(args)

@@ -15,19 +15,20 @@ from .parity_io import read_inputs, write_outputs
 
 
 def train_config(args: argparse.Namespace):  # -> gpt2_port_checks.steps.TrainConfig
+    """The AdamW steps' settings: the flags given, TrainConfig's defaults for the others."""
     from gpt2_port_checks.steps import TrainConfig
 
+    d = TrainConfig()
     steps = getattr(args, "train_steps", None)
     if steps is not None and steps <= 0:
         raise UsageError(f"--train-steps must be a positive number of AdamW steps, got {steps}")
-    for opt, v, ok in (
-        ("--lr", args.lr, args.lr > 0),
-        ("--weight-decay", args.weight_decay, args.weight_decay >= 0),
-        ("--clip", args.clip, args.clip > 0),
-    ):
+    lr = d.lr if args.lr is None else args.lr
+    wd = d.weight_decay if args.weight_decay is None else args.weight_decay
+    clip = d.clip if args.clip is None else args.clip
+    for opt, v, ok in (("--lr", lr, lr > 0), ("--weight-decay", wd, wd >= 0), ("--clip", clip, clip > 0)):
         if not (math.isfinite(v) and ok):
             raise UsageError(f"{opt} must be a finite number {'>= 0' if opt == '--weight-decay' else '> 0'}, got {v}")
-    return TrainConfig(steps=steps or 0, lr=args.lr, weight_decay=args.weight_decay, clip=args.clip)
+    return TrainConfig(steps=steps or 0, lr=lr, weight_decay=wd, clip=clip)
 
 
 def run(args: argparse.Namespace, outs: list[tuple[str, str]]) -> int:

@@ -4,13 +4,13 @@ forward (parity.py) and backward (parity_backward.py) runs."""
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from ..errors import UsageError
-from ..files import atomic_write_text, check_writable
+from ..files import check_writable, same_file, write_output
+from .common import checkpoint_inputs, file_input, tokenizer_inputs
 
 
 def _read_text(path: str, what: str) -> str:
@@ -49,18 +49,33 @@ def read_inputs(args: argparse.Namespace):  # -> gpt2_port_checks.prompts.Inputs
     return inputs if inputs.texts else default_inputs()
 
 
+def _inputs(args: argparse.Namespace) -> list:
+    """Every file the run reads (files.Inputs), to keep the outputs off them."""
+    return (
+        checkpoint_inputs(args.model)
+        + tokenizer_inputs(args.tokenizer)
+        + file_input(args.prompt_file, "--prompt-file")
+        + file_input(args.ids_file, "--ids-file")
+    )
+
+
 def checked_outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(option, path) of every output asked for, checked before any work: '-' (stdout) for at most one of
-    --json/--markdown, never for the PNG; every file path writable."""
+    --json/--markdown, never for the PNG; no two outputs in one file; none on an input; every file path writable."""
     outs = [(o, p) for o, p in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)) if p]
     to_stdout = [o for o, p in outs if p == "-"]
     if "--plot" in to_stdout:
         raise UsageError("--plot -: a PNG does not go to stdout; give a file path")
     if len(to_stdout) > 1:
         raise UsageError(f"{' and '.join(to_stdout)} both ask for stdout ('-'); give one of them a file path")
-    for o, p in outs:
-        if p != "-":
-            check_writable(p, o)
+    files = [(o, p) for o, p in outs if p != "-"]
+    for i, (o, p) in enumerate(files):
+        for o2, p2 in files[:i]:
+            if same_file(p, p2):
+                raise UsageError(f"{o2} {p2} and {o} {p} are the same file; give each its own")
+    inputs = _inputs(args)
+    for o, p in files:
+        check_writable(p, o, inputs)
     return outs
 
 
@@ -75,14 +90,14 @@ def write_outputs(
     wrote = []
     for opt, path in outs:
         if opt == "--plot":
-            plot(path)
+            try:
+                plot(path)
+            except OSError as e:  # the early check passed, yet the write failed (a full disk, /dev/full)
+                raise UsageError(f"--plot {path}: cannot write ({e.strerror or e})") from None
         else:
             text = json_text() if opt == "--json" else markdown_text()
-            if path == "-":
-                sys.stdout.write(text)
-                sys.stdout.flush()
+            if write_output(path, text, opt) == "stdout":
                 continue
-            atomic_write_text(path, text)
         wrote.append(f"wrote {path} ({opt.removeprefix('--')})")
     if wrote:
         human.write("\n".join(wrote) + "\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .common import add_progress_arg
+from .common import SPLIT_FILES, add_progress_arg, file_input, tokenizer_inputs
 
 EPILOG = """\
 output: DIR/train.bin and DIR/val.bin hold GPT-2 token ids as little-endian uint16 with no header (nanoGPT's format:
@@ -54,11 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import UsageError
+    from ..files import check_dir_outputs
     from ..io.tokenizer import load_tokenizer
     from ..train.prepare import check_val_fraction, prepare, tokenizer_files
     from .progress import Phases
 
     check_val_fraction(args.val_fraction)
+    inputs = [i for f in args.files for i in file_input(f, "TEXT_FILE")] + tokenizer_inputs(args.tokenizer)
+    check_dir_outputs(args.out, "--out", inputs, SPLIT_FILES)
     if args.tokenizer is not None and not tokenizer_files(args.tokenizer):
         raise UsageError(
             f"--tokenizer {args.tokenizer}: no vocab.json + merges.txt (or encoder.json + vocab.bpe) there"

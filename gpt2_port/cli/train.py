@@ -13,7 +13,15 @@ import signal
 import sys
 from pathlib import Path
 
-from .common import add_progress_arg
+from .common import (
+    WEIGHT_FILES,
+    add_progress_arg,
+    checkpoint_inputs,
+    data_inputs,
+    file_input,
+    parse_device_arg,
+    tokenizer_inputs,
+)
 
 # torch's words when an op has no deterministic kernel and use_deterministic_algorithms(True) is on
 NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"
@@ -164,6 +172,71 @@ def plot_loss(records: list[dict], path: Path) -> None:
     save_png(fig, path)
 
 
+# What a run writes into --out (into OUT/best/ as well), besides the tokenizer files copied beside the model (a copy
+# onto itself is skipped, so --tokenizer may name --out)
+MODEL_FILES = ("model.safetensors", "config.json")
+TOKENIZER_FILES = ("vocab.json", "merges.txt")
+
+
+def run_files() -> tuple[str, ...]:
+    from ..train.run_dir import LOG_FILE
+    from ..train.state import STATE_JSON, STATE_TENSORS
+
+    return (*MODEL_FILES, STATE_JSON, STATE_TENSORS, LOG_FILE, "loss.png")
+
+
+def read_inputs(args: argparse.Namespace, data: str, resuming: bool) -> list:
+    """The files a new run or a resume reads and must not write over (files.Inputs): the --init checkpoint (or
+    config), the prepared data, the tokenizer. A resume's own files in --out are rewritten on purpose."""
+    init: list = []
+    if args.init is not None and not resuming:
+        p = Path(args.init)
+        if not args.from_scratch:
+            init = checkpoint_inputs(args.init, "--init")
+        elif p.is_file():
+            init = file_input(args.init, "--init")
+        elif p.is_dir():
+            init = file_input(str(p / "config.json"), "--init")
+    return init + data_inputs(data) + tokenizer_inputs(args.tokenizer)
+
+
+def check_out_is_free(out: Path, resume: str | None) -> None:
+    """Refuse an --out that holds a run or a checkpoint a new run would replace (the --resume directory itself is
+    continued, not replaced)."""
+    from ..errors import UsageError
+    from ..files import same_file
+    from ..train.state import STATE_JSON
+
+    if resume is not None and same_file(out, resume):
+        return
+    if (out / STATE_JSON).exists():
+        raise UsageError(
+            f"--out {out}: holds a training run already; continue it with --resume {out}, or choose another --out"
+        )
+    held = [name for name in WEIGHT_FILES if (out / name).exists()]
+    if held:
+        raise UsageError(
+            f"--out {out}: holds a checkpoint already ({held[0]}), which the run would replace; choose another --out"
+        )
+
+
+def json_inputs(args: argparse.Namespace, out: Path, read: list) -> list:
+    """What --json must not be written over: the run's inputs, the --resume directory's files and the files the run
+    writes into --out (files.Inputs)."""
+    from ..train.state import STATE_JSON, STATE_TENSORS
+
+    names = [*run_files(), *TOKENIZER_FILES]
+    kept = [(f"a file the run writes in --out {out}", out / name) for name in names]
+    kept += [(f"a file the run writes in --out {out}", out / "best" / name) for name in MODEL_FILES + TOKENIZER_FILES]
+    resumed = []
+    if args.resume is not None:
+        resumed = checkpoint_inputs(args.resume, "--resume")
+        resumed += [
+            (f"a file of --resume {args.resume} (an input)", Path(args.resume) / n) for n in (STATE_JSON, STATE_TENSORS)
+        ]
+    return read + resumed + kept
+
+
 def _summary_line(result, targs, out: Path) -> str:  # noqa: ANN001
     val = "" if result.val_loss is None else f", val loss {result.val_loss:.4f}"
     best = "" if result.best_step is None else f" (best {result.best_val_loss:.4f} at step {result.best_step})"
@@ -181,9 +254,10 @@ def _summary_line(result, targs, out: Path) -> str:  # noqa: ANN001
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..devices import parse_device, peak_rss_mb
+    from ..devices import peak_rss_mb
     from ..errors import UsageError
-    from ..files import atomic_write_text, check_dir_writable, check_writable
+    from ..files import check_dir_writable, check_writable, write_output
+    from ..io.tokenizer import load_tokenizer
     from ..model import GPT2
     from ..plots import require_matplotlib
     from ..train import Callbacks, Trainer, distributed, prepare_model
@@ -203,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--out DIR is required (it receives the model, the trainer state and log.jsonl)")
     out = Path(args.out if args.out is not None else args.resume)
     dist = distributed.from_env()
-    device = distributed.device_for(dist, parse_device(args.device))
+    device = distributed.device_for(dist, parse_device_arg(args.device))
 
     def warn(msg: str) -> None:
         if dist.is_main:
@@ -215,16 +289,21 @@ def run(args: argparse.Namespace) -> int:
         if cfg is not None:
             same_model(cfg, state.model_config, f"--resume {args.resume}")
     targs = run_settings(args, state, dist, warn)
+    if state is not None and targs.stop_at is not None and targs.stop_at <= state.step:
+        raise UsageError(
+            f"--stop-at {targs.stop_at}: the run in {args.resume} is at step {state.step} already (expected a later "
+            "step)"
+        )
+    read = read_inputs(args, targs.data, resuming=state is not None)
     if dist.is_main:
-        check_dir_writable(out, "--out")
+        check_dir_writable(out, "--out", read, run_files())
         if args.json:
-            check_writable(args.json)
+            check_writable(args.json, "--json", json_inputs(args, out, read))
         if not args.no_plot:
             require_matplotlib("OUT/loss.png", "--no-plot")
-    if args.resume is None and (out / trainer_state.STATE_JSON).exists():
-        raise UsageError(
-            f"--out {out}: holds a training run already; continue it with --resume {out}, or choose another --out"
-        )
+    check_out_is_free(out, args.resume)
+    # the tokenizer named is read now, not at the first save, where a missing file would cost the whole run
+    tokenizer = load_tokenizer(args.tokenizer, strict=True) if args.tokenizer is not None else None
     if state is not None:
         model = load_checkpoint(args.resume)
     elif args.from_scratch:
@@ -244,12 +323,9 @@ def run(args: argparse.Namespace) -> int:
     mem = None
     if not args.no_memory_check and device.type != "cuda":
         mem = check_memory(cfg, targs, block, device, dist)
-    tokenizer = None
-    if targs.sample_every:
-        from ..io.tokenizer import load_tokenizer
-
+    if tokenizer is None and targs.sample_every:
         init_dir = args.init if args.init is not None and Path(args.init).is_dir() else None
-        tokenizer = load_tokenizer(args.tokenizer or args.resume or init_dir)
+        tokenizer = load_tokenizer(args.resume or init_dir)
     distributed.init(dist, device)
     bar: Progress | None = None
     trainer: Trainer | None = None
@@ -383,7 +459,7 @@ def run(args: argparse.Namespace) -> int:
         "memory_method": mem["method"] if mem is not None else None,
     }
     if args.json:
-        atomic_write_text(args.json, json.dumps(summary, indent=2) + "\n")
+        write_output(args.json, json.dumps(summary, indent=2) + "\n", "--json")
     if result.stopped_at:
         print(f"stopped at step {result.step}/{targs.steps} (--stop-at): state saved in {out}; continue with")
         print(f"gpt2-port train --resume {out}")

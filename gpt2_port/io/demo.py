@@ -39,7 +39,9 @@ def _tensor_maker(key: str, shape: tuple[int, ...], cfg: GPT2Config, seed: int):
     """
 
     def make() -> torch.Tensor:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + int(hashlib.sha1(key.encode()).hexdigest()[:8], 16))
+        # modulo 2**64, the generator's range: small seeds keep their weights, and distinct seeds stay distinct
+        mixed = (seed * 1_000_003 + int(hashlib.sha1(key.encode()).hexdigest()[:8], 16)) % (1 << 64)
+        g = torch.Generator().manual_seed(mixed)
         if key.endswith("attn.bias") and len(shape) == 4:
             n = shape[-1]
             return torch.tril(torch.ones(n, n)).view(1, 1, n, n)

@@ -19,6 +19,17 @@ from .schedule import lr_at
 DTYPE_CHOICES = ("float32", "bf16", "fp16")
 KERNEL_CHOICES = ("auto", "reference", "fast")
 SCHEDULES = ("cosine", "constant")
+SEED_LIMIT = 2**63  # seeds are 0 <= seed < 2**63, so seed + step stays within what torch's generators take (< 2**64)
+
+
+def is_int(v: object) -> bool:
+    """An integer read from JSON or argparse (a bool is not one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: object) -> bool:
+    """An int or a float (a bool is not one); inf and nan included."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -60,42 +71,58 @@ class TrainArgs:
     deterministic: bool = False
     stop_at: int | None = None  # this invocation only: stop after this step with a resumable state
 
-    def validate(self) -> None:
+    def validate(self, source: str | None = None) -> None:
+        """UsageError naming the setting when one has the wrong type or range. `source`: the trainer_state.json the
+        settings were read from, named with the key (args.NAME) instead of the flag (--name)."""
+
+        def bad(name: str, expected: str, value: object) -> UsageError:
+            where = f"--{name.replace('_', '-')}" if source is None else f"{source}: args.{name}"
+            return UsageError(f"{where} must be {expected}, got {value!r}")
+
         for name in ("steps", "batch_size", "grad_accum", "eval_batches"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        for name in ("warmup", "eval_every", "save_every", "sample_every", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be a non-negative integer, got {v!r}")
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
-            raise UsageError(f"--block-size must be a positive integer, got {self.block_size!r}")
+            if not is_int(v := getattr(self, name)) or v < 1:
+                raise bad(name, "a positive integer", v)
+        for name in ("warmup", "eval_every", "save_every", "sample_every"):
+            if not is_int(v := getattr(self, name)) or v < 0:
+                raise bad(name, "a non-negative integer", v)
+        if not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
+            raise bad("seed", f"an integer in 0..{SEED_LIMIT - 1} (2**63 - 1)", self.seed)
+        for name in ("block_size", "stop_at"):
+            if (v := getattr(self, name)) is not None and (not is_int(v) or v < 1):
+                raise bad(name, "a positive integer", v)
+        if self.data is not None and not isinstance(self.data, str):
+            raise bad("data", "a directory path", self.data)
+        for name in ("grad_checkpointing", "skip_nonfinite", "compile", "tf32", "deterministic"):
+            if not isinstance(v := getattr(self, name), bool):
+                raise bad(name, "true or false", v)
+        for name in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "clip", "dropout"):
+            if (v := getattr(self, name)) is not None and not is_number(v):
+                raise bad(name, "a number", v)
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise UsageError(f"--lr must be a positive number, got {self.lr!r}")
+            raise bad("lr", "a positive number", self.lr)
         if self.min_lr is not None and not (0 <= self.min_lr <= self.lr):
-            raise UsageError(f"--min-lr must be in [0, --lr={self.lr}], got {self.min_lr!r}")
+            raise bad("min_lr", f"in [0, --lr={self.lr}]", self.min_lr)
         if self.schedule not in SCHEDULES:
-            raise UsageError(f"--schedule must be 'cosine' or 'constant', got {self.schedule!r}")
+            raise bad("schedule", "'cosine' or 'constant'", self.schedule)
         for name in ("beta1", "beta2"):
             if not (0 <= getattr(self, name) < 1):
-                raise UsageError(f"--{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if not self.eps > 0:
-            raise UsageError(f"--eps must be positive, got {self.eps!r}")
+                raise bad(name, "in [0, 1)", getattr(self, name))
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise bad("eps", "positive", self.eps)
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise UsageError(f"--weight-decay must be >= 0, got {self.weight_decay!r}")
+            raise bad("weight_decay", ">= 0", self.weight_decay)
         if not (self.clip >= 0 and math.isfinite(self.clip)):
-            raise UsageError(f"--clip must be >= 0 (0: no clipping), got {self.clip!r}")
+            raise bad("clip", ">= 0 (0: no clipping)", self.clip)
         if self.dropout is not None and not (0 <= self.dropout < 1):
-            raise UsageError(f"--dropout must be in [0, 1), got {self.dropout!r}")
-        if self.stop_at is not None and not (isinstance(self.stop_at, int) and 1 <= self.stop_at):
-            raise UsageError(f"--stop-at must be a positive integer, got {self.stop_at!r}")
+            raise bad("dropout", "in [0, 1)", self.dropout)
+        if self.stop_at is not None and self.stop_at > self.steps:
+            raise bad("stop_at", f"at most --steps {self.steps} (it stops the run after that step)", self.stop_at)
         if self.kernels not in KERNEL_CHOICES:
-            raise UsageError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
+            raise bad("kernels", f"one of {', '.join(KERNEL_CHOICES)}", self.kernels)
         if self.pad_vocab is not None:
-            check_pad_multiple(self.pad_vocab, "--pad-vocab")
+            check_pad_multiple(self.pad_vocab, "--pad-vocab" if source is None else f"{source}: args.pad_vocab")
         if self.dtype not in DTYPE_CHOICES:
-            raise UsageError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+            raise bad("dtype", f"one of {', '.join(DTYPE_CHOICES)}", self.dtype)
 
     @property
     def final_min_lr(self) -> float:

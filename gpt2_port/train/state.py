@@ -11,6 +11,7 @@ Python's `random` and numpy's global generator are not used by the loop, so ther
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +19,10 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UsageError
 from ..files import atomic_write_text
 from ..io.safetensors_io import SafetensorsFile, write_safetensors
+from .args import TrainArgs, is_int, is_number
 
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
@@ -119,7 +121,59 @@ def save(state: TrainerState, directory: Path) -> None:
     atomic_write_text(directory / STATE_JSON, json.dumps(state.to_json(), indent=2) + "\n")
 
 
+def _is_finite(v: object) -> bool:
+    return is_number(v) and math.isfinite(v)
+
+
+# Each field of trainer_state.json with its check and what it must be (None is allowed only where listed)
+_FIELDS: dict[str, tuple[Any, str]] = {
+    "step": (lambda v: is_int(v) and v >= 0, "a non-negative integer"),
+    "model_config": (lambda v: isinstance(v, dict), "a JSON object"),
+    "args": (lambda v: isinstance(v, dict), "a JSON object"),
+    "world_size": (lambda v: is_int(v) and v >= 1, "a positive integer"),
+    "batches_drawn": (lambda v: is_int(v) and v >= 0, "a non-negative integer"),
+    "best_val_loss": (lambda v: v is None or _is_finite(v), "a finite number or null"),
+    "best_step": (lambda v: v is None or (is_int(v) and v >= 0), "a non-negative integer or null"),
+    "elapsed_s": (lambda v: _is_finite(v) and v >= 0, "a non-negative number"),
+    "tokens_seen": (lambda v: is_int(v) and v >= 0, "a non-negative integer"),
+    "scaler": (lambda v: v is None or isinstance(v, dict), "a JSON object or null"),
+    "train_tokens": (lambda v: v is None or (is_int(v) and v >= 0), "a non-negative integer or null"),
+}
+RNG_KEYS = ("rng.torch_cpu", "rng.data")  # the generator states a resume restores (restore_rng)
+
+
+def _check_fields(meta: dict[str, Any], source: Path) -> None:
+    """CheckpointError naming the file and the key for a value of the wrong type or range (before any of it is
+    used, so a bad state stops a resume before anything is written)."""
+    for key, (ok, expected) in _FIELDS.items():
+        if key in meta and not ok(meta[key]):
+            raise CheckpointError(f"{source}: {key} must be {expected}, got {meta[key]!r}")
+    if meta.get("best_step") is not None and meta["best_step"] > meta.get("step", 0):
+        raise CheckpointError(f"{source}: best_step {meta['best_step']} is after step {meta.get('step')}")
+
+
+def _check_args(saved: dict[str, Any], source: Path) -> None:
+    """The saved training settings, each of the right type and range (the message names the key, not the flag)."""
+    try:
+        TrainArgs.from_saved(saved, str(source)).validate(str(source))
+    except UsageError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _check_rng(tensors: dict[str, torch.Tensor], source: Path) -> None:
+    for key in RNG_KEYS:
+        t = tensors.get(key)
+        if t is None:
+            raise CheckpointError(f"{source}: {key} is missing (expected a random generator's state)")
+        if t.dtype != torch.uint8 or t.dim() != 1:
+            raise CheckpointError(
+                f"{source}: {key} is {str(t.dtype).removeprefix('torch.')} of shape {tuple(t.shape)}, expected a "
+                "generator's state (uint8, one dimension)"
+            )
+
+
 def load(directory: str | os.PathLike[str]) -> TrainerState:
+    """The trainer state saved in `directory`, every field checked (CheckpointError naming the file and the key)."""
     d = Path(directory)
     jf, tf = d / STATE_JSON, d / STATE_TENSORS
     if not d.is_dir():
@@ -135,10 +189,13 @@ def load(directory: str | os.PathLike[str]) -> TrainerState:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{jf}: not a gpt2_port trainer state (expected format {FORMAT!r})")
     meta.pop("format")
+    _check_fields(meta, jf)
     try:
         state = TrainerState(**meta)
     except TypeError as e:
         raise CheckpointError(f"{jf}: unexpected contents ({e})") from None
+    _check_args(state.args, jf)
     with SafetensorsFile(tf) as st:
         state.tensors = {k: st.get(k).clone() for k in st.keys()}
+    _check_rng(state.tensors, tf)
     return state
