@@ -149,3 +149,25 @@ def check_seed(seed: int | None, what: str = "--seed") -> None:
 
     if seed is not None and not 0 <= seed < SEED_LIMIT:
         raise UsageError(f"{what} must be an integer in 0..{SEED_LIMIT - 1} (2**63 - 1), got {seed}")
+
+
+def check_outputs(outs: list[tuple[str, str]], inputs: list, images: tuple[str, ...] = ()) -> None:
+    """Every (option, path) output of a command, checked before any work: '-' (stdout) for at most one of them and
+    never for an image option; no two in one file; none on one of `inputs` (files.Inputs); every file path
+    writable."""
+    from ..errors import UsageError
+    from ..files import STDOUT, check_writable, same_file
+
+    to_stdout = [o for o, p in outs if p == STDOUT]
+    for o in to_stdout:
+        if o in images:
+            raise UsageError(f"{o} -: a PNG does not go to stdout; give a file path")
+    if len(to_stdout) > 1:
+        raise UsageError(f"{' and '.join(to_stdout)} both ask for stdout ('-'); give one of them a file path")
+    files = [(o, p) for o, p in outs if p != STDOUT]
+    for i, (o, p) in enumerate(files):
+        for o2, p2 in files[:i]:
+            if same_file(p, p2):
+                raise UsageError(f"{o2} {p2} and {o} {p} are the same file; give each its own")
+    for o, p in files:
+        check_writable(p, o, inputs)

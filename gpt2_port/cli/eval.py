@@ -16,6 +16,7 @@ from .common import (
     add_revision_arg,
     add_tokenizer_arg,
     check_input_file,
+    check_outputs,
     checkpoint_inputs,
     data_inputs,
     file_input,
@@ -130,22 +131,6 @@ def _inputs(args: argparse.Namespace) -> list:
     )
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
-    """--json and --markdown: at most one on stdout, not the same file, neither an input, both writable."""
-    from ..errors import UsageError
-    from ..files import STDOUT, check_writable, same_file
-
-    if args.json and args.markdown:
-        if args.json == args.markdown == STDOUT:
-            raise UsageError("--json and --markdown both ask for stdout ('-'); give one of them a file path")
-        if STDOUT not in (args.json, args.markdown) and same_file(args.json, args.markdown):
-            raise UsageError(f"--json {args.json} and --markdown {args.markdown} are the same file; give each its own")
-    inputs = _inputs(args)
-    for path, what in ((args.json, "--json"), (args.markdown, "--markdown")):
-        if path:
-            check_writable(path, what, inputs)
-
-
 def run(args: argparse.Namespace) -> int:
     from ..devices import dtype_name as name_of
     from ..devices import parse_dtype
@@ -189,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     args.split = args.split or "val"
     check_batch_size(args.batch_size)
     dtype, device = parse_dtype(args.dtype), parse_device_arg(args.device)
-    _check_outputs(args)
+    check_outputs([(o, p) for o, p in (("--json", args.json), ("--markdown", args.markdown)) if p], _inputs(args))
     docs = None
     if task == "text":
         check_input_file(args.text, "--text", "a UTF-8 text file")

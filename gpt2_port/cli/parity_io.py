@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TextIO
 
 from ..errors import UsageError
-from ..files import check_writable, same_file, write_output
-from .common import checkpoint_inputs, file_input, tokenizer_inputs
+from ..files import write_output
+from .common import check_outputs, checkpoint_inputs, file_input, tokenizer_inputs
 
 
 def _read_text(path: str, what: str) -> str:
@@ -63,19 +63,7 @@ def checked_outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(option, path) of every output asked for, checked before any work: '-' (stdout) for at most one of
     --json/--markdown, never for the PNG; no two outputs in one file; none on an input; every file path writable."""
     outs = [(o, p) for o, p in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)) if p]
-    to_stdout = [o for o, p in outs if p == "-"]
-    if "--plot" in to_stdout:
-        raise UsageError("--plot -: a PNG does not go to stdout; give a file path")
-    if len(to_stdout) > 1:
-        raise UsageError(f"{' and '.join(to_stdout)} both ask for stdout ('-'); give one of them a file path")
-    files = [(o, p) for o, p in outs if p != "-"]
-    for i, (o, p) in enumerate(files):
-        for o2, p2 in files[:i]:
-            if same_file(p, p2):
-                raise UsageError(f"{o2} {p2} and {o} {p} are the same file; give each its own")
-    inputs = _inputs(args)
-    for o, p in files:
-        check_writable(p, o, inputs)
+    check_outputs(outs, _inputs(args), images=("--plot",))
     return outs
 
 
