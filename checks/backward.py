@@ -32,14 +32,13 @@ from pathlib import Path
 import torch
 
 from gpt2_port.config import GPT2Config
-from gpt2_port.devices import dtype_name, parse_device, parse_dtype
+from gpt2_port.devices import available_cpu_memory, dtype_name, parse_device, parse_dtype
 from gpt2_port.errors import UsageError
 from gpt2_port.io import adapter
 from gpt2_port.io.checkpoint import Checkpoint
 from gpt2_port.io.load import read_checkpoint
 from gpt2_port.io.tokenizer import load_tokenizer
 from gpt2_port.model import from_pretrained
-from gpt2_port.train.memory import available_cpu_memory
 
 from .backward_results import BackwardReport, BackwardSweep, LayerResult, StepResult
 from .forward import _as_inputs, _unique, parse_list

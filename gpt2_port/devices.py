@@ -1,8 +1,9 @@
 """Dtype and device names: parsing what the user typed, and the one short name of a torch dtype; whether an error is
-running out of device memory; this process's peak resident memory on the host."""
+running out of device memory; the memory a device has free and this process's peak resident memory on the host."""
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from pathlib import Path
@@ -10,6 +11,9 @@ from pathlib import Path
 import torch
 
 from .errors import UsageError
+
+GiB = 1 << 30
+MEMORY_HEADROOM = 0.9  # a memory check uses at most this share of the available memory: its estimate is not exact
 
 DTYPES = {
     "float32": torch.float32,
@@ -107,3 +111,41 @@ def peak_rss_mb() -> float:
         pass
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r / (1024 * 1024) if sys.platform == "darwin" else r / 1024
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_cpu_memory() -> tuple[int, str]:
+    """Bytes this process may still use on the host: MemAvailable, or less when a cgroup limit is nearer."""
+    avail, source = None, "MemAvailable in /proc/meminfo"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if avail is None:
+        avail, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "free physical pages"
+    for limit_f, usage_f in (
+        (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),  # cgroup v2
+        (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
+    ):
+        limit, usage = _read_int(limit_f), _read_int(usage_f)
+        if limit is not None and usage is not None and limit < (1 << 60) and limit - usage < avail:
+            avail, source = max(0, limit - usage), f"the cgroup limit in {limit_f}"
+    return avail, source
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """Free bytes on `device` and where the figure comes from."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free memory on {device}"
+    return available_cpu_memory()

@@ -107,14 +107,14 @@ def test_attention_counts_one_token_in_the_singular(tiny_official: Path, tmp_pat
 def test_generate_memory_check_refuses_only_what_does_not_fit(tiny_official: Path, monkeypatch, capsys):
     """The estimate against the memory available (faked here): a batch over 90% of it stops before generating with
     the number of samples that fits; that number, and any batch under the estimate's limit, runs."""
-    from gpt2_port.cli.generate import decode_memory
-    from gpt2_port.train import memory
+    from gpt2_port import devices
+    from gpt2_port.generate.memory import decode_memory
 
     greedy = {"do_sample": False, "repetition_penalty": 1.0}
     one = sum(decode_memory(TINY, 1, 1, 3, 4, greedy, True).values())
     assert sum(decode_memory(TINY, 100, 1, 3, 4, greedy, True).values()) == 100 * one  # linear in the samples
     assert decode_memory(TINY, 1, 1, 3, 4, greedy, True)["next-token scores"] == TINY.vocab_size * 12
-    monkeypatch.setattr(memory, "available_memory", lambda device: (1000 * one, "faked"))
+    monkeypatch.setattr(devices, "available_memory", lambda device: (1000 * one, "faked"))
     argv = ["generate", str(tiny_official), "Hi", "--greedy", "--max-new-tokens", "2"]
     capsys.readouterr()
     assert main([*argv, "--num-samples", "901"]) == 2

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpt2_port import devices
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config, preset
 from gpt2_port.errors import UsageError
@@ -420,7 +421,7 @@ def test_gpt2_large_fine_tunes_in_24_gib_by_the_estimate_with_grad_checkpointing
 def test_a_run_that_cannot_fit_stops_with_the_estimate_and_what_to_change(
     small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    monkeypatch.setattr(memory, "available_cpu_memory", lambda: (int(0.8 * memory.GiB), "MemAvailable (test)"))
+    monkeypatch.setattr(devices, "available_cpu_memory", lambda: (int(0.8 * memory.GiB), "MemAvailable (test)"))
     out = tmp_path / "run"
     rc = train(
         "--init",

@@ -13,22 +13,19 @@ out-of-memory kill.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 
+from .. import devices
 from ..config import GPT2Config
-from ..devices import out_of_memory
+from ..devices import MEMORY_HEADROOM, GiB, out_of_memory
 from ..errors import UsageError
 from ..model.fused import chunk_rows, padded_vocab
 from .args import TrainArgs
 from .distributed import Dist
 
-GiB = 1 << 30
-MEMORY_HEADROOM = 0.9  # use at most this share of the available memory: the estimate is not exact
 RUNTIME_OVERHEAD = 0.75 * GiB  # torch, numpy, the tokenizer: `train` on a 2-layer 32-wide model (vocab 512, batch
 # 2 x 16) peaks at 310 MB RSS (its --json peak_rss_mb)
 # Bytes autograd keeps per token per block, in units of n_embd x the activation's size, with sdpa attention. Measured
@@ -117,44 +114,6 @@ def estimate(
     )
 
 
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def available_cpu_memory() -> tuple[int, str]:
-    """Bytes this process may still use on the host: MemAvailable, or less when a cgroup limit is nearer."""
-    avail, source = None, "MemAvailable in /proc/meminfo"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-                break
-    except OSError:
-        pass
-    if avail is None:
-        avail, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "free physical pages"
-    for limit_f, usage_f in (
-        (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),  # cgroup v2
-        (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
-    ):
-        limit, usage = _read_int(limit_f), _read_int(usage_f)
-        if limit is not None and usage is not None and limit < (1 << 60) and limit - usage < avail:
-            avail, source = max(0, limit - usage), f"the cgroup limit in {limit_f}"
-    return avail, source
-
-
-def available_memory(device: torch.device) -> tuple[int, str]:
-    """Free bytes on `device` and where the figure comes from."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free, f"free memory on {device}"
-    return available_cpu_memory()
-
-
 def largest_batch_that_fits(
     cfg: GPT2Config,
     block_size: int,
@@ -200,7 +159,7 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
     est = estimate(
         cfg, args.batch_size, block_size, amp, args.grad_checkpointing, args.resolved_kernels, pad, device.type
     )
-    avail, source = available_memory(device)
+    avail, source = devices.available_memory(device)
     share = d.local_world_size if device.type == "cpu" else 1  # processes on one host share its memory
     budget = int(avail * MEMORY_HEADROOM) // share
     info = {
