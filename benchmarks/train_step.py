@@ -1,6 +1,7 @@
 """One training step (forward, backward, AdamW) of 124M float32, ours against transformers' GPT2LMHeadModel.
 
     PYTHONPATH=. python -m benchmarks.train_step [--ckpt DIR] [--batch 4] [--seq 256] [--rounds 3] [--json PATH]
+        [--dtype bf16]
 
 - time: the three sides in one process -- ours with the reference kernels (bit-identical to transformers), ours with
   the fast kernels (`set_kernels("fast")`: one-kernel GELU, the head fused with the loss) and transformers -- the
@@ -14,6 +15,10 @@
 - throughput: 6 x parameters x tokens per step / time, beside this machine's float32 GEMM rate (a timed torch.mm).
 - --profile PATH: torch.profiler (CPU) over 2 more steps of each side, the op tables (by self CPU time) written to
   PATH as text, to see where the two differ.
+- --dtype bf16: every side's forward and backward under bf16 autocast (what `train --dtype bf16` runs), weights and
+  AdamW in float32; two more sides: ours with the fast kernels on autocast's own bf16 kernels (`ours-fast-kernels`:
+  lowp.set_autocast_upcast(False); on a CPU without bf16 units ours otherwise runs float32 products of the bf16
+  operands) and ours with the fast kernels in float32 (`ours-fast-float32`), so the ratios say what bf16 costs here.
 
 Not a test: the numbers depend on the machine and its load (say so when quoting them).
 """
@@ -34,6 +39,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SIDES = ["ours", "ours-fast", "hf"]  # ours: reference kernels (bit-identical); ours-fast: GPT2.set_kernels("fast")
+BF16_SIDES = ["ours", "ours-fast", "ours-fast-kernels", "hf", "ours-fast-float32"]  # --dtype bf16 (see above)
 
 
 def rss_mb() -> tuple[float, float]:
@@ -57,11 +63,11 @@ def load(impl: str, ckpt: str):
     m, _ = from_pretrained(ckpt)
     m.set_attn_impl("sdpa")
     m.gradient_checkpointing = impl == "ours-gc"
-    m.set_kernels("fast" if impl == "ours-fast" else "reference")
+    m.set_kernels("fast" if impl.startswith("ours-fast") else "reference")
     return m.set_dropout(0.0).train().requires_grad_(True)
 
 
-def make_step(model, impl: str):
+def make_step(model, impl: str, dtype: str = "float32"):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -69,13 +75,22 @@ def make_step(model, impl: str):
     )
     params = list(model.parameters())
 
+    amp = dtype == "bf16" and not impl.endswith("-float32")
+
     def step(ids: torch.Tensor) -> float:
+        from gpt2_port.model import lowp
+
         opt.zero_grad(set_to_none=True)
-        if impl == "hf":
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        else:
-            loss = model(ids, labels=ids).loss
-        loss.backward()
+        lowp.set_autocast_upcast(impl != "ours-fast-kernels")
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                if impl == "hf":
+                    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                else:
+                    loss = model(ids, labels=ids).loss
+            loss.backward()
+        finally:
+            lowp.set_autocast_upcast(True)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         return loss.item()
@@ -158,16 +173,17 @@ def profile_tables(steps: dict, ids: torch.Tensor, n: int = 2, rows: int = 30) -
     return "\n".join(out)
 
 
-def duel(ckpt: str, B: int, T: int, rounds: int, profile_path: str | None = None) -> dict:
-    models = {impl: load(impl, ckpt) for impl in SIDES}
+def duel(ckpt: str, B: int, T: int, rounds: int, profile_path: str | None = None, dtype: str = "float32") -> dict:
+    sides = BF16_SIDES if dtype == "bf16" else SIDES
+    models = {impl: load(impl, ckpt) for impl in sides}
     ours = models["ours"]
     n_params = sum(p.numel() for p in ours.parameters())
     ids = batch(B, T)
-    steps = {impl: make_step(m, impl) for impl, m in models.items()}
-    times: dict[str, list[float]] = {k: [] for k in SIDES}
-    losses: dict[str, list[float]] = {k: [] for k in SIDES}
+    steps = {impl: make_step(m, impl, dtype) for impl, m in models.items()}
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    losses: dict[str, list[float]] = {k: [] for k in sides}
     for k in range(rounds + 1):  # round 0 warms up (and allocates AdamW's moments)
-        for impl in SIDES[k % len(SIDES) :] + SIDES[: k % len(SIDES)]:  # each side first in turn
+        for impl in sides[k % len(sides) :] + sides[: k % len(sides)]:  # each side first in turn
             t0 = time.perf_counter()
             losses[impl].append(steps[impl](ids))
             if k:
@@ -177,16 +193,20 @@ def duel(ckpt: str, B: int, T: int, rounds: int, profile_path: str | None = None
     if profile_path:
         Path(profile_path).write_text(profile_tables(steps, ids) + "\n")
     flops = 6 * n_params * B * T
-    act = {impl: saved_bytes(m, impl, ids) for impl, m in models.items()}
-    ours.gradient_checkpointing = True
-    act["ours_checkpointed"] = saved_bytes(ours, "ours", ids)
+    act = {}
+    if dtype == "float32":
+        act = {impl: saved_bytes(m, impl, ids) for impl, m in models.items()}
+        ours.gradient_checkpointing = True
+        act["ours_checkpointed"] = saved_bytes(ours, "ours", ids)
     return {
+        "dtype": dtype,
         "params": n_params,
         "step_s": times,
         "median_s": med,
         "ratio_ours_over_hf": med["ours"] / med["hf"],
         "ratio_ours_fast_over_hf": med["ours-fast"] / med["hf"],
-        "per_round_ratios": {impl: [a / b for a, b in zip(times[impl], times["hf"])] for impl in SIDES if impl != "hf"},
+        "ratios_over_hf": {impl: med[impl] / med["hf"] for impl in sides},
+        "per_round_ratios": {impl: [a / b for a, b in zip(times[impl], times["hf"])] for impl in sides if impl != "hf"},
         "spread": {impl: (min(v) / med[impl], max(v) / med[impl]) for impl, v in times.items()},
         "losses_first_step": {k: v[0] for k, v in losses.items()},
         "gflops": {k: flops / v / 1e9 for k, v in med.items()},
@@ -203,6 +223,9 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--profile", default=None, help="write each side's torch.profiler op table to this text file")
     p.add_argument("--no-rss", action="store_true", help="skip the fresh-process peak RSS measurements")
+    p.add_argument(
+        "--dtype", choices=["float32", "bf16"], default="float32", help="bf16: under bf16 autocast (see above)"
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
@@ -225,9 +248,9 @@ def main() -> int:
         "loadavg_before": os.getloadavg(),
     }
     res["gemm_gflops"] = gemm_gflops()
-    res.update(duel(ckpt, a.batch, a.seq, a.rounds, a.profile))
+    res.update(duel(ckpt, a.batch, a.seq, a.rounds, a.profile, a.dtype))
     res["gemm_gflops_after"] = gemm_gflops()
-    if not a.no_rss:
+    if not a.no_rss and a.dtype == "float32":
         res["rss"] = {impl: run_worker(impl, ckpt, a.batch, a.seq) for impl in (*SIDES, "ours-gc")}
     res["loadavg_after"] = os.getloadavg()
     text = json.dumps(res, indent=2)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2_port.config import GPT2Config
 from gpt2_port.io.demo import write_demo_checkpoint
@@ -220,3 +221,20 @@ def exp_draws(seed: int, shape: tuple[int, int], steps: int) -> list[torch.Tenso
     """The Exp(1) noise a sampled generation seeded with `seed` draws at each step (`sampling.draw`, on the CPU)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.empty(shape).exponential_(1, generator=g) for _ in range(steps)]
+
+
+class LowPrecisionProducts(TorchDispatchMode):
+    """Counts the matrix products run with a bf16/fp16 operand (mm, addmm, bmm, their out= forms)."""
+
+    PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmm_")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        if func._schema.name in self.PRODUCTS and any(
+            isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args
+        ):
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -12,7 +12,7 @@ import torch
 
 from gpt2_port.cli import main
 from gpt2_port.errors import UsageError
-from gpt2_port.model import from_pretrained
+from gpt2_port.model import from_pretrained, lowp
 
 transformers = pytest.importorskip("transformers")
 
@@ -216,15 +216,25 @@ def test_reduced_dtype_sweep_against_one_float32_reference(tiny_official: Path, 
     assert bf["as_close_as_reference"] is True  # as far from float32 as transformers itself in bfloat16
 
 
+# 20 tokens: more rows than lowp's threshold, so that a CPU without bf16 units runs the float32 products
+BF16_PROMPT = "The students opened their books, and the teacher began to read the first chapter of the story aloud."
+
+
 @pytest.mark.parametrize("kernels", ["reference", "fast"])
-def test_a_bf16_autocast_step_lies_within_transformers_own_bf16_distance(tiny_official: Path, kernels: str) -> None:
+@pytest.mark.parametrize("units", ["none", "amx"], ids=["float32-products", "bf16-kernels"])
+def test_a_bf16_autocast_step_lies_within_transformers_own_bf16_distance(
+    tiny_official: Path, kernels: str, units: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What `gpt2-port train --dtype bf16` runs (float32 weights, forward and backward under bf16 autocast, AdamW on
     the float32 weights), with either kernel set: its loss and every gradient are no further from the float32
-    reference than transformers under the same autocast is from itself in float32; so are its optimizer steps."""
+    reference than transformers under the same autocast is from itself in float32; so are its optimizer steps. Both
+    ways our matmuls run under CPU autocast: as float32 products of the cast operands (a CPU without bf16 units,
+    lowp.autocast_upcast) and as autocast's bf16 kernels (with AMX); transformers runs autocast's kernels."""
+    monkeypatch.setattr(lowp, "cpu_features", lambda: frozenset() if units == "none" else frozenset({"amx_bf16"}))
     tc = steps.TrainConfig(steps=2)
-    r = backward.run_backward(
-        str(tiny_official), ["The students opened their books"], dtypes="bfloat16", kernels=kernels, train=tc
-    ).reports[0]
+    r = backward.run_backward(str(tiny_official), [BF16_PROMPT], dtypes="bfloat16", kernels=kernels, train=tc).reports[
+        0
+    ]
     assert r.precision == "bfloat16 autocast" and r.kernels == kernels
     assert "autocast" in r.noise_floor
     assert 1e-4 < max(p.norm_rel for p in r.points)  # bf16 really ran

@@ -399,3 +399,28 @@ def test_the_screen_candidates_script_counts_per_dtype(tiny_official: Path) -> N
         assert run.returncode == 2 and "packed bf16" in run.stderr
     bad = subprocess.run([*script, "--dtypes", "bfloat16"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_training_step_benchmark_runs_bf16_with_and_without_the_float32_products(
+    tiny_official: Path, tmp_path: Path
+) -> None:
+    """benchmarks/train_step.py --dtype bf16 on a tiny checkpoint: every side (ours with each kernel set, ours on
+    autocast's own bf16 kernels, ours in float32, transformers) timed, with its first loss; the bf16 sides' losses
+    close to the float32 side's."""
+    out = tmp_path / "t.json"
+    argv = ["--ckpt", str(tiny_official), "--batch", "1", "--seq", "16", "--rounds", "1", "--dtype", "bf16"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.train_step", *argv, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    sides = {"ours", "ours-fast", "ours-fast-kernels", "hf", "ours-fast-float32"}
+    assert d["dtype"] == "bf16" and set(d["median_s"]) == sides and set(d["ratios_over_hf"]) == sides
+    first = d["losses_first_step"]
+    assert all(abs(first[k] - first["ours-fast-float32"]) < 0.05 * first["ours-fast-float32"] for k in sides)

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import LowPrecisionProducts
 
 from gpt2_port.errors import UsageError
-from gpt2_port.model import from_pretrained, fused
+from gpt2_port.model import from_pretrained, fused, lowp
 from gpt2_port.model.loss import IGNORE_INDEX, cross_entropy, shift_labels
 
 pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
@@ -253,6 +254,43 @@ def test_padding_under_bf16_autocast_keeps_the_real_rows() -> None:
     for x, y in zip(got_g[:2], want_g[:2]):
         assert x.shape == y.shape and x.dtype == torch.float32
         assert _norm_rel(x, y) <= GRAD_NORM_REL  # the same bf16 products: only the softmax's row length differs
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_under_bf16_autocast_without_bf16_units_the_float32_products_are_as_close_as_the_kernels(
+    monkeypatch: pytest.MonkeyPatch, bias: bool
+) -> None:
+    """A CPU without bf16 units (lowp.autocast_upcast): the fused head's logits and its two gradient products are
+    float32 products of the bf16 operands, rounded to bf16 as autocast's kernels round theirs. Loss and gradients
+    lie no further from float64 truth (over the same bf16 operands) than autocast's kernels do, and (by the bias
+    case) the bias's products run the same way."""
+    monkeypatch.setattr(fused, "CHUNK_ROWS", 16)  # 40 rows: chunks of 16, each above lowp's threshold
+    monkeypatch.setattr(lowp, "cpu_features", lambda: frozenset())
+    h, w, b, t = _case(9, 40, 32, 97, bias)
+
+    def run(upcast: bool):  # noqa: ANN202
+        lowp.set_autocast_upcast(upcast)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return _grads(fused.linear_cross_entropy, h, w, b, t)
+        finally:
+            lowp.set_autocast_upcast(True)
+
+    hb, wb = h.to(torch.bfloat16).double(), w.to(torch.bfloat16).double()
+    bb = None if b is None else b.to(torch.bfloat16).double()
+    truth, truth_g = _grads(lambda *a: cross_entropy(F.linear(*a[:3]), a[3]), hb, wb, bb, t)
+    with LowPrecisionProducts() as seen:
+        ours = run(True)
+    assert seen.count == 0  # every product in float32
+    kernel = run(False)
+    hc, wc, bc = hb.float(), wb.float(), None if bb is None else bb.float()
+    rounded = cross_entropy(F.linear(hc, wc, bc).to(torch.bfloat16).float(), t)  # the logits rounded as bf16 GEMM's
+    assert abs(float(ours[0] - rounded)) <= LOSS_REL * float(rounded)  # seen 2.1e-7 (unrounded logits: 1.3e-4 off)
+    assert _norm_rel(ours[0].double(), truth) <= 1.5 * _norm_rel(kernel[0].double(), truth) + 1e-7
+    for got, theirs, want in zip(ours[1], kernel[1], truth_g, strict=True):
+        if want is not None:
+            assert got.dtype == torch.float32
+            assert _norm_rel(got.double(), want) <= 1.5 * _norm_rel(theirs.double(), want), (got, theirs)
 
 
 # fp16 autocast, 2048 x 8192 logits, gradients against float32's: the reference's norm-rel error worst seen 4.3e-4, the

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, lowp_operands
+from conftest import TINY, LowPrecisionProducts, lowp_operands
 
 from gpt2_port.model import GPT2, lowp
 
@@ -113,3 +113,86 @@ def test_a_bf16_prefill_runs_every_matmul_in_float32_and_a_decode_step_in_bf16(
     with torch.no_grad():
         model(ids[:, :1])
     assert seen and set(seen) == {torch.bfloat16}
+
+
+# -- autocast on a CPU whose bf16/fp16 GEMM is slow: float32 products of the cast operands, rounded as autocast does -
+def _rel(a: torch.Tensor, truth: torch.Tensor) -> float:
+    return float((a.double() - truth).norm() / truth.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_linear_rounds_where_autocast_rounds_and_is_as_close_as_its_kernel(dtype, no_bf16_units) -> None:  # noqa: ANN001
+    """Forward and both gradient products: each the float32 product of the operands cast to `dtype`, rounded once to
+    `dtype` (what its GEMM with float32 sums returns, up to the order of the sums), the gradients cast back to the
+    inputs' float32; and each no further from float64 truth than autocast's own kernel is."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 256, generator=g).requires_grad_(True)
+    w = torch.randn(512, 256, generator=g).requires_grad_(True)
+    b = torch.randn(512, generator=g).requires_grad_(True)
+    up = torch.randn(64, 512, generator=g).to(dtype)  # the incoming gradient, in autocast's dtype as its output's
+
+    def run(upcast: bool) -> tuple[torch.Tensor, ...]:
+        lowp.set_autocast_upcast(upcast)
+        try:
+            x.grad = w.grad = b.grad = None
+            with torch.autocast("cpu", dtype=dtype):
+                y = lowp.linear_wb(x, w, b)
+            y.backward(up)
+        finally:
+            lowp.set_autocast_upcast(True)
+        return y.detach(), x.grad, w.grad, b.grad
+
+    y, gx, gw, gb = run(True)
+    xc, wc, bc = (t.detach().to(dtype).float() for t in (x, w, b))
+    assert y.dtype == dtype and gx.dtype == gw.dtype == gb.dtype == torch.float32
+    assert torch.equal(y, F.linear(xc, wc, bc).to(dtype))  # widened exactly, rounded once
+    assert torch.equal(gx, (up.float() @ wc).to(dtype).float())
+    assert torch.equal(gw, (up.float().t() @ xc).to(dtype).float())
+    assert torch.equal(gb, up.sum(0).float())
+    kernel = run(False)
+    truths = (
+        F.linear(xc.double(), wc.double(), bc.double()),
+        up.double() @ wc.double(),
+        up.double().t() @ xc.double(),
+    )
+    for ours, theirs, truth in zip((y, gx, gw), kernel, truths, strict=False):
+        assert _rel(ours, truth) <= 1.05 * _rel(theirs, truth), (_rel(ours, truth), _rel(theirs, truth))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+@pytest.mark.parametrize(("features", "upcast"), [(frozenset(), True), (frozenset({"amx_bf16"}), False)])
+def test_a_bf16_autocast_training_step_runs_no_bf16_product_where_the_cpu_has_no_bf16_units(
+    monkeypatch: pytest.MonkeyPatch, kernels: str, features: frozenset, upcast: bool
+) -> None:
+    """Forward (both heads, the fused loss) and backward under bf16 autocast: on a CPU without bf16 units every
+    matrix product of the blocks and the head runs in float32 (attention is SDPA's own kernel); with AMX they run in
+    bf16, autocast's kernels. The same with the float32 products turned off."""
+    monkeypatch.setattr(lowp, "cpu_features", lambda: features)
+    cfg = TINY.with_dropout(0.0)
+    model = GPT2(cfg).init_weights(0).train()
+    model.set_kernels(kernels)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for on in (True, False):
+        lowp.set_autocast_upcast(on)
+        try:
+            with LowPrecisionProducts() as seen:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(ids, labels=ids).loss
+                loss.backward()
+        finally:
+            lowp.set_autocast_upcast(True)
+        assert torch.isfinite(loss)
+        assert (seen.count == 0) is (upcast and on), seen.count
+
+
+def test_no_float32_products_under_compile_or_off_the_cpu(no_bf16_units) -> None:  # noqa: ANN001
+    x = torch.randn(32, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lowp.autocast_upcast(x) == torch.bfloat16
+        assert lowp.autocast_upcast(x[: lowp.UPCAST_MIN_ROWS - 1]) is None  # a decoding row keeps the kernel
+    assert lowp.autocast_upcast(x) is None  # no autocast: nothing to stand in for
+    x_meta = torch.randn(32, 8, device="meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lowp.autocast_upcast(x_meta) is None
+        f = torch.compile(lambda t: torch.tensor(lowp.autocast_upcast(t) is None), backend="eager", fullgraph=True)
+        assert bool(f(x))

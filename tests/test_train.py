@@ -22,7 +22,7 @@ from gpt2_port.errors import UsageError
 from gpt2_port.io.demo import write_demo_checkpoint
 from gpt2_port.io.safetensors_io import SafetensorsFile
 from gpt2_port.io.tokenizer import load_tokenizer
-from gpt2_port.model import GPT2, from_pretrained
+from gpt2_port.model import GPT2, from_pretrained, lowp
 from gpt2_port.train import NonFiniteError, TrainArgs, Trainer, memory, prepare_model
 from gpt2_port.train import state as trainer_state
 from gpt2_port.train.data import GlobalBatchSampler, TokenFile, open_split
@@ -617,6 +617,17 @@ def test_under_autocast_the_fast_kernels_estimate_counts_chunks_and_casts_not_th
     fast32 = memory.estimate(preset("gpt2"), 8, 1024, kernels="fast")
     assert fast.logits - fast32.logits == 50257 * 768 * 6 + 8 * 1024 * 768 * 2
     assert fast.logits < full.logits / 10 and full.logits == 8 * 1024 * 50257 * memory.LOGIT_BYTES
+    # a CPU without bf16 units (lowp.autocast_upcast): the head and hidden states as float32 copies, a float32
+    # head-gradient product before its rounding, one more chunk; the reference head's float32 product and head
+    up_fast, up_full = (
+        memory.estimate(preset("gpt2"), 8, 1024, amp=True, kernels=k, upcast=True) for k in ("fast", "reference")
+    )
+    assert up_fast.logits - fast.logits == 50257 * 768 * 4 + 8 * 1024 * 768 * 2 + 256 * 50257 * 4
+    assert up_full.logits - full.logits == 8 * 1024 * 50257 * 4 + 50257 * 768 * 4
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert not memory.upcasts_under_autocast(TrainArgs(dtype="float32"), cpu)
+    assert not memory.upcasts_under_autocast(TrainArgs(dtype="bf16"), gpu)
+    assert memory.upcasts_under_autocast(TrainArgs(dtype="bf16"), cpu) is lowp.upcasts_autocast_dtype(torch.bfloat16)
 
 
 def test_the_fused_head_is_padded_to_64_on_cuda_by_default_and_not_on_the_cpu() -> None:

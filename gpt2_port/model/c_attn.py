@@ -16,7 +16,8 @@ copy). Two ways to run the one matmul from them:
   the gradients equal transformers' bit for bit. Under autocast it does what autocast does to Conv1D's addmm: x, W
   and b cast to the autocast dtype for the matmul (the cast x is what is saved), the gradients computed in that dtype
   and cast back to each input's own (float32 for the parameters), so a bf16 training step runs and matches
-  transformers' under the same autocast.
+  transformers' under the same autocast. On a CPU whose bf16/fp16 GEMM is slow those products are float32 products
+  of the same cast operands, rounded once (lowp.autocast_upcast).
 
 Under torch.compile the view test (storage pointers) is not traced: the weight is assembled with torch.cat, which
 the compiler folds into the matmul's input; the arithmetic is the same.
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from ..devices import autocast_dtype, compiling
-from .lowp import linear, linear_wb
+from .lowp import addmm_upcast, autocast_upcast, linear, linear_wb, mm_upcast
 
 
 def c_attn_view(
@@ -154,10 +155,12 @@ class CAttn(torch.autograd.Function):
     def forward(ctx, x2d, wq, wk, wv, bq, bk, bv):  # noqa: ANN001, ANN205 (autograd's signature)
         w, b = c_attn_weight(wq, wk, wv, bq, bk, bv)
         dt = autocast_dtype(x2d.device.type)
-        ctx.dt, ctx.in_dtype = dt, x2d.dtype
+        ctx.dt, ctx.in_dtype, ctx.upcast = dt, x2d.dtype, dt is not None and autocast_upcast(x2d) == dt
         if dt is not None:  # autocast's addmm: every input in its dtype
             x2d, w, b = x2d.to(dt), w.to(dt), b.to(dt)
         ctx.save_for_backward(x2d, wq, wk, wv, bq, bk, bv)  # the (cast) input and the parameters: nothing copied
+        if ctx.upcast:  # a CPU whose `dt` GEMM is slow: the same product from float32 copies (lowp.py)
+            return addmm_upcast(b, x2d, w, dt)
         return torch.addmm(b, x2d, w)
 
     @staticmethod
@@ -168,16 +171,17 @@ class CAttn(torch.autograd.Function):
         gx = gq = gk = gv = gbq = gbk = gbv = None
         if dt is not None:
             grad = grad.to(dt)
+        mm = (lambda a, b: mm_upcast(a, b, dt)) if ctx.upcast else torch.mm
         if need[0]:  # as autograd's mm_mat1_backward: a column-major x gets its gradient column-major
             w, _ = c_attn_weight(wq, wk, wv, bq, bk, bv)
             w = w if dt is None else w.to(dt)
             N = x2d.shape[0]
             if x2d.stride(0) == 1 and x2d.stride(1) == N:
-                gx = w.mm(grad.t()).t()
+                gx = mm(w, grad.t()).t()
             else:
-                gx = grad.mm(w.t())  # (N, 3C) @ (3C, C)
+                gx = mm(grad, w.t())  # (N, 3C) @ (3C, C)
         if any(need[1:4]):  # as mm_mat2_backward for Conv1D's row-major [C, 3C] weight
-            gq, gk, gv = (g.t() for g in x2d.t().mm(grad).split(C, dim=1))  # (C, 3C) -> 3 x (C, C) [out, in]
+            gq, gk, gv = (g.t() for g in mm(x2d.t(), grad).split(C, dim=1))  # (C, 3C) -> 3 x (C, C) [out, in]
         if any(need[4:7]):  # as autograd's sum_to for addmm's broadcast bias
             gbq, gbk, gbv = grad.sum(0).split(C)
         if dt is not None:  # autocast's casts, undone: each gradient in its input's dtype

@@ -6,7 +6,8 @@
 - `linear_cross_entropy`: the head and the cross-entropy together, in chunks of rows, without ever holding the
   (N, V) logits: each chunk's logits give its loss and, at once, its share of the gradients of the hidden states and
   of the head's weight; backward hands them over (Liger-Kernel's fused linear cross-entropy, on CPU or GPU; under
-  autocast its matmuls run in autocast's dtype and its log-softmax in float32, as the reference head and loss run
+  autocast its matmuls run in autocast's dtype (on a CPU whose bf16/fp16 GEMM is slow, as float32 products of the
+  cast operands rounded once: lowp.autocast_upcast) and its log-softmax in float32, as the reference head and loss run
   there; under fp16 the two gradient products run in float32, as the gradient is made before a GradScaler's scale
   could keep it inside fp16's range). The reference keeps the logits, their log-softmax and their gradient:
   3 x N x V x 4 bytes (620 MB at 4 x 256 tokens of GPT-2's vocabulary); this keeps one chunk's (`chunk_rows`). Each
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from ..devices import autocast_dtype, host_readable
 from ..errors import UsageError
 from .loss import IGNORE_INDEX
+from .lowp import autocast_upcast, mm_upcast
 
 # Rows of logits made at once on the CPU: 256 x 50257 float32 is 51 MB, large enough that each chunk's two matmuls
 # run at the GEMM's full rate and small enough to stay out of the peak.
@@ -121,6 +123,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         divisor: torch.Tensor,  # () float32: the number of kept targets (or the caller's num_items)
         grads: bool,  # autograd is recording: make the gradients (else the loss only, as for a validation loss)
         compute: torch.dtype | None,  # autocast's dtype for the two matmuls (None: the inputs' own)
+        upcast: bool,  # those matmuls as float32 products of the cast operands, rounded once (lowp.autocast_upcast)
         padded: int,  # the vocabulary the matmuls run over, >= V (padded_vocab)
         chunk: int | None,  # rows per chunk (None: chunk_rows for the device)
     ) -> torch.Tensor:
@@ -143,6 +146,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         gcompute = None if compute is torch.float16 else compute
         keep_dtype = gcompute is compute or not any(need)
         hg, wg = (hm, wm) if keep_dtype else (h.float(), _padded(w, Vp, torch.float32))
+        if upcast:  # float32 copies of the cast operands, made once; the low-precision ones are not kept
+            hm, wm, bm = hm.float(), wm.float(), None if bm is None else bm.float()
+            hg, wg = (hm, wm) if keep_dtype else (hg, wg)
         R = chunk or chunk_rows(h.device.type, Vp)
         rows = min(N, R)
         buf = torch.empty((rows, Vp), dtype=torch.float32, device=h.device)  # logits -> log-probs -> gradient
@@ -153,12 +159,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for s in range(0, N, R):
                 hc = hm[s : s + R]
                 logits = buf[: hc.shape[0]]
-                if compute is not None:
+                if compute is not None and not upcast:
                     logits.copy_(F.linear(hc, wm, bm))  # (n, C) @ (C, Vp) in `compute`, upcast
                 elif bm is None:
                     torch.mm(hc, wm.t(), out=logits)  # (n, C) @ (C, Vp), as F.linear runs it
                 else:
                     torch.addmm(bm, hc, wm.t(), out=logits)
+                if upcast:  # the float32 product rounded once to `compute`, as its GEMM rounds it
+                    logits.copy_(logits.to(compute))
                 if Vp > V:
                     logits[:, V:] = -math.inf  # the pad takes no probability and gets no gradient
                 go = None if nll_grad is None else nll_grad[: hc.shape[0]]
@@ -168,16 +176,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     continue
                 if gcompute is not None:  # the logits' gradient cast back, as the upcast's backward casts it
                     g = g.to(gcompute)
+                mm = torch.mm if gcompute is None or not upcast else (lambda a, b: mm_upcast(a, b, gcompute))
                 if grad_h is not None:
                     if compute is None:
                         torch.mm(g, wg, out=grad_h[s : s + R])  # (n, Vp) @ (Vp, C)
                     else:
-                        grad_h[s : s + R] = g.mm(wg)
+                        grad_h[s : s + R] = mm(g, wg)
                 if grad_w is not None:
                     if compute is None:
                         grad_w.addmm_(g.t(), hg[s : s + R])  # (Vp, n) @ (n, C)
                     else:  # each chunk's product in `gcompute`, summed in float32
-                        grad_w += g.t().mm(hg[s : s + R])
+                        grad_w += mm(g.t(), hg[s : s + R])
                 if grad_b is not None:
                     grad_b.add_(g.sum(0))
         # Intermediates (not inputs or outputs), so kept on ctx and handed over in backward: with the usual incoming
@@ -199,7 +208,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for t in made:
                 if t is not None:
                     t.mul_(grad_out.to(t.dtype))
-        return made[0], made[1], made[2], None, None, None, None, None, None
+        return made[0], made[1], made[2], None, None, None, None, None, None, None
 
 
 def _positive_int(value: object, what: str, meaning: str) -> int:
@@ -258,7 +267,9 @@ def linear_cross_entropy(
         divisor = torch.full((), float(num_items), dtype=torch.float32, device=h.device)
     grads = torch.is_grad_enabled()
     compute = autocast_dtype(h.device.type)
+    upcast = compute is not None and autocast_upcast(h) == compute
     padded = padded_vocab(weight.shape[0], check_pad_multiple(pad_multiple, "pad_multiple"))
     if chunk is not None:
         _positive_int(chunk, "chunk", "rows of logits at once")
-    return _LinearCrossEntropy.apply(h.reshape(-1, C), weight, bias, flat_t, divisor, grads, compute, padded, chunk)
+    flat_h = h.reshape(-1, C)  # (N, C)
+    return _LinearCrossEntropy.apply(flat_h, weight, bias, flat_t, divisor, grads, compute, upcast, padded, chunk)

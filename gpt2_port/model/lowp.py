@@ -6,7 +6,19 @@ bf16 matmul takes 35 ms, the same product from float32 copies 6.4 ms, and a 1 x 
 the product from float32 copies of x, the weight and the bias (exact: bf16 and fp16 widen to float32 without
 rounding), accumulates in float32 as the low-precision GEMM does, and rounds the result once to x's dtype: what that
 GEMM returns, up to the order of the float32 sums. Fewer rows (decoding) keep the low-precision kernel, which reads
-half the bytes and is as fast or faster there. Training (gradients wanted), float32 and other devices are untouched.
+half the bytes and is as fast or faster there. Float32 and other devices are untouched.
+
+Autocast on such a CPU (`train --dtype bf16` there, its evaluations, any forward under `torch.autocast("cpu")`): the
+matmuls autocast runs in bf16/fp16, backward's included, are slower still. On the AMD AVX2 CPU one (512, 768) @ (768,
+3072) linear's forward and backward took 5.4 s in bf16 against 60 ms in float32, and a 124M training step ran at 2.7
+tokens/s against float32's 100. There, over `upcast_min_rows` rows, `autocast_linear` (the Linears, the reference
+head), `addmm_upcast` (c_attn.py's CAttn) and the fused head (fused.py) compute each product autocast would make in
+bf16/fp16 as a float32 product of its operands cast to that dtype, rounded once to it: the forward product, the input's
+and the weight's gradients, with the roundings autocast makes (operands cast, each product's result in autocast's
+dtype, gradients cast back to each input's dtype) and the cast operands saved for backward, as autocast saves them.
+What differs from autocast's own kernels is the order of the float32 sums. Not under torch.compile (the compiler
+makes its own kernels), and not for attention, whose SDPA kernels do their own arithmetic (bf16 SDPA forward and
+backward ran 4.5x float32's time there, a small share of a step).
 
 Prepacked weights: oneDNN's bf16/fp16 matmul on a plain [out, in] weight reorders that weight into its blocked layout
 on every call, a pass over the weight that a decode step pays 49 times per token (4 matmuls a block, and the head).
@@ -44,6 +56,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..cpu import cpu_features, on_packed, pack, packs
+from ..devices import autocast_dtype, compiling
 
 UPCAST_MIN_ROWS = 16  # no low-precision instructions (AVX2)
 UPCAST_MIN_ROWS_AVX512_BF16 = 128  # AVX512-BF16 without AMX
@@ -116,8 +129,12 @@ def _packed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _shortcut(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x @ weight^T + bias from float32 copies where `upcasts` says so, else on the packed weight where there is one;
+    """x @ weight^T + bias as autocast's float32-product stand-in under CPU autocast where it applies
+    (`autocast_linear`), from float32 copies where `upcasts` says so, else on the packed weight where there is one;
     None where F.linear is the call (see the module's docstring)."""
+    y = autocast_linear(x, weight, bias)
+    if y is not None:
+        return y
     if upcasts(x, weight):
         return _from_float32(x, weight, bias)
     packed = _packed(x, weight)
@@ -135,3 +152,78 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     otherwise (and for another module, e.g. int8) the module is called."""
     y = _shortcut(x, m.weight, m.bias) if type(m) is nn.Linear else None
     return m(x) if y is None else y
+
+
+# ---------------------------------------------------------------------------------------------- autocast on the CPU
+_autocast_upcast = [True]  # False: autocast's own low-precision kernels everywhere (for comparisons)
+
+
+def set_autocast_upcast(enabled: bool) -> None:
+    """Turn the float32 products under CPU autocast on (the default) or off (autocast's kernels)."""
+    _autocast_upcast[0] = enabled
+
+
+def upcasts_autocast_dtype(dtype: torch.dtype) -> bool:
+    """Whether CPU autocast to `dtype` runs its matmuls as float32 products on this CPU (from `upcast_min_rows` rows;
+    a training batch has more)."""
+    return _autocast_upcast[0] and dtype in _LOWP and upcast_min_rows(dtype) is not None
+
+
+def autocast_upcast(x: torch.Tensor) -> torch.dtype | None:
+    """autocast's dtype when its matmuls over x's rows run as float32 products here (see the module's docstring):
+    CPU autocast to bf16 or fp16 on a CPU whose kernels for it are slower (`upcast_min_rows`), over at least that many
+    rows, outside torch.compile; else None."""
+    if x.device.type != "cpu" or not _autocast_upcast[0] or compiling():
+        return None
+    dt = autocast_dtype("cpu")
+    if dt is None or not upcasts_autocast_dtype(dt):
+        return None
+    return dt if x.numel() >= upcast_min_rows(dt) * x.shape[-1] else None  # type: ignore[operator]
+
+
+def mm_upcast(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """a @ b as a `dt` GEMM with float32 sums gives it (a and b already in `dt`): a float32 product rounded once."""
+    with torch.autocast("cpu", enabled=False):
+        return torch.mm(a.float(), b.float()).to(dt)
+
+
+def addmm_upcast(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """bias + a @ b as `mm_upcast` computes the product (all three already in `dt`)."""
+    with torch.autocast("cpu", enabled=False):
+        return torch.addmm(bias.float(), a.float(), b.float()).to(dt)
+
+
+class _AutocastLinear(torch.autograd.Function):
+    """F.linear(x, w, b) as autocast runs it in `dt` (x, w and b cast to `dt`, the product and both gradient products
+    in `dt`, each gradient cast back to its input's dtype), every product computed by `mm_upcast`. Saves the cast x
+    and w, as autocast's linear does."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, dt):  # noqa: ANN001, ANN205 (autograd's signature)
+        xc, wc = x.to(dt), w.to(dt)  # (..., in), (out, in)
+        ctx.save_for_backward(xc, wc)
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
+        x2 = xc.reshape(-1, xc.shape[-1])  # (N, in)
+        y = mm_upcast(x2, wc.t(), dt) if b is None else addmm_upcast(b.to(dt), x2, wc.t(), dt)  # (N, out)
+        return y.view(*xc.shape[:-1], wc.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        xc, wc = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dt = wc.dtype
+        g = grad.to(dt).reshape(-1, wc.shape[0])  # (N, out)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = mm_upcast(g, wc, dt).view(xc.shape).to(x_dtype)  # (N, out) @ (out, in)
+        if ctx.needs_input_grad[1]:
+            gw = mm_upcast(g.t(), xc.reshape(-1, xc.shape[-1]), dt).to(w_dtype)  # (out, N) @ (N, in)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            gb = g.sum(0).to(b_dtype)  # a `dt` sum, as the bias gradient autocast makes
+        return gx, gw, gb, None
+
+
+def autocast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """F.linear(x, weight, bias) through `_AutocastLinear` where `autocast_upcast` says so, else None."""
+    dt = autocast_upcast(x)
+    return None if dt is None else _AutocastLinear.apply(x, weight, bias, dt)

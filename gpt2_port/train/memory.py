@@ -23,6 +23,7 @@ from ..config import GPT2Config
 from ..devices import MEMORY_HEADROOM, GiB, out_of_memory
 from ..errors import UsageError
 from ..model.fused import chunk_rows, padded_vocab
+from ..model.lowp import upcasts_autocast_dtype
 from .args import TrainArgs
 from .distributed import Dist
 
@@ -73,13 +74,16 @@ def estimate(
     kernels: str = "reference",
     pad_multiple: int = 1,
     device_type: str = "cpu",
+    upcast: bool = False,
 ) -> MemoryEstimate:
     """Peak bytes of one process training `cfg` at this micro-batch (weights and AdamW state in float32).
 
     kernels: the model's training kernels ("fast": gpt2_port.fused, which never holds the (N, V) logits).
     pad_multiple: the fused head's vocabulary padding (fast kernels: its chunks and gradient have the padded rows,
     and in float32 the padded copy of the head is one more (Vp, C) tensor); device_type: where it runs (the fused
-    head's chunk rows, fused.chunk_rows).
+    head's chunk rows, fused.chunk_rows); upcast: under autocast, the matmuls run as float32 products of the cast
+    operands (a CPU whose bf16/fp16 GEMM is slow: `upcasts_under_autocast`), which holds float32 copies of the head
+    and of one product's operands and result at a time.
     """
     P = cfg.num_params()
     act = 2 if amp else 4  # bytes per activation: bf16/fp16 under autocast, else float32
@@ -95,11 +99,16 @@ def estimate(
         Vp = padded_vocab(V, pad_multiple)
         rows = min(BT, chunk_rows(device_type, Vp))
         logits = 3 * rows * Vp * 4 + Vp * C * 4 + BT * C * 4 + (Vp * C * 4 if Vp > V else 0)
-        if amp:  # the head and the hidden states cast for its matmuls, and a chunk's head-gradient product (float32
+        if amp and upcast:  # the cast head and hidden states as float32 copies, a chunk's head-gradient product in
+            # float32 and rounded, and one more chunk (the logits' gradient widened): (Vp, C) x (4 + 4 + 2) bytes
+            logits += Vp * C * 10 + BT * C * 4 + rows * Vp * 4
+        elif amp:  # the head and the hidden states cast for its matmuls, and a chunk's head-gradient product (float32
             # under fp16): (Vp, C) x (2 + 4) bytes and (N, C) x 2
             logits += Vp * C * 6 + BT * C * 2
     else:
         logits = BT * V * LOGIT_BYTES
+        if amp and upcast:  # the head's product in float32 before its rounding, and the head widened to float32
+            logits += BT * V * 4 + V * C * 4
     casts = 2 * P if amp else 0  # autocast's low-precision copies of the weights
     state = 4 * P + 4 * P + 8 * P
     return MemoryEstimate(
@@ -114,6 +123,14 @@ def estimate(
     )
 
 
+def upcasts_under_autocast(args: TrainArgs, device: torch.device) -> bool:
+    """Whether the run's autocast matmuls run as float32 products (lowp.autocast_upcast: bf16/fp16 on a CPU whose
+    GEMM for it is slow)."""
+    if args.dtype == "float32" or device.type != "cpu":
+        return False
+    return upcasts_autocast_dtype(torch.bfloat16 if args.dtype == "bf16" else torch.float16)
+
+
 def largest_batch_that_fits(
     cfg: GPT2Config,
     block_size: int,
@@ -122,26 +139,27 @@ def largest_batch_that_fits(
     grad_checkpointing: bool,
     limit: int = 1024,
     kernels: str = "reference",
+    upcast: bool = False,
 ) -> int:
     """The largest micro-batch whose estimate is within `budget` (0 if not even 1 fits)."""
     best = 0
     for b in range(1, limit + 1):
-        if estimate(cfg, b, block_size, amp, grad_checkpointing, kernels).total > budget:
+        if estimate(cfg, b, block_size, amp, grad_checkpointing, kernels, upcast=upcast).total > budget:
             break
         best = b
     return best
 
 
-def _hints(cfg: GPT2Config, args: TrainArgs, block_size: int, budget: int) -> str:
+def _hints(cfg: GPT2Config, args: TrainArgs, block_size: int, budget: int, upcast: bool = False) -> str:
     amp, kernels = args.dtype != "float32", args.resolved_kernels
     hints = []
-    b = largest_batch_that_fits(cfg, block_size, budget, amp, args.grad_checkpointing, args.batch_size, kernels)
+    b = largest_batch_that_fits(cfg, block_size, budget, amp, args.grad_checkpointing, args.batch_size, kernels, upcast)
     if b:
         hints.append(
             f"--batch-size {b} (with --grad-accum {args.grad_accum * args.batch_size // b} for the same batch)"
         )
     if not args.grad_checkpointing:
-        bc = largest_batch_that_fits(cfg, block_size, budget, amp, True, args.batch_size, kernels)
+        bc = largest_batch_that_fits(cfg, block_size, budget, amp, True, args.batch_size, kernels, upcast)
         if bc:
             hints.append(f"--grad-checkpointing (fits --batch-size {bc})")
     if not hints:
@@ -156,8 +174,9 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
     if args.dropout is not None:
         cfg = cfg.with_dropout(args.dropout)
     pad = args.resolved_pad_vocab(device.type)
+    up = upcasts_under_autocast(args, device)
     est = estimate(
-        cfg, args.batch_size, block_size, amp, args.grad_checkpointing, args.resolved_kernels, pad, device.type
+        cfg, args.batch_size, block_size, amp, args.grad_checkpointing, args.resolved_kernels, pad, device.type, up
     )
     avail, source = devices.available_memory(device)
     share = d.local_world_size if device.type == "cpu" else 1  # processes on one host share its memory
@@ -175,7 +194,7 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
     raise UsageError(
         f"memory: this run needs about {est.describe()}{per} at --batch-size {args.batch_size} --block-size "
         f"{block_size}, but only {avail / GiB:.1f} GiB is available ({source}); "
-        f"try {_hints(cfg, args, block_size, budget)}"
+        f"try {_hints(cfg, args, block_size, budget, up)}"
     )
 
 
