@@ -73,7 +73,11 @@ def parse_device(name: str | torch.device) -> torch.device:
         dev = torch.device(s)
     except (RuntimeError, ValueError):
         raise UsageError(f"unknown device {name!r}: expected cpu, cuda, cuda:N, mps or auto") from None
-    if dev.type == "cpu":
+    if dev.type == "cpu":  # torch takes cpu:N for any N and runs on the one CPU: cpu:1 would silently mean cpu
+        if dev.index not in (None, 0):
+            raise UsageError(
+                f"unknown device {name!r}: the CPU has no index but 0; expected cpu, cuda, cuda:N, mps or auto"
+            )
         return dev
     if dev.type == "cuda":
         if not torch.cuda.is_available():

@@ -15,7 +15,6 @@ from .common import (
     add_tokenizer_arg,
     checkpoint_inputs,
     count,
-    parse_device_arg,
     tokenizer_inputs,
 )
 
@@ -50,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..devices import parse_dtype
+    from ..devices import parse_device, parse_dtype
     from ..errors import UsageError
     from ..files import check_writable
     from ..io.tokenizer import load_tokenizer, tokenizer_for
@@ -64,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--compare needs transformers: pip install 'gpt2-port[check]'")
     from gpt2_port_checks import attention_maps
 
-    dt, dev = parse_dtype(args.dtype), parse_device_arg(args.device)
+    dt, dev = parse_dtype(args.dtype), parse_device(args.device)
     tok = load_tokenizer(args.tokenizer, strict=True) if args.tokenizer is not None else None
     model, rep = from_pretrained(args.model, dtype=dt, device=dev, revision=args.revision)
     cfg = rep.config

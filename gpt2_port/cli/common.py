@@ -128,18 +128,17 @@ def check_input_file(path: str, option: str, expected: str) -> None:
     raise UsageError(f"{option} {path}: {why}; expected {expected}")
 
 
-def parse_device_arg(name: str):  # noqa: ANN201 (a torch.device; torch is imported lazily)
-    """--device as devices.parse_device reads it, refusing a CPU index other than 0: torch takes cpu:N for any N and
-    runs on the one CPU, so cpu:1 would silently mean cpu."""
-    from ..devices import parse_device
+def check_holds_no_checkpoint(out: str | os.PathLike[str], names: tuple[str, ...], what: str) -> None:
+    """UsageError when directory `out` holds one of `names` (files that say it holds a checkpoint or a run), which
+    the command writing there would replace; `what`: what would replace it."""
     from ..errors import UsageError
 
-    dev = parse_device(name)
-    if dev.type == "cpu" and dev.index not in (None, 0):
+    held = [name for name in names if (Path(out) / name).exists()]
+    if held:
         raise UsageError(
-            f"unknown device {name!r}: the CPU has no index but 0; expected cpu, cuda, cuda:N, mps or auto"
+            f"--out {out}: holds a checkpoint already ({held[0]}), which {what} would replace; choose another --out, "
+            "or delete it first"
         )
-    return dev
 
 
 def check_seed(seed: int | None, what: str = "--seed") -> None:

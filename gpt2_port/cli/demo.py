@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from ..config import PRESETS
-from .common import WEIGHT_FILES, check_seed
+from .common import WEIGHT_FILES, check_holds_no_checkpoint, check_seed
 
 # Files that say a directory holds a checkpoint or a training run: random weights must not replace them
 CHECKPOINT_MARKERS = (*WEIGHT_FILES, "config.json", "trainer_state.json")
@@ -42,12 +41,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else f"weights/{args.size}-random"
     check_seed(args.seed)
     check_dir_writable(out, "--out")
-    held = [name for name in CHECKPOINT_MARKERS if (Path(out) / name).exists()]
-    if held:
-        raise UsageError(
-            f"--out {out}: holds a checkpoint already ({held[0]}), which random weights would replace; choose "
-            "another --out, or delete it first"
-        )
+    check_holds_no_checkpoint(out, CHECKPOINT_MARKERS, "random weights")
     t0 = time.perf_counter()
     try:
         d = write_demo_checkpoint(out, size=args.size, seed=args.seed, tokenizer_dir=args.tokenizer_from)

@@ -20,7 +20,6 @@ from .common import (
     checkpoint_inputs,
     data_inputs,
     file_input,
-    parse_device_arg,
     tokenizer_inputs,
 )
 
@@ -133,7 +132,7 @@ def _inputs(args: argparse.Namespace) -> list:
 
 def run(args: argparse.Namespace) -> int:
     from ..devices import dtype_name as name_of
-    from ..devices import parse_dtype
+    from ..devices import parse_device, parse_dtype
     from ..errors import UsageError
     from ..eval.jsonl import read_jsonl
     from ..eval.perplexity import (
@@ -173,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--split {args.split} applies to --data only (it picks the prepared .bin to score)")
     args.split = args.split or "val"
     check_batch_size(args.batch_size)
-    dtype, device = parse_dtype(args.dtype), parse_device_arg(args.device)
+    dtype, device = parse_dtype(args.dtype), parse_device(args.device)
     check_outputs([(o, p) for o, p in (("--json", args.json), ("--markdown", args.markdown)) if p], _inputs(args))
     docs = None
     if task == "text":

@@ -16,7 +16,6 @@ from .common import (
     check_seed,
     checkpoint_inputs,
     count,
-    parse_device_arg,
     report_written,
     tokenizer_inputs,
 )
@@ -169,7 +168,7 @@ def sampling_from_args(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..devices import parse_dtype, peak_rss_mb
+    from ..devices import parse_device, parse_dtype, peak_rss_mb
     from ..errors import UsageError
     from ..files import check_writable, write_output
     from ..generate import generate_full
@@ -193,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     if str(args.dtype).lower() == "int8":
         quantize, args.dtype = "int8", "float32"
     dtype = parse_dtype(args.dtype)
-    device = parse_device_arg("cpu" if quantize and args.device == "auto" else args.device)  # int8 runs on the CPU
+    device = parse_device("cpu" if quantize and args.device == "auto" else args.device)  # int8 runs on the CPU
     if quantize and (device.type != "cpu" or dtype != torch.float32):
         raise UsageError(
             f"--quantize int8 runs on CPU from float32 weights; got --device {device} --dtype {args.dtype}"

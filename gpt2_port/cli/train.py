@@ -16,10 +16,10 @@ from pathlib import Path
 from .common import (
     WEIGHT_FILES,
     add_progress_arg,
+    check_holds_no_checkpoint,
     checkpoint_inputs,
     data_inputs,
     file_input,
-    parse_device_arg,
     tokenizer_inputs,
 )
 
@@ -213,11 +213,7 @@ def check_out_is_free(out: Path, resume: str | None) -> None:
         raise UsageError(
             f"--out {out}: holds a training run already; continue it with --resume {out}, or choose another --out"
         )
-    held = [name for name in WEIGHT_FILES if (out / name).exists()]
-    if held:
-        raise UsageError(
-            f"--out {out}: holds a checkpoint already ({held[0]}), which the run would replace; choose another --out"
-        )
+    check_holds_no_checkpoint(out, WEIGHT_FILES, "the run")
 
 
 def json_inputs(args: argparse.Namespace, out: Path, read: list) -> list:
@@ -254,7 +250,7 @@ def _summary_line(result, targs, out: Path) -> str:  # noqa: ANN001
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..devices import peak_rss_mb
+    from ..devices import parse_device, peak_rss_mb
     from ..errors import UsageError
     from ..files import check_dir_writable, check_writable, write_output
     from ..io.tokenizer import load_tokenizer
@@ -277,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--out DIR is required (it receives the model, the trainer state and log.jsonl)")
     out = Path(args.out if args.out is not None else args.resume)
     dist = distributed.from_env()
-    device = distributed.device_for(dist, parse_device_arg(args.device))
+    device = distributed.device_for(dist, parse_device(args.device))
 
     def warn(msg: str) -> None:
         if dist.is_main:

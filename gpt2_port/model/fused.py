@@ -155,6 +155,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         nll_grad = torch.zeros_like(buf) if any(need) else None
         step = -(1.0 / divisor)  # () float32, rounded as nll_loss's backward rounds it
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        mm = torch.mm if gcompute is None or not upcast else (lambda a, b: mm_upcast(a, b, gcompute))
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, N, R):
                 hc = hm[s : s + R]
@@ -176,7 +177,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     continue
                 if gcompute is not None:  # the logits' gradient cast back, as the upcast's backward casts it
                     g = g.to(gcompute)
-                mm = torch.mm if gcompute is None or not upcast else (lambda a, b: mm_upcast(a, b, gcompute))
                 if grad_h is not None:
                     if compute is None:
                         torch.mm(g, wg, out=grad_h[s : s + R])  # (n, Vp) @ (Vp, C)
