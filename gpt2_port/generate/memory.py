@@ -16,9 +16,9 @@ from ..errors import UsageError
 from .protocol import CausalLM
 
 # Bytes per (sample, vocabulary entry) that choosing a token holds at its peak, the float32 logits and what processing
-# them makes. Measured on the CPU as the peak RSS of `generate --num-samples 8000
-# --max-new-tokens 2` on a 2-layer model with GPT-2's vocabulary, less that of one sample: greedy 12, sampling 16,
-# top-k 20, top-k and top-p 29, greedy with a repetition penalty 18.
+# them makes. Measured on the CPU as the peak RSS of `generate --num-samples 8000 --max-new-tokens 2` on a 2-layer
+# model with GPT-2's vocabulary, less that of one sample: greedy 12, sampling 16, top-k 20, top-k and top-p 29, greedy
+# with a repetition penalty 18.
 SCORE_BYTES_GREEDY = 12
 SCORE_BYTES_SAMPLING = 16
 SCORE_BYTES_TOP_K = 4

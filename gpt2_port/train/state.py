@@ -96,9 +96,12 @@ def load_optimizer_tensors(
         optimizer.state[p] = st
 
 
+RNG_TORCH, RNG_DATA = "rng.torch_cpu", "rng.data"  # the generator states every trainer state holds (and restores)
+
+
 def rng_tensors(data_state: torch.Tensor) -> dict[str, torch.Tensor]:
     """torch's CPU and CUDA generator states, and the data sampler's (`GlobalBatchSampler.state()`)."""
-    out = {"rng.torch_cpu": torch.get_rng_state(), "rng.data": data_state}
+    out = {RNG_TORCH: torch.get_rng_state(), RNG_DATA: data_state}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             out[f"rng.cuda.{i}"] = s
@@ -107,11 +110,11 @@ def rng_tensors(data_state: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def restore_rng(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """Restore torch's CPU and CUDA generators; return the data sampler's state (for `GlobalBatchSampler.restore`)."""
-    torch.set_rng_state(tensors["rng.torch_cpu"])
+    torch.set_rng_state(tensors[RNG_TORCH])
     cuda = [tensors[k] for k in sorted(t for t in tensors if t.startswith("rng.cuda."))]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
-    return tensors["rng.data"]
+    return tensors[RNG_DATA]
 
 
 def save(state: TrainerState, directory: Path) -> None:
@@ -139,7 +142,6 @@ _FIELDS: dict[str, tuple[Any, str]] = {
     "scaler": (lambda v: v is None or isinstance(v, dict), "a JSON object or null"),
     "train_tokens": (lambda v: v is None or (is_int(v) and v >= 0), "a non-negative integer or null"),
 }
-RNG_KEYS = ("rng.torch_cpu", "rng.data")  # the generator states a resume restores (restore_rng)
 
 
 def _check_fields(meta: dict[str, Any], source: Path) -> None:
@@ -161,7 +163,7 @@ def _check_args(saved: dict[str, Any], source: Path) -> None:
 
 
 def _check_rng(tensors: dict[str, torch.Tensor], source: Path) -> None:
-    for key in RNG_KEYS:
+    for key in (RNG_TORCH, RNG_DATA):
         t = tensors.get(key)
         if t is None:
             raise CheckpointError(f"{source}: {key} is missing (expected a random generator's state)")
