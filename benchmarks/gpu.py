@@ -46,6 +46,7 @@ from gpt2_port.config import PRESETS, GPT2Config
 from gpt2_port.devices import out_of_memory, parse_device
 from gpt2_port.errors import GPT2PortError, UsageError
 from gpt2_port.files import check_writable, write_output
+from gpt2_port.train.schedule import FUSED_ADAMW_DEVICES
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128)  # --sizes tiny: a smoke run anywhere
@@ -166,7 +167,7 @@ def time_steps(model, loss_fn, batches, dev: torch.device, dtype: str, warmup: i
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=1e-4, fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(groups, lr=1e-4, fused=dev.type in FUSED_ADAMW_DEVICES)  # as `train` runs it
     scaler = torch.amp.GradScaler(dev.type) if dtype == "fp16" else None  # as `train` runs fp16
     params = list(model.parameters())
     times, losses = [], []

@@ -91,7 +91,7 @@ class Theirs:
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+        self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)  # as `train` runs it
         self.data = TokenFile(data / "train.bin", 50257)
         self.sampler = GlobalBatchSampler(len(self.data), block, batch, 1, 1, 1337)
         self.block = block

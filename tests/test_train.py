@@ -567,9 +567,9 @@ def test_a_step_reads_the_device_once(
 ) -> None:
     """Every read of a tensor's value by gpt2_port's own code during a step with 2 micro-batches, counted over every
     way a value reaches the host: one (the step's loss and gradient norm together, for the non-finite stop). The
-    forward's id checks are off as for a device tensor (they run only on CPU tensors); torch's own CPU AdamW reads
-    its step counts, which the fused CUDA AdamW does not, so reads from inside torch are not counted. The fused
-    loss's check for an incoming gradient of exactly 1 is off too (it reads a CPU tensor only)."""
+    forward's id checks are off as for a device tensor (they run only on CPU tensors); reads from inside torch are
+    not counted. The fused loss's check for an incoming gradient of exactly 1 is off too (it reads a CPU tensor
+    only)."""
     import traceback
 
     from gpt2_port.model import gpt2 as gpt2_module
@@ -601,6 +601,29 @@ def test_a_step_reads_the_device_once(
     monkeypatch.undo()
     assert len(reads) == 1 and reads[0].startswith("tolist at loop.py"), reads
     assert math.isfinite(record["train_loss"]) and record["grad_norm"] > 0
+
+
+def test_a_cpu_step_runs_torchs_fused_adamw(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
+    """The CPU step updates every weight with torch's fused AdamW, as on CUDA: one kernel, no parameter-sized
+    temporaries (the for-loop AdamW's square root and quotient), read as the ops the step dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=2, batch_size=2, block_size=16, dropout=0.0, eval_every=0)
+    prepare_model(model, args, torch.device("cpu"))
+    t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "out", "cpu")
+    seen: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        t.step(0)
+    assert seen.count("_fused_adamw_") == len(t.optimizer.param_groups)  # one call per group, every weight in it
+    assert "sqrt" not in seen and "addcdiv_" not in seen  # nothing of the for-loop AdamW's arithmetic
+    assert all(p in t.optimizer.state for p in model.parameters())
 
 
 def test_default_kernels_are_the_reference_in_float32_and_fast_under_autocast() -> None:

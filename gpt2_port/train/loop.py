@@ -137,7 +137,7 @@ class Trainer:
         self.batches = Batches(train_data, self.block_size, self.device)
         self._next_batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the next step's first batch, sent ahead
         self.optimizer = make_optimizer(
-            model, args.lr, args.weight_decay, (args.beta1, args.beta2), args.eps, fused=self.device.type == "cuda"
+            model, args.lr, args.weight_decay, (args.beta1, args.beta2), args.eps, self.device.type
         )
         self.scaler = torch.amp.GradScaler("cuda") if args.dtype == "fp16" else None
         self.start_step, self.best_val, self.best_step, self.elapsed0, self.tokens0 = 0, None, None, 0.0, 0

@@ -29,11 +29,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+# Device types where torch's fused AdamW runs: one kernel over each parameter, its moments and its gradient, and no
+# temporaries. On the CPU the default (for-loop) AdamW makes two parameter-sized temporaries a weight (the square
+# root and its quotient): at 124M on the 2-core AMD EPYC its step took 0.65-1.1 s against the fused kernel's 0.23 s,
+# most of it the kernel faulting in fresh memory for the wte-sized ones (~60 ms per 154 MB there); `gpt2-port
+# train` at 4 x 256 went from 107 to 118 tokens/s in float32 and from 83 to 97 under bf16 autocast. The fused kernel
+# rounds differently from the for-loop one (2.4e-7 apart after three steps of random gradients), not worse.
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+
 def make_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, fused: bool = False
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float, device_type: str
 ) -> torch.optim.AdamW:
-    """torch's AdamW over `param_groups` (fused kernels when asked for, on CUDA)."""
-    kwargs = {"fused": True} if fused else {}
+    """torch's AdamW over `param_groups`, fused where torch has the kernel (FUSED_ADAMW_DEVICES)."""
+    kwargs = {"fused": True} if device_type in FUSED_ADAMW_DEVICES else {}
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, **kwargs)
 
 
