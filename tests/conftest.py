@@ -224,17 +224,27 @@ def exp_draws(seed: int, shape: tuple[int, int], steps: int) -> list[torch.Tenso
 
 
 class LowPrecisionProducts(TorchDispatchMode):
-    """Counts the matrix products run with a bf16/fp16 operand (mm, addmm, bmm, their out= forms)."""
+    """Counts the matrix products run with a bf16/fp16 operand (mm, addmm, bmm, their out= forms) in `count`, and
+    the CPU SDPA kernel's forward and backward calls with one in `attention` (SDPA's math kernel, taken with dropout,
+    shows as its products)."""
 
     PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmm_")
+    ATTENTION = (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    )
 
     def __init__(self) -> None:
         super().__init__()
-        self.count = 0
+        self.count = self.attention = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
-        if func._schema.name in self.PRODUCTS and any(
+        name = func._schema.name
+        if name in self.PRODUCTS + self.ATTENTION and any(
             isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16) for a in args
         ):
-            self.count += 1
+            if name in self.ATTENTION:
+                self.attention += 1
+            else:
+                self.count += 1
         return func(*args, **(kwargs or {}))

@@ -159,13 +159,57 @@ def test_autocast_linear_rounds_where_autocast_rounds_and_is_as_close_as_its_ker
         assert _rel(ours, truth) <= 1.05 * _rel(theirs, truth), (_rel(ours, truth), _rel(theirs, truth))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_on_float32_copies_rounds_once_and_is_closer_than_the_kernel(dtype, no_bf16_units) -> None:  # noqa: ANN001
+    """Under autocast on a CPU without bf16 units, causal SDPA with autograd recording runs on float32 copies of the
+    low-precision q, k, v: the output is float32 SDPA's rounded once to their dtype, the gradients of q, k and v
+    float32 SDPA's rounded once, and each is no further from float64 truth than SDPA's own low-precision kernel.
+    Without autograd recording (inference), or without autocast, SDPA's kernel runs as it is."""
+    g = torch.Generator().manual_seed(3)
+    B, nh, T, hs = 2, 4, 64, 32
+    leaves = [torch.randn(B, nh, T, hs, generator=g).to(dtype).requires_grad_(True) for _ in range(3)]
+    up = torch.randn(B, nh, T, hs, generator=g).to(dtype)  # the incoming gradient, in q's dtype as the output's
+    x = torch.empty(B, T, nh * hs)  # the attention's input: only its rows and device decide
+
+    def run(upcast: bool) -> tuple[torch.Tensor, ...]:
+        for t in leaves:
+            t.grad = None
+        lowp.set_autocast_upcast(upcast)
+        try:
+            with torch.autocast("cpu", dtype=dtype):
+                assert lowp.upcasts_attention(x, leaves[0]) is upcast
+                y = lowp.attention(x, *leaves, is_causal=True)
+            y.backward(up)
+        finally:
+            lowp.set_autocast_upcast(True)
+        return (y.detach(), *(t.grad for t in leaves))
+
+    ours = run(True)
+    f32 = [t.detach().float().requires_grad_(True) for t in leaves]
+    y32 = F.scaled_dot_product_attention(*f32, is_causal=True)
+    y32.backward(up.float())
+    assert ours[0].dtype == dtype and all(o.dtype == dtype for o in ours[1:])
+    for o, want in zip(ours, (y32.detach(), *(t.grad for t in f32)), strict=True):
+        assert torch.equal(o, want.to(dtype))  # float32 SDPA of the exact widening, rounded once
+    f64 = [t.detach().double().requires_grad_(True) for t in leaves]
+    y64 = F.scaled_dot_product_attention(*f64, is_causal=True)
+    y64.backward(up.double())
+    truths = (y64.detach(), *(t.grad for t in f64))
+    kernel = run(False)
+    for o, k, truth in zip(ours, kernel, truths, strict=True):
+        assert _rel(o, truth) <= 1.05 * _rel(k, truth), (_rel(o, truth), _rel(k, truth))
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        assert not lowp.upcasts_attention(x, leaves[0])  # inference: SDPA's forward is as fast in bf16 here
+    assert not lowp.upcasts_attention(x, leaves[0])  # no autocast: nothing to stand in for
+
+
 @pytest.mark.parametrize("kernels", ["reference", "fast"])
 @pytest.mark.parametrize(("features", "upcast"), [(frozenset(), True), (frozenset({"amx_bf16"}), False)])
 def test_a_bf16_autocast_training_step_runs_no_bf16_product_where_the_cpu_has_no_bf16_units(
     monkeypatch: pytest.MonkeyPatch, kernels: str, features: frozenset, upcast: bool
 ) -> None:
     """Forward (both heads, the fused loss) and backward under bf16 autocast: on a CPU without bf16 units every
-    matrix product of the blocks and the head runs in float32 (attention is SDPA's own kernel); with AMX they run in
+    matrix product of the blocks and the head, and SDPA's forward and backward, run in float32; with AMX they run in
     bf16, autocast's kernels. The same with the float32 products turned off."""
     monkeypatch.setattr(lowp, "cpu_features", lambda: features)
     cfg = TINY.with_dropout(0.0)
@@ -183,6 +227,7 @@ def test_a_bf16_autocast_training_step_runs_no_bf16_product_where_the_cpu_has_no
             lowp.set_autocast_upcast(True)
         assert torch.isfinite(loss)
         assert (seen.count == 0) is (upcast and on), seen.count
+        assert seen.attention == (0 if upcast and on else 2 * cfg.n_layer), seen.attention  # forward and backward
 
 
 def test_no_float32_products_under_compile_or_off_the_cpu(no_bf16_units) -> None:  # noqa: ANN001

@@ -653,6 +653,39 @@ def test_under_autocast_the_fast_kernels_estimate_counts_chunks_and_casts_not_th
     assert memory.upcasts_under_autocast(TrainArgs(dtype="bf16"), cpu) is lowp.upcasts_autocast_dtype(torch.bfloat16)
 
 
+@pytest.mark.parametrize("kernels", ["reference", "fast"])
+def test_the_estimate_counts_what_attention_on_float32_copies_keeps(monkeypatch: pytest.MonkeyPatch, kernels) -> None:  # noqa: ANN001
+    """Under bf16 autocast on a CPU without bf16 units attention runs on float32 copies (lowp.attention), which
+    autograd keeps: the bytes it saves for one block's backward, measured with the float32 products on and off,
+    grow by no more than the estimate's per-block increment (and by something: the term is not vacuous)."""
+    monkeypatch.setattr(lowp, "cpu_features", lambda: frozenset())
+    cfg = GPT2Config(n_layer=1, n_embd=64, n_head=2, n_positions=64, vocab_size=512).with_dropout(0.0)
+    model = GPT2(cfg).init_weights(0).train()
+    model.set_kernels(kernels)
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+
+    def saved(on: bool) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        lowp.set_autocast_upcast(on)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model.h[0](x, None, None)
+        finally:
+            lowp.set_autocast_upcast(True)
+        return sum(n for ptr, n in seen.items() if ptr not in params)
+
+    grown = saved(True) - saved(False)
+    est = [memory.estimate(cfg, 2, 64, amp=True, kernels=kernels, upcast=u).activations for u in (True, False)]
+    assert 0 < grown <= (est[0] - est[1]) / cfg.n_layer, (grown, est)
+
+
 def test_the_fused_head_is_padded_to_64_on_cuda_by_default_and_not_on_the_cpu() -> None:
     """On this CPU padding gains nothing measurable (benchmarks.head_padding: 50304 rows at 0.986x and 0.861x the
     unpadded head in float32, 1.166x and 0.944x in bf16, two measures of the same head: noise), so it pads on CUDA

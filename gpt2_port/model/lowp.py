@@ -17,8 +17,14 @@ bf16/fp16 as a float32 product of its operands cast to that dtype, rounded once 
 and the weight's gradients, with the roundings autocast makes (operands cast, each product's result in autocast's
 dtype, gradients cast back to each input's dtype) and the cast operands saved for backward, as autocast saves them.
 What differs from autocast's own kernels is the order of the float32 sums. Not under torch.compile (the compiler
-makes its own kernels), and not for attention, whose SDPA kernels do their own arithmetic (bf16 SDPA forward and
-backward ran 4.5x float32's time there, a small share of a step).
+makes its own kernels). Attention there (`attention`): SDPA's bf16 backward is slow code too (4 x 12 heads x 256
+tokens: forward and backward 171 ms in bf16, 33 ms from float32 copies; 22% of a 4 x 256 training step of 124M), so
+when autograd records through it, SDPA runs on float32 copies of the bf16/fp16 q, k and v and its output is rounded
+once to their dtype; the gradients reaching q, k and v are rounded once to it too. That is not autocast's arithmetic
+(its kernel rounds the probabilities to bf16 before multiplying them with v): it is closer to float32's, and the
+bf16 step's distance to float32 stays inside transformers' own (tests/test_backward_parity.py). Autograd keeps the
+float32 copies (8 more bytes a token per n_embd in each block: train.memory counts them). Its forward alone is as
+fast in bf16 as in float32 there, so inference keeps SDPA's own kernel.
 
 Prepacked weights: oneDNN's bf16/fp16 matmul on a plain [out, in] weight reorders that weight into its blocked layout
 on every call, a pass over the weight that a decode step pays 49 times per token (4 matmuls a block, and the head).
@@ -227,3 +233,21 @@ def autocast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """F.linear(x, weight, bias) through `_AutocastLinear` where `autocast_upcast` says so, else None."""
     dt = autocast_upcast(x)
     return None if dt is None else _AutocastLinear.apply(x, weight, bias, dt)
+
+
+def upcasts_attention(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether `attention` runs SDPA on float32 copies: autograd records through q, which is in the dtype
+    `autocast_upcast(x)` names (x: the attention's (B, T, C) input)."""
+    return torch.is_grad_enabled() and q.requires_grad and q.dtype in _LOWP and autocast_upcast(x) == q.dtype
+
+
+def attention(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:  # noqa: ANN003
+    """F.scaled_dot_product_attention(q, k, v, **kw), from float32 copies rounded once to q's dtype where
+    `upcasts_attention` says so (see the module's docstring). q: (B, nh, T, hs); k, v: (B, nh, S, hs)."""
+    if not upcasts_attention(x, q):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    mask = kw.get("attn_mask")
+    if mask is not None and mask.dtype != torch.bool:
+        kw["attn_mask"] = mask.float()
+    with torch.autocast("cpu", enabled=False):
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)

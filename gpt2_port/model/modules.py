@@ -20,7 +20,7 @@ from torch import nn
 from ..config import GPT2Config
 from .c_attn import fused_qkv, project_qkv, qkv_tied, tie_qkv
 from .fused import gelu_tanh
-from .lowp import linear
+from .lowp import attention, linear
 from .masks import causal
 from .taps import Taps
 
@@ -100,9 +100,7 @@ class CausalSelfAttention(nn.Module):
         p_drop = self.attn_dropout.p if self.training else 0.0
         if self.impl == "sdpa" and (rec is None or not rec.wants(f"{self.tag}.probs")):
             causal_only = mask is None and T > 1
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p_drop, is_causal=causal_only, scale=scale
-            )
+            y = attention(x, q, k, v, attn_mask=mask, dropout_p=p_drop, is_causal=causal_only, scale=scale)
         else:  # the reference's eager arithmetic: (q @ k^T) * scale, masked, softmax, dropout, @ v
             att = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, nh, T, S)
             keep = mask if mask is not None else causal(T, k.shape[2], x.device)

@@ -35,6 +35,12 @@ RUNTIME_OVERHEAD = 0.75 * GiB  # torch, numpy, the tokenizer: `train` on a 2-lay
 # input kept instead of five); rounded up.
 BLOCK_ACTIVATIONS_PER_TOKEN = {"reference": 26, "fast": 14}
 ATTN_SCORES_PER_HEAD = 3  # scores, probabilities, dropout mask: (T, T) per head when attention dropout is on
+# Bytes per token per n_embd that attention on float32 copies adds in each block (lowp.attention: autocast on a CPU
+# whose bf16/fp16 kernels are slow): SDPA keeps float32 q, k, v and output instead of c_attn's low-precision output
+# and its own. Measured with saved_tensors_hooks over one 768-wide block at 2 x 128 under bf16 autocast, the float32
+# products on against off: 60.0 against 55.0 units of n_embd x 2 bytes a token with the reference kernels, 48.0
+# against 43.0 with the fast ones (the weights' bf16 casts included in both); tests/test_train.py measures it again.
+ATTN_UPCAST_BYTES_PER_TOKEN = 10
 LOGIT_BYTES = 16  # reference kernels: logits, log-softmax kept by cross-entropy, and two (N, V) gradients in backward
 # glibc keeps memory that tensors freed (the gradients between steps, most of them under its 32 MB mmap threshold)
 # and hands it out again with gaps: a share of the long-lived state. Measured: gpt2-large, 1 x 1024, gradient
@@ -83,13 +89,17 @@ def estimate(
     and in float32 the padded copy of the head is one more (Vp, C) tensor); device_type: where it runs (the fused
     head's chunk rows, fused.chunk_rows); upcast: under autocast, the matmuls run as float32 products of the cast
     operands (a CPU whose bf16/fp16 GEMM is slow: `upcasts_under_autocast`), which holds float32 copies of the head
-    and of one product's operands and result at a time.
+    and of one product's operands and result at a time, and attention runs on float32 copies kept for backward.
     """
     P = cfg.num_params()
     act = 2 if amp else 4  # bytes per activation: bf16/fp16 under autocast, else float32
     BT, C, V = batch_size * block_size, cfg.n_embd, cfg.vocab_size
     scores = ATTN_SCORES_PER_HEAD * cfg.n_head * block_size if cfg.attn_pdrop > 0 else 0
-    per_block = BT * act * (BLOCK_ACTIVATIONS_PER_TOKEN[kernels] * C + scores)
+    per_block = BT * act * BLOCK_ACTIVATIONS_PER_TOKEN[kernels] * C
+    if amp and upcast:  # attention on float32 copies: its inputs, output and (T, T) scores kept in float32
+        per_block += BT * (ATTN_UPCAST_BYTES_PER_TOKEN * C + 4 * scores)
+    else:
+        per_block += BT * act * scores
     if grad_checkpointing:  # each block's input, plus one block recomputed at a time in backward
         activations = cfg.n_layer * BT * C * act + per_block
     else:
