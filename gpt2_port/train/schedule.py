@@ -34,7 +34,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 # root and its quotient): at 124M on the 2-core AMD EPYC its step took 0.65-1.1 s against the fused kernel's 0.23 s,
 # most of it the kernel faulting in fresh memory for the wte-sized ones (~60 ms per 154 MB there); `gpt2-port
 # train` at 4 x 256 went from 107 to 118 tokens/s in float32 and from 83 to 97 under bf16 autocast. The fused kernel
-# rounds differently from the for-loop one (2.4e-7 apart after three steps of random gradients), not worse.
+# rounds differently from the for-loop one (2.4e-7 apart after three steps of random gradients).
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 
 
