@@ -23,8 +23,8 @@ when autograd records through it, SDPA runs on float32 copies of the bf16/fp16 q
 once to their dtype; the gradients reaching q, k and v are rounded once to it too. That is not autocast's arithmetic
 (its kernel rounds the probabilities to bf16 before multiplying them with v): it is closer to float32's, and the
 bf16 step's distance to float32 stays inside transformers' own (tests/test_backward_parity.py). Autograd keeps the
-float32 copies (10 more bytes a token per n_embd in each block, measured: train.memory counts them). Its forward alone is as
-fast in bf16 as in float32 there, so inference keeps SDPA's own kernel.
+float32 copies (10 more bytes a token per n_embd in each block, measured: train.memory counts them). Its forward
+alone is as fast in bf16 as in float32 there, so inference keeps SDPA's own kernel.
 
 Prepacked weights: oneDNN's bf16/fp16 matmul on a plain [out, in] weight reorders that weight into its blocked layout
 on every call, a pass over the weight that a decode step pays 49 times per token (4 matmuls a block, and the head).
