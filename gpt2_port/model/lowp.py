@@ -238,7 +238,7 @@ def autocast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def upcasts_attention(x: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether `attention` runs SDPA on float32 copies: autograd records through q, which is in the dtype
     `autocast_upcast(x)` names (x: the attention's (B, T, C) input)."""
-    return torch.is_grad_enabled() and q.requires_grad and q.dtype in _LOWP and autocast_upcast(x) == q.dtype
+    return torch.is_grad_enabled() and q.requires_grad and autocast_upcast(x) == q.dtype
 
 
 def attention(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:  # noqa: ANN003
