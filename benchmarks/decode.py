@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import torch
 
+from gpt2_port.generate import generate_full
 from gpt2_port.model import GPT2
 
 
 @torch.inference_mode()
 def greedy_ours(model: GPT2, ids: torch.Tensor, new_tokens: int, cuda_graph: bool = True) -> torch.Tensor:
-    """(B, P) prompt -> (B, new_tokens) greedy continuation through `model.generate`, no EOS stop."""
-    out = model.generate(ids, new_tokens, do_sample=False, eos_token_id=None, cuda_graph=cuda_graph)
+    """(B, P) prompt -> (B, new_tokens) greedy continuation through `generate` (the product path), no EOS stop. On
+    CUDA with `cuda_graph` a step that was not replayed as a CUDA graph (its capture failed: the same step ran
+    eagerly) is an error, so the row timed under the graph's name is the graph."""
+    g = generate_full(model, ids, new_tokens, do_sample=False, eos_token_id=None, cuda_graph=cuda_graph)
+    if cuda_graph and model.device.type == "cuda" and g.extra["step"] != "cuda graph":
+        raise RuntimeError(f"the decode step ran as {g.extra['step']!r}, not as a CUDA graph (see the log)")
+    out = g.sequences
     if out.shape[1] != ids.shape[1] + new_tokens:
         raise RuntimeError(f"generate produced {out.shape[1] - ids.shape[1]} tokens, asked for {new_tokens}")
     return out[:, ids.shape[1] :]

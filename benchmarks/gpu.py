@@ -416,7 +416,7 @@ def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], 
                     else {
                         "tok_s": N / min(r["times"]),
                         "times": r["times"],
-                        "same_tokens": same_prefix(r["tokens"], ref),
+                        "same_tokens": same_prefix(r["tokens"], ref) if ref else None,  # None: no reference
                     }
                     for n, r in runs.items()
                 },
@@ -527,10 +527,8 @@ def render(res: dict) -> str:
                         out.append(f"| {name} | {x['error']} | | | |")
                         continue
                     vs = f"{x['tok_s'] / base:.2f}x" if base else "-"
-                    out.append(
-                        f"| {name} | {x['tok_s']:,.1f} | {vs} | {x['tok_s'] / d['cap_tok_s']:.0%} "
-                        f"| {x['same_tokens']}/{r['new_tokens']} |"
-                    )
+                    same = "-" if x["same_tokens"] is None else f"{x['same_tokens']}/{r['new_tokens']}"
+                    out.append(f"| {name} | {x['tok_s']:,.1f} | {vs} | {x['tok_s'] / d['cap_tok_s']:.0%} | {same} |")
                 out.append("")
             out += [
                 f"### {size}: sampled, padded batches (top-k 50)",

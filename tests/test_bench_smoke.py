@@ -44,6 +44,28 @@ def test_greedy_loops_agree(tiny_official: Path) -> None:
         greedy_hf(ref, ids, 6, compiled=True)
 
 
+def test_the_graph_row_is_an_error_where_the_step_did_not_run_as_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that failed makes generate run the same step eagerly; the benchmark's row named for the CUDA graph
+    must then fail, not time the eager step under the graph's name (a CUDA model's generate stood in for)."""
+    from types import SimpleNamespace
+
+    from benchmarks import decode
+
+    ran = {"step": "static (capture failed)"}
+
+    def fake_generate_full(model, ids, n, **kw):  # noqa: ANN001, ANN003, ANN202
+        return SimpleNamespace(sequences=torch.zeros(1, ids.shape[1] + n, dtype=torch.long), extra=dict(ran))
+
+    monkeypatch.setattr(decode, "generate_full", fake_generate_full)
+    cuda_model = SimpleNamespace(device=torch.device("cuda"))
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="ran as 'static \\(capture failed\\)', not as a CUDA graph"):
+        greedy_ours(cuda_model, ids, 4)
+    assert greedy_ours(cuda_model, ids, 4, cuda_graph=False).shape == (1, 4)  # the row that asks for no graph
+    ran["step"] = "cuda graph"
+    assert greedy_ours(cuda_model, ids, 4).shape == (1, 4)
+
+
 def test_update_markdown_keeps_other_sections(tmp_path: Path) -> None:
     md = tmp_path / "B.md"
     md.write_text("# Benchmarks\n\n## parity\nkeep me\n")

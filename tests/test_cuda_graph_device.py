@@ -19,6 +19,7 @@ from gpt2_port.generate.steps import StaticSteps
 class _Fake:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.current, self.log = 0, []
+        self.fail_capture_end = False  # torch.cuda.graph's exit raising from capture_end, as a broken capture does
         fake = self
 
         class Stream:
@@ -44,17 +45,38 @@ class _Fake:
             finally:
                 fake.current = prev
 
+        self.stream = Stream("cuda:0")  # the current stream (the caller's)
+        self.log.clear()
+
+        @contextlib.contextmanager
+        def stream(s):  # noqa: ANN001, ANN202
+            prev, fake.stream = fake.stream, s
+            try:
+                yield
+            finally:
+                fake.stream = prev
+
         @contextlib.contextmanager
         def graph(g, stream=None, **kw):  # noqa: ANN001, ANN003, ANN202
+            # as torch.cuda.graph: the capture stream is current inside; on exit capture_end runs first, and the
+            # caller's stream is put back only when it returns
             fake.log.append(("capture", stream.device if stream is not None else "default"))
+            prev, fake.stream = fake.stream, stream
             yield
+            if fake.fail_capture_end:
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+            fake.stream = prev
+
+        def set_stream(s) -> None:  # noqa: ANN001
+            fake.stream = s
 
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "device", device)
         monkeypatch.setattr(torch.cuda, "graph", graph)
-        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(device))
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.stream)
 
 
 def test_the_step_is_captured_and_replayed_on_its_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,3 +128,43 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_from_then_on(
     steps = object.__new__(StaticSteps)  # what generate reports as its step
     steps.run = captured
     assert steps.name == "static (capture failed)"
+
+
+def test_a_capture_that_breaks_at_its_end_leaves_the_callers_stream_current(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch.cuda.graph ends the capture before it restores the caller's stream: when ending raises (a kernel broke
+    the capture), the eager step and everything after it must still run on the caller's stream, not on the capture
+    stream the graph left current."""
+    fake = _Fake(monkeypatch)
+    caller = fake.stream
+    fake.fail_capture_end = True
+    streams: list[object] = []
+
+    def step() -> torch.Tensor:
+        streams.append(fake.stream)
+        return torch.zeros(1)
+
+    captured = cuda_graph.CapturedStep(step, torch.device("cuda:0"), warmup=1)
+    with caplog.at_level("WARNING", logger="gpt2_port.generate.cuda_graph"):
+        captured()
+        captured()
+    assert captured.eager and len(streams) == 4  # a warm-up, the broken capture, two eager steps
+    assert streams[0] is not caller and streams[1] is not caller  # the side stream, the capture stream
+    assert streams[2:] == [caller, caller]
+    assert fake.stream is caller
+
+
+def test_running_out_of_memory_while_capturing_is_raised_not_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of memory is no capture problem (the eager step needs the same memory): it reaches the caller, and the
+    caller's stream is current again."""
+    fake = _Fake(monkeypatch)
+    caller = fake.stream
+
+    def step() -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    captured = cuda_graph.CapturedStep(step, torch.device("cuda:0"), warmup=1)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        captured()
+    assert not captured.eager and fake.stream is caller

@@ -10,7 +10,7 @@ from conftest import TINY, chaotic_model, decode_steps, exp_draws, same_tokens_w
 
 from gpt2_port.errors import UsageError
 from gpt2_port.generate import generate_full
-from gpt2_port.generate.cache import KVCache
+from gpt2_port.generate.cache import KVCache, static_len
 from gpt2_port.generate.int8 import quantize_int8
 from gpt2_port.model import GPT2, from_pretrained
 from gpt2_port.model.c_attn import fused_qkv
@@ -212,10 +212,69 @@ def test_the_static_step_attends_over_one_shape_for_the_whole_generation(monkeyp
     n = TINY.n_layer
     generate_full(m, ids, 10, eos_token_id=None, static_cache=True)
     assert lengths[:n] == [3] * n  # the prompt's forward
-    assert len(lengths) == n + 9 * n and set(lengths[n:]) == {3 + 10}  # 9 steps, all over the 13-slot buffer
+    slots = static_len(3 + 10, TINY.n_positions)  # 13 tokens: the buffer's 64 slots
+    assert len(lengths) == n + 9 * n and set(lengths[n:]) == {slots} and slots == 64  # 9 steps, all over the buffer
     lengths.clear()
     generate_full(m, ids, 10, eos_token_id=None, static_cache=False)
     assert len(set(lengths[n:])) == 9
+
+
+def test_static_lengths_round_up_to_a_bucket_within_the_context() -> None:
+    assert [static_len(n, 1024) for n in (1, 13, 64, 65, 1000, 1024)] == [64, 64, 64, 128, 1024, 1024]
+    assert [static_len(n, 100) for n in (13, 64, 65, 100)] == [64, 64, 100, 100]  # never past the context
+
+
+def test_prompts_of_nearby_lengths_share_one_kept_static_step() -> None:
+    """A kept step (on CUDA: a captured graph and its cache) serves every generation whose prompt + new tokens round
+    to its length, instead of one recorded and kept per prompt length; its tokens are the dynamic step's."""
+    m = _chaotic()
+    opts = dict(eos_token_id=None, output_scores=True)
+    for ids in ([[5, 17, 42]], [[5, 17, 42, 7]], [[9, 1, 2, 3, 4, 5, 6]]):
+        ids = torch.tensor(ids)
+        a = generate_full(m, ids, 20, static_cache=False, **opts)
+        b = generate_full(m, ids, 20, static_cache=True, **opts)
+        T = ids.shape[1]
+        new_a, new_b = a.sequences[:, T:], b.sequences[:, T:]
+        assert min(same_tokens_where_decided(new_a, a.scores, new_b, b.scores, STATIC_SCORES)) >= 1
+    kept = m.__dict__["_static_steps"]
+    assert len(kept) == 1 and next(iter(kept.values())).cache.max_len == 64
+
+
+def test_kept_static_steps_hold_neither_the_model_nor_its_old_weights() -> None:
+    """The steps kept on a model hold it weakly: `del model` frees it (its caches and graphs with it) without the
+    garbage collector. A model moved to another dtype drops the steps made for its old weights."""
+    import gc
+    import weakref
+
+    m = _chaotic()
+    ids = torch.tensor([[5, 17, 42]])
+    generate_full(m, ids, 5, eos_token_id=None, static_cache=True)
+    (old,) = m.__dict__["_static_steps"].values()
+    m.to(torch.bfloat16)
+    generate_full(m, ids, 5, eos_token_id=None, static_cache=True)
+    (new,) = m.__dict__["_static_steps"].values()
+    assert new is not old and new.cache.k.dtype == torch.bfloat16
+    gc.disable()
+    try:
+        ref = weakref.ref(m)
+        del m
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_generation_under_autocast_stores_the_cache_in_its_own_dtype(static: bool) -> None:
+    """Under autocast the step's k and v come out of the matmuls in bf16 while the cache keeps the model's float32:
+    the static step stores them as the dynamic one does (index_copy_ would refuse the other dtype), with its tokens."""
+    m = _chaotic()
+    ids = torch.tensor([[5, 17, 42, 7]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g = generate_full(m, ids, 12, eos_token_id=None, static_cache=static, output_scores=True)
+        ref = generate_full(m, ids, 12, eos_token_id=None, static_cache=False, output_scores=True)
+    assert g.extra["step"] == ("static" if static else "plan") and g.sequences.shape == (1, 16)
+    # both under bf16 autocast: scores as far apart as a bf16 rounding of the attention's sums
+    assert min(same_tokens_where_decided(ref.sequences[:, 4:], ref.scores, g.sequences[:, 4:], g.scores, 2e-2)) >= 1
 
 
 @pytest.mark.parametrize("static", [False, True])

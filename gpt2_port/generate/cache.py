@@ -8,6 +8,16 @@ import torch
 
 from ..config import GPT2Config
 
+STATIC_LEN_MULTIPLE = 64  # a static cache's slots: prompt + new tokens rounded up to this (at most the context)
+
+
+def static_len(total_len: int, n_positions: int) -> int:
+    """The slots of a StaticKVCache for a generation of `total_len` tokens: rounded up to STATIC_LEN_MULTIPLE (and
+    at most the context), so prompts of nearby lengths share one captured step and its cache instead of recording
+    one each. The extra slots are masked: the step attends to the same keys."""
+    m = STATIC_LEN_MULTIPLE
+    return max(total_len, min(-(-total_len // m) * m, n_positions))
+
 
 class KVCache:
     """Preallocated `[n_layer, B, nh, max_len, hs]` key and value tensors and a fill length."""

@@ -22,10 +22,11 @@ class CapturedStep:
     torch.cuda.graph asks) and replayed after; the returned tensor is the graph's own output buffer, overwritten by
     each replay. The warm-up runs write into the step's buffers as a real step would: capture before the first real
     step, whose own writes replace them. `capture_s`: the time the warm-up and the capture took (waited for once, so
-    it is not counted in the steps after). A capture that fails (RuntimeError) is logged once and the step runs
-    eagerly from then on, the same arithmetic without the graph. Warm-up, capture and replay run on `device` (its
-    streams, under its guard): torch.cuda.graph's default capture stream is made once, on whichever device was current
-    then, and a step whose tensors live on another GPU would record nothing there."""
+    it is not counted in the steps after). A capture that fails (RuntimeError, out of memory aside) is logged once
+    and the step runs eagerly from then on, the same arithmetic without the graph, on the caller's stream. Warm-up,
+    capture and replay run on `device` (its streams, under its guard): torch.cuda.graph's default capture stream is
+    made once, on whichever device was current then, and a step whose tensors live on another GPU would record
+    nothing there."""
 
     def __init__(self, fn: Callable[[], torch.Tensor], device: torch.device, warmup: int = 2) -> None:
         self.fn, self.device, self.warmup = fn, device, warmup
@@ -37,17 +38,23 @@ class CapturedStep:
     def capture(self) -> None:
         t0 = time.perf_counter()
         with torch.cuda.device(self.device):
-            s = torch.cuda.Stream(self.device)
-            s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):
-                for _ in range(self.warmup):
-                    self.fn()
-            torch.cuda.current_stream(self.device).wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)):
-                self.out = self.fn()
+            caller = torch.cuda.current_stream(self.device)
+            try:
+                s = torch.cuda.Stream(self.device)
+                s.wait_stream(caller)
+                with torch.cuda.stream(s):
+                    for _ in range(self.warmup):
+                        self.fn()
+                caller.wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)):
+                    self.out = self.fn()
+            finally:
+                # torch.cuda.graph ends the capture before it puts the caller's stream back: when ending it raises
+                # (a kernel broke the capture), the capture stream would stay current for everything after
+                torch.cuda.set_stream(caller)
             self.graph = g
-            torch.cuda.current_stream(self.device).synchronize()  # once per capture: the warm-up's work ends here
+            caller.synchronize()  # once per capture: the warm-up's work ends here
         self.capture_s = time.perf_counter() - t0
 
     def __call__(self) -> torch.Tensor:
@@ -56,6 +63,8 @@ class CapturedStep:
         if self.graph is None:
             try:
                 self.capture()
+            except torch.cuda.OutOfMemoryError:
+                raise  # not a capture problem: the eager step would need the same memory
             except RuntimeError as e:  # a kernel that cannot be captured here (e.g. an attention backend's plan)
                 log.warning("the decode step could not be recorded as a CUDA graph (%s); it runs eagerly instead", e)
                 self.graph, self.out, self.eager = None, None, True

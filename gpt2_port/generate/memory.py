@@ -13,6 +13,7 @@ from .. import devices
 from ..config import GPT2Config
 from ..devices import MEMORY_HEADROOM, GiB
 from ..errors import UsageError
+from .cache import static_len
 from .protocol import CausalLM
 
 # Bytes per (sample, vocabulary entry) that choosing a token holds at its peak, the float32 logits and what processing
@@ -55,8 +56,9 @@ def decode_memory(
     next-token scores of every sample."""
     C = cfg.n_embd
     forward_len = prompt_len if cache else total_len
+    slots = static_len(total_len, cfg.n_positions)  # the static cache's (CUDA's) rounded length: at most 63 more
     return {
-        "KV cache": 2 * cfg.n_layer * samples * total_len * C * act_bytes if cache else 0,
+        "KV cache": 2 * cfg.n_layer * samples * slots * C * act_bytes if cache else 0,
         "prompt forward": samples * forward_len * C * act_bytes * PREFILL_PER_TOKEN,
         "next-token scores": samples * cfg.vocab_size * score_bytes(sampling),
     }

@@ -6,16 +6,18 @@
 - `StaticSteps`: DecodePlan.static_step over a StaticKVCache, every shape fixed for the whole generation (one
   attention plan: bf16 on an H100 no longer rebuilds cuDNN's plan for each new key length), captured as a CUDA
   graph on CUDA (the GPU's default; `cuda_graph=False`: the same step run eagerly). A captured step is kept on the
-  model for the next call with the same batch, length and dtype.
+  model for the next call with the same batch, length bucket (cache.static_len) and dtype; it holds the model only
+  weakly, so `del model` frees the model, its kept caches and their graphs without waiting for the garbage collector.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
 
-from .cache import KVCache, StaticKVCache
+from .cache import KVCache, StaticKVCache, static_len
 from .cuda_graph import CapturedStep
 from .protocol import CausalLM
 
@@ -55,7 +57,8 @@ class PlanSteps(ForwardSteps):
 
 class StaticSteps:
     def __init__(self, model: CausalLM, plan, cache: StaticKVCache, cuda_graph: bool) -> None:  # noqa: ANN001
-        self.model, self.plan, self.cache = model, plan, cache
+        self._model = weakref.ref(model)  # kept on the model: a strong reference would be a cycle
+        self.plan, self.cache = plan, cache
         step = lambda: plan.static_step(cache)  # noqa: E731
         self.run = CapturedStep(step, cache.k.device) if cuda_graph else step
 
@@ -70,7 +73,7 @@ class StaticSteps:
         self.cache.length = 0
         self.cache.k.zero_()  # a reused cache: an earlier generation's keys must not reach the masked slots (a NaN
         self.cache.v.zero_()  # there would pass through the attention's additive mask)
-        h = self.model(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)
+        h = self._model()(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)  # type: ignore[misc]
         self.cache.start(mask, ids.shape[1])
         return h
 
@@ -86,16 +89,21 @@ class StaticSteps:
 
 
 def static_steps(model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bool) -> StaticSteps:  # noqa: ANN001
-    """The model's static step for this batch, length and dtype: made (and captured) on first use, then reused. A
-    captured graph reads the weights where they were; a model whose parameters were replaced gets a new one."""
+    """The model's static step for this batch, length and dtype: made (and captured) on first use, then reused. Its
+    cache has `static_len(max_len)` slots, so nearby lengths share it. A captured graph reads the weights where they
+    were: a model whose parameters were replaced or moved (`.to(...)`) gets a new one, and the steps kept for its old
+    weights are dropped then (they would hold the old weights' memory, their caches and graphs, and never run again)."""
     kept: OrderedDict = model.__dict__.setdefault("_static_steps", OrderedDict())
     weights = tuple(p.data_ptr() for p in model.parameters())
+    length = static_len(max_len, model.config.n_positions)
     # inference mode makes inference tensors, which a later call outside it may not write: kept apart
-    key = (batch, max_len, model.dtype, str(model.device), cuda_graph, torch.is_inference_mode_enabled(), weights)
+    key = (batch, length, model.dtype, str(model.device), cuda_graph, torch.is_inference_mode_enabled(), weights)
     if key in kept:
         kept.move_to_end(key)
         return kept[key]
-    cache = StaticKVCache(model.config, batch, max_len, model.dtype, model.device)
+    for old in [k for k in kept if k[-1] != weights]:
+        del kept[old]
+    cache = StaticKVCache(model.config, batch, length, model.dtype, model.device)
     kept[key] = steps = StaticSteps(model, plan, cache, cuda_graph)
     while len(kept) > KEEP_CAPTURED:
         kept.popitem(last=False)

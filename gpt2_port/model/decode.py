@@ -23,6 +23,7 @@ are not plain `nn.Linear` (e.g. int8) are called as modules.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,7 +108,8 @@ class DecodePlan:
 
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config
-        self.model = model
+        self._model = weakref.ref(model)  # a plan may be kept on its model (generate/steps.py): no cycle
+        self.n_positions = cfg.n_positions
         self.C, self.eps, self.scale = cfg.n_embd, cfg.layer_norm_epsilon, cfg.head_dim**-0.5
         self.layers = [LayerStep.of(block) for block in model.h]
         self.wte, self.wpe = model.wte.weight, model.wpe.weight
@@ -155,8 +157,10 @@ class DecodePlan:
         mask, slot, scale = cache.keys[:, None, None, :], cache.slot, self.scale
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            ks[i].index_copy_(2, slot, k)
-            vs[i].index_copy_(2, slot, v)
+            # in the cache's dtype, as the dynamic step's copy_ stores them (under autocast k and v come out of the
+            # matmul in bf16/fp16; index_copy_ does not cast)
+            ks[i].index_copy_(2, slot, k.to(ks[i].dtype))
+            vs[i].index_copy_(2, slot, v.to(vs[i].dtype))
             return F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=mask, scale=scale)
 
         return attend
@@ -179,15 +183,16 @@ class DecodePlan:
 
         attention_mask: (B, S) over past + this token (left padding), or None when no row is padded.
         """
-        if wants_grad(self.model):
+        model = self._model()
+        if model is None or wants_grad(model):
             raise UsageError(
                 "DecodePlan runs inference only: the model is in train mode or a parameter needs a gradient "
                 "(call model.eval() and run under torch.no_grad(), or use model(...))"
             )
         past = cache.length
         S = past + 1
-        if S > self.model.config.n_positions:
-            raise UsageError(f"sequence of {S} tokens exceeds the context of {self.model.config.n_positions}")
+        if S > self.n_positions:
+            raise UsageError(f"sequence of {S} tokens exceeds the context of {self.n_positions}")
         if attention_mask is not None:
             pos = positions_from_mask(attention_mask)[:, past:]  # (B, 1)
             mask = build_mask(attention_mask, 1, S, input_ids.device)  # (B, 1, 1, S)
