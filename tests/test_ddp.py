@@ -195,3 +195,68 @@ def test_gradients_are_synchronised_only_on_the_last_micro_step(setup, tmp_path:
     for x in ranks:
         assert x["micro"] == 7  # 2 steps x 3 micro-batches, and the third step's first batch sent ahead
         assert x["synced"] and set(x["synced"]) == {2}, x
+
+
+_WAITS_SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch
+import torch.distributed as tdist
+from gpt2_port.model import from_pretrained
+from gpt2_port.train import Trainer, TrainArgs, distributed, prepare_model
+from gpt2_port.train.data import open_split
+
+ck, data, out = sys.argv[1:4]
+d = distributed.from_env()
+distributed.init(d, torch.device("cpu"))
+model, _ = from_pretrained(ck)
+args = TrainArgs(steps=3, batch_size=2, block_size=16, grad_accum=2, dropout=0.0, eval_every=0)
+prepare_model(model, args, torch.device("cpu"))
+t = Trainer(model, args, open_split(data, "train", model.config.vocab_size, 16), None, out, "cpu", d)
+# the checks of values that run only where reading them costs nothing (a CPU tensor) see a device's tensors here
+import gpt2_port.model.fused, gpt2_port.model.gpt2
+gpt2_port.model.gpt2.host_readable = gpt2_port.model.fused.host_readable = lambda t: False
+reads, reduces = [], []
+for name in ("tolist", "item", "__bool__", "__float__", "__int__", "__index__"):
+    real = getattr(torch.Tensor, name)
+    def counted(self, *a, _real=real, _name=name, **k):
+        reads.append(_name)
+        return _real(self, *a, **k)
+    setattr(torch.Tensor, name, counted)
+real_all_reduce = tdist.all_reduce
+def all_reduce(*a, **k):
+    reduces.append(1)
+    return real_all_reduce(*a, **k)
+tdist.all_reduce = all_reduce
+steps = []
+for step in range(3):
+    if step == 1 and d.rank == 1:
+        t.request_stop()  # one process asked to stop (its Ctrl-C): every process must stop after the same step
+    reads.clear(); reduces.clear()
+    t.step(step)
+    stop = t._stop_requested()
+    steps.append({"reads": list(reads), "reduces": len(reduces), "stop": stop})
+Path(out).mkdir(parents=True, exist_ok=True)
+(Path(out) / f"rank{d.rank}.json").write_text(json.dumps({"rank": d.rank, "steps": steps}))
+distributed.shutdown(d)
+sys.stdout.flush()
+sys.stderr.flush()
+import os
+os._exit(0)
+"""
+
+
+def test_a_ddp_step_waits_once_and_carries_the_stop_vote_in_its_one_all_reduce(setup, tmp_path: Path) -> None:
+    """Each step reads the device back once (loss, gradient norm and the stop vote in one transfer) and makes one
+    all-reduce of its own (DDP's gradient buckets aside): the stop request of one process rides on it, and every
+    process stops after the same step."""
+    ck, data = setup
+    script = tmp_path / "waits.py"
+    script.write_text(_WAITS_SCRIPT)
+    launch(2, str(script), str(ck), str(data), str(tmp_path / "out"))
+    ranks = [json.loads(f.read_text()) for f in sorted((tmp_path / "out").glob("rank*.json"))]
+    assert sorted(x["rank"] for x in ranks) == [0, 1]
+    for x in ranks:
+        assert [s["reads"] for s in x["steps"]] == [["tolist"]] * 3, x
+        assert [s["reduces"] for s in x["steps"]] == [1, 1, 1], x
+        assert [s["stop"] for s in x["steps"]] == [False, True, True], x

@@ -280,6 +280,30 @@ def test_resume_continues_exactly_same_losses_and_bit_identical_weights(
     assert all(torch.equal(sa.tensors[k], sb.tensors[k]) for k in sa.tensors)
 
 
+def test_a_non_finite_validation_loss_is_null_in_the_log_never_the_best_and_the_run_resumes(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluation can overflow (fp16 evaluates without a grad scaler): its NaN goes into log.jsonl as null (JSON has
+    no NaN), is never the best (nothing compares below NaN, so a first NaN would have kept every later best out), and
+    the trainer state stays loadable, so --resume goes on."""
+    from gpt2_port.train.loop import Trainer
+
+    vals = iter([float("nan"), 5.0, float("inf"), 4.0])
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: next(vals))
+    out = tmp_path / "run"
+    common = ["--data", str(small_data), *FAST, "--eval-every", "1", "--steps", "4"]
+    assert train("--init", str(small_ckpt), "--out", str(out), "--stop-at", "2", *common) == 0
+    assert train("--resume", str(out), *common) == 0
+
+    def strict(c: str) -> None:
+        raise ValueError(f"{c} in log.jsonl")
+
+    records = [json.loads(line, parse_constant=strict) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["val_loss"] for r in records] == [None, 5.0, None, 4.0]
+    st = trainer_state.load(out)
+    assert (st.best_val_loss, st.best_step) == (4.0, 4)
+
+
 def test_the_trainer_state_is_safetensors_and_json_not_a_pickle(small_ckpt: Path, small_data: Path, tmp_path: Path):
     out = tmp_path / "run"
     assert train("--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "1", *FAST) == 0
@@ -455,7 +479,7 @@ def test_the_cuda_check_adds_adams_moments_only_where_the_optimizer_has_none(
     from gpt2_port.train import loop
 
     peak = 3 * memory.GiB
-    monkeypatch.setattr(loop, "dry_step_peak", lambda model, loss, device: peak)
+    monkeypatch.setattr(loop, "dry_step_peak", lambda model, loss, device, micro_steps: peak)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * memory.GiB, 80 * memory.GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a stand-in GPU")
@@ -468,6 +492,39 @@ def test_the_cuda_check_adds_adams_moments_only_where_the_optimizer_has_none(
     assert fresh["estimate_bytes"] == peak + 8 * params and "AdamW moments" in fresh["detail"]
     t.step(0)
     assert t.check_cuda_memory()["estimate_bytes"] == peak
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_the_cuda_dry_step_holds_the_gradients_through_a_micro_step_when_they_accumulate(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grad_accum: int
+) -> None:
+    """From the second micro-step of an accumulating step on, the whole gradient is held through the forward and
+    backward: the dry step runs two micro-steps then (the second with every gradient there), one otherwise, and
+    drops its gradients after. The CUDA calls are stood in for (a CPU model)."""
+    import contextlib
+
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * memory.GiB, 80 * memory.GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a stand-in GPU")
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices=None: contextlib.nullcontext())
+    model, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=3, batch_size=2, block_size=16, eval_every=0, dropout=0.0, grad_accum=grad_accum)
+    prepare_model(model, args, torch.device("cpu"))
+    t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "o", "cpu")
+    grads_held: list[bool] = []
+    real = t._micro_loss
+
+    def micro_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        grads_held.append(all(p.grad is not None for p in model.parameters()))
+        return real(x, y)
+
+    monkeypatch.setattr(t, "_micro_loss", micro_loss)
+    t.check_cuda_memory()
+    assert grads_held == ([False, True] if grad_accum > 1 else [False])
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_a_nan_loss_stops_with_the_step_and_skip_nonfinite_skips_it(small_ckpt: Path, small_data: Path) -> None:

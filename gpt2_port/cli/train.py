@@ -162,7 +162,7 @@ def plot_loss(records: list[dict], path: Path) -> None:
     pts = [(r["step"], r["train_loss"]) for r in records if r.get("train_loss") is not None]
     if pts:
         ax.plot(*zip(*pts), label="train loss", lw=1)
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     if val:
         ax.plot(*zip(*val), "o-", label="val loss", ms=4)
     ax.set_xlabel("step")
@@ -346,7 +346,8 @@ def run(args: argparse.Namespace) -> int:
         def on_step(r: dict) -> None:
             if bar is not None:
                 loss = "nan" if r["train_loss"] is None else f"{r['train_loss']:.4f}"
-                val = f" val {r['val_loss']:.4f}" if "val_loss" in r else ""
+                vl = r.get("val_loss")
+                val = "" if "val_loss" not in r else " val nan" if vl is None else f" val {vl:.4f}"
                 m = f" MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
                 bar.update(r["step"], f"loss {loss}{val} lr {r['lr']:.2e} {r['tokens_per_s']:,.0f} tok/s{m}")
             if "sample" in r:

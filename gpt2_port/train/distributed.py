@@ -35,11 +35,6 @@ class Dist:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
-    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.enabled:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t
-
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()

@@ -130,6 +130,7 @@ class Trainer:
         self.tokenizer, self.tokenizer_dir = tokenizer, tokenizer_dir
         self.cb = callbacks or Callbacks()
         self._stop = False
+        self._stop_voted = False  # any process's stop request, as the last step's all-reduce summed them (DDP)
         d = self.dist
         self.sampler = GlobalBatchSampler(
             len(train_data), self.block_size, args.batch_size, args.grad_accum, d.world_size, args.seed
@@ -171,11 +172,10 @@ class Trainer:
         self._stop = True
 
     def _stop_requested(self) -> bool:
-        """The stop request, agreed by every process (a DDP run votes: one all-reduce, at step boundaries only)."""
-        if not self.dist.enabled:
-            return self._stop
-        flag = torch.tensor(1.0 if self._stop else 0.0, device=self.device)
-        return bool(self.dist.all_reduce_max(flag))
+        """The stop request, agreed by every process: a DDP run votes in each step, the vote riding on the loss's
+        all-reduce and read back with the step's one wait (no collective or wait of its own), so every process stops
+        after the same step."""
+        return self._stop_voted if self.dist.enabled else self._stop
 
     @property
     def global_batch(self) -> int:
@@ -235,14 +235,20 @@ class Trainer:
             total += loss.detach()
             if not last:  # the next micro-batch's copy overlaps this one's work on the device
                 x, y = self.batches.get(offsets[m + 1])
-        total = d.all_reduce_sum(total)  # sum of every process's mean
+        if d.enabled:  # sum of every process's mean, and the number of processes asked to stop, in one all-reduce
+            flag = torch.full((), 1.0 if self._stop else 0.0, dtype=acc, device=self.device)  # a fill: no copy
+            total, stops = d.all_reduce_sum(torch.stack([total, flag])).unbind()
+        else:
+            stops = None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         max_norm = a.clip if a.clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         # the next step's first batch is gathered and sent now, so it is on the device before that step's forward
         self._next_batch = self.batches.get(self.sampler.prefetch(d.rank)[0])
-        loss_sum, grad_norm = torch.stack([total.to(norm.dtype), norm]).tolist()  # the step's one wait
+        back = [total.to(norm.dtype), norm] + ([stops.to(norm.dtype)] if stops is not None else [])
+        loss_sum, grad_norm, *votes = torch.stack(back).tolist()  # the step's one wait
+        self._stop_voted = bool(votes) and votes[0] > 0
         train_loss = loss_sum / d.world_size
         finite = math.isfinite(train_loss) and (math.isfinite(grad_norm) or self.scaler is not None)
         return train_loss, grad_norm, finite
@@ -356,11 +362,13 @@ class Trainer:
             self.cb.on_save("best", where, step)
 
     def check_cuda_memory(self) -> dict:
-        """On CUDA, the memory check measured: a dry step's peak (memory.dry_step_peak) with AdamW's moments on top;
-        one line naming what to change when it does not fit (memory.check_measured). It also warms up (and
-        compiles: the dry micro-batch has the real ones' shapes, strides and divisor, so the steps reuse its graph)."""
+        """On CUDA, the memory check measured: a dry step's peak (memory.dry_step_peak; with gradient accumulation two
+        micro-steps, the second holding the gradients) with AdamW's moments on top; one line naming what to change
+        when it does not fit (memory.check_measured). It also warms up (and compiles: the dry micro-batch has the
+        real ones' shapes, strides and divisor, so the steps reuse its graph)."""
         dev, a = self.device, self.args
-        peak = dry_step_peak(self.model, lambda: self._micro_loss(*self.batches.blank(a.batch_size)), dev)
+        blank = lambda: self._micro_loss(*self.batches.blank(a.batch_size))  # noqa: E731
+        peak = dry_step_peak(self.model, blank, dev, micro_steps=min(a.grad_accum, 2))
         # AdamW's two float32 moments, for the parameters that have none yet (a resumed run's are in the peak)
         state = self.optimizer.state
         fresh = [p for p in self.model.parameters() if p.requires_grad and "exp_avg" not in state.get(p, {})]
@@ -423,8 +431,10 @@ class Trainer:
                     v = self.evaluate()
                     if v is None:
                         interrupted = eval_skipped = True
-                    else:
-                        val_loss = record["val_loss"] = v
+                    else:  # JSON has no NaN: null, and never the best (nothing compares below NaN)
+                        val_loss = record["val_loss"] = v if math.isfinite(v) else None
+                        if val_loss is None:
+                            log.warning("step %d: the validation loss is %s (non-finite): written as null", step, v)
             if a.sample_every and step % a.sample_every == 0 and d.is_main and not interrupted:
                 text = self.sample(step)
                 if text is not None:
@@ -433,7 +443,7 @@ class Trainer:
             elapsed = self.elapsed0 + time.perf_counter() - t_start
             record.update(tokens_per_s=rate, mfu=mfu(rate, self.flops_per_token, self.peak), elapsed_s=elapsed)
             tokens = self.tokens0 + (step - self.start_step) * self.tokens_per_step
-            if "val_loss" in record and (self.best_val is None or val_loss < self.best_val):  # type: ignore[operator]
+            if val_loss is not None and "val_loss" in record and (self.best_val is None or val_loss < self.best_val):
                 self.best_val, self.best_step = val_loss, step
                 self.save_best(step)
             self.run_dir.append_log(record)

@@ -208,15 +208,20 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
     )
 
 
-def dry_step_peak(model: torch.nn.Module, loss: Callable[[], torch.Tensor], device: torch.device) -> int | None:
-    """CUDA: the peak bytes allocated by one forward and backward of `loss()` (a micro-batch as the run's, so a
-    compiled step compiles here what the real steps reuse), the random generators kept and the gradients dropped
-    after; None when it ran out of memory."""
+def dry_step_peak(
+    model: torch.nn.Module, loss: Callable[[], torch.Tensor], device: torch.device, micro_steps: int = 1
+) -> int | None:
+    """CUDA: the peak bytes allocated by `micro_steps` forwards and backwards of `loss()` (a micro-batch as the
+    run's, so a compiled step compiles here what the real steps reuse), the random generators kept and the gradients
+    dropped after; None when it ran out of memory. With gradient accumulation pass 2: from the second micro-step on,
+    the whole float32 gradient is held through the forward and backward, which the first micro-step's peak (its
+    gradients made while its activations are freed) does not show."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     try:
         with torch.random.fork_rng(devices=[device]):
-            loss().backward()
+            for _ in range(micro_steps):
+                loss().backward()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
     except Exception as e:
