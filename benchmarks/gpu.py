@@ -114,6 +114,9 @@ def checkpoint(size: str, weights_dir: Path) -> Path:
 
 
 def free(dev: torch.device) -> None:
+    """Between sides: what the last one compiled (dynamo's cache holds its graphs and, through them, its model; and
+    a later side must not meet the recompile limit the earlier ones filled) and its memory go."""
+    torch._dynamo.reset()
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

@@ -241,3 +241,15 @@ def test_resume_in_place_may_name_its_own_tokenizer_but_not_replace_another_chec
     rc, _, err = train(capsys, "--resume", str(out), "--out", str(out), "--tokenizer", str(out))
     assert rc == 0, err
     assert trainer_state.load(out).step == 2 and (out / "vocab.json").read_bytes() == vocab
+
+
+def test_cuda_generator_states_are_restored_in_device_order_past_ten_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rng.cuda.N keys sorted as strings would put device 10 before device 2: each GPU would get another's state."""
+    states = {f"rng.cuda.{i}": torch.full((4,), i, dtype=torch.uint8) for i in range(12)}
+    tensors = {**states, trainer_state.RNG_TORCH: torch.get_rng_state(), trainer_state.RNG_DATA: torch.zeros(1)}
+    got: list[torch.Tensor] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 12)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: got.extend(s))
+    trainer_state.restore_rng(tensors)
+    assert [int(t[0]) for t in got] == list(range(12))

@@ -28,6 +28,9 @@ def test_flops_per_token_counts_the_multiplied_weights_and_attention() -> None:
         ("NVIDIA H200 NVL", "bf16", 835.5),
         ("NVIDIA H200 NVL", "float32", 417.5),  # TF32 on, as train runs float32 on CUDA
         ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA L40", "bf16", 181.0),  # not the L4's, whose name it contains
+        ("NVIDIA L40S", "bf16", 362.1),
+        ("NVIDIA L4", "bf16", 121.0),
     ],
 )
 def test_the_peak_is_the_most_specific_entry_for_the_device(monkeypatch, name: str, dtype: str, tflops: float):

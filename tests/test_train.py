@@ -233,6 +233,9 @@ def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
     assert (out / "vocab.json").is_file() and (out / "best" / "config.json").is_file()
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["step"] == 4 and summary["val_loss"] == records[3]["val_loss"]
+    from gpt2_port.model.attention_kernel import SDPA_OPS
+
+    assert summary["attention"] in SDPA_OPS.values()  # the SDPA kernel the run's first lines name
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary directory left
     transformers = pytest.importorskip("transformers")
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()

@@ -324,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.resume or init_dir)
     distributed.init(dist, device)
     bar: Progress | None = None
+    started: dict = {}  # the run's description (Trainer.describe), for the summary
     trainer: Trainer | None = None
     settings = contextlib.ExitStack()
     try:
@@ -333,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
 
         def on_start(info: dict) -> None:
             nonlocal bar
+            started.update(info)
             sys.stderr.write(
                 f"run: {info['params'] / 1e6:.1f}M parameters on {device}, {info['dtype']}, kernels "
                 f"{info['kernels']}{info['head']}, attention {info['attention']}, "
@@ -448,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
         "head_vocab": model.loss_vocab,
         "dtype": targs.dtype,
         "compile": targs.compile,
+        "attention": started.get("attention"),  # the kernel SDPA ran for this batch, as the first lines name it
         "device": str(device),
         "skipped_steps": result.skipped_steps,
         "peak_rss_mb": peak_rss_mb(),

@@ -21,7 +21,8 @@ __all__ = ["Batches", "GlobalBatchSampler", "TokenFile", "open_split"]
 
 class Batches:
     """Windows of a TokenFile on the training device: gathered on the host into pinned memory (CUDA) and copied with
-    `non_blocking`, so the copy overlaps the work already queued on the device."""
+    `non_blocking`, so the host gathers and queues it without waiting for the work already queued on the device (the
+    copy itself runs after that work, on the same stream: a batch of 16 x 1025 ids is 131 kB, microseconds)."""
 
     def __init__(self, data: TokenFile, block_size: int, device: torch.device) -> None:
         self.data, self.block_size, self.device = data, block_size, device

@@ -7,12 +7,13 @@ skips the step with `skip_nonfinite`); AdamW steps at the schedule's learning ra
 from (seed, step, global micro-batch index), so its masks do not depend on how the global batch is split across
 processes and micro-steps, or on where a run was resumed.
 
-On an accelerator a step waits for the device once: the step's loss and gradient norm come back together, after
-the backward pass and before the optimizer step, so the non-finite stop is exact (a bad step is never applied). The
-loss accumulates on the device, batches come from pinned memory without waiting, and the next micro-batch is copied
-while the current one computes; the next step's first batch is drawn and sent before the step's wait (the data
-position saved with a checkpoint is that of the steps taken, so a resume draws the same batch again). With
-`compile`, torch.compile runs the forward and backward (one graph, no break) and the evaluation forward.
+On an accelerator a step waits for the device once: the step's loss and gradient norm (and a DDP run's stop vote,
+which rides on the loss's all-reduce) come back together, after the backward pass and before the optimizer step, so
+the non-finite stop is exact (a bad step is never applied). The loss accumulates on the device, batches come from
+pinned memory without waiting, and the next micro-batch is gathered and queued while the device works on the current
+one; the next step's first batch is drawn and sent before the step's wait (the data position saved with a checkpoint
+is that of the steps taken, so a resume draws the same batch again). With `compile`, torch.compile runs the forward
+and backward (one graph, no break) and the evaluation forward.
 
 Outputs go through run_dir.RunDir (the process of rank 0 writes); progress reaches the caller through `Callbacks`.
 """
@@ -233,7 +234,7 @@ class Trainer:
                 loss = self._micro_loss(x, y)
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total += loss.detach()
-            if not last:  # the next micro-batch's copy overlaps this one's work on the device
+            if not last:  # the next micro-batch is gathered and queued while the device works on this one
                 x, y = self.batches.get(offsets[m + 1])
         if d.enabled:  # sum of every process's mean, and the number of processes asked to stop, in one all-reduce
             flag = torch.full((), 1.0 if self._stop else 0.0, dtype=acc, device=self.device)  # a fill: no copy

@@ -111,7 +111,8 @@ def rng_tensors(data_state: torch.Tensor) -> dict[str, torch.Tensor]:
 def restore_rng(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """Restore torch's CPU and CUDA generators; return the data sampler's state (for `GlobalBatchSampler.restore`)."""
     torch.set_rng_state(tensors[RNG_TORCH])
-    cuda = [tensors[k] for k in sorted(t for t in tensors if t.startswith("rng.cuda."))]
+    cuda_keys = [k for k in tensors if k.startswith("rng.cuda.")]
+    cuda = [tensors[k] for k in sorted(cuda_keys, key=lambda k: int(k.rsplit(".", 1)[1]))]  # by device: 2 before 10
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
     return tensors[RNG_DATA]
