@@ -560,6 +560,24 @@ def test_skip_nonfinite_skips_the_step_without_changing_weights(
     assert [r.get("skipped") for r in log(tmp_path / "o")] == [True, True]
 
 
+def test_a_grad_scalers_overflow_step_is_recorded_as_skipped_and_leaves_the_weights(
+    small_ckpt: Path, small_data: Path, tmp_path: Path
+) -> None:
+    """fp16 trains with a grad scaler (CUDA); when the scaled gradients overflow, the scaler skips the step and halves
+    its scale. The record says so (the weights did not move), and the run goes on. Here the scaler is torch's CPU one
+    with a scale that overflows float32 at once (the loss ~6 times 2**127)."""
+    m, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=1, batch_size=2, block_size=16, eval_every=0, dropout=0.0)
+    prepare_model(m, args, torch.device("cpu"))
+    t = Trainer(m, args, TokenFile(small_data / "train.bin", 512), None, tmp_path / "o")
+    t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    res = t.run()
+    assert [r.get("skipped") for r in log(tmp_path / "o")] == [True]
+    assert res.skipped_steps == [1] and t.scaler.get_scale() == 2.0**126
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
 def test_ctrl_c_saves_a_resumable_state_then_exits(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [

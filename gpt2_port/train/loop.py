@@ -279,6 +279,9 @@ class Trainer:
         if not finite:
             record["skipped"] = True
             log.warning("step %d: non-finite loss or gradients, step skipped (--skip-nonfinite)", step + 1)
+        elif not math.isfinite(grad_norm):  # a grad scaler's overflow: it skipped the step and backed its scale off
+            record["skipped"] = True
+            log.info("step %d: the scaled gradients overflowed; the grad scaler skipped the step", step + 1)
         self.optimizer.zero_grad(set_to_none=True)
         return record
 
