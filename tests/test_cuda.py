@@ -169,6 +169,51 @@ def test_the_cuda_graph_decode_gives_the_eager_steps_tokens(tiny_official: Path)
         assert first.capture_s > 0 and graph.capture_s == 0 and graph.decode_s > 0  # recorded once, not counted
 
 
+@pytest.mark.parametrize("rows", [8, 32])
+def test_a_padded_sampled_batch_runs_through_the_captured_step_with_the_eager_steps_tokens(
+    tiny_official: Path, rows: int
+) -> None:
+    """Left-padded prompts of several lengths, sampled with a seed, in bf16: the captured step serves the batch (one
+    shape for every row), and its tokens are the eager static step's wherever the scores decide them (the same
+    seeded noise on both sides: the draw is outside the graph)."""
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full
+
+    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(rows)
+    lens = torch.randint(3, 12, (rows,), generator=g)
+    T, V, N = int(lens.max()), m.config.vocab_size, 24
+    ids = torch.randint(0, V, (rows, T), generator=g)
+    mask = (torch.arange(T)[None] >= (T - lens)[:, None]).long()
+    opts = dict(attention_mask=mask, do_sample=True, seed=5, eos_token_id=None, output_scores=True)
+    graph = generate_full(m, ids, N, cuda_graph=True, **opts)
+    eager = generate_full(m, ids, N, cuda_graph=False, **opts)
+    assert graph.extra["step"] == "cuda graph" and eager.extra["step"] == "static"
+    gen = torch.Generator(device="cuda").manual_seed(5)  # the noise sampling.draw takes from the seeded generator
+    noise = [torch.empty(rows, V, device="cuda").exponential_(1, generator=gen).cpu() for _ in range(N)]
+    want, want_scores = eager.sequences[:, T:].cpu(), [s.cpu() for s in eager.scores]
+    got, got_scores = graph.sequences[:, T:].cpu(), [s.cpu() for s in graph.scores]
+    assert min(same_tokens_where_decided(want, want_scores, got, got_scores, 2e-2, noise)) >= 1
+
+
+def test_generation_under_autocast_runs_through_the_captured_step(tiny_official: Path) -> None:
+    """A float32 model generating under bf16 autocast: the step's k and v (bf16 out of the matmuls) go into the
+    float32 cache, so the capture and the eager static step both run, with the same tokens where decided."""
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full
+
+    m = GPT2.from_pretrained(str(tiny_official), device="cuda")
+    ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
+    opts = dict(eos_token_id=None, output_scores=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        graph = generate_full(m, ids, 24, cuda_graph=True, **opts)
+        eager = generate_full(m, ids, 24, cuda_graph=False, **opts)
+    assert graph.extra["step"] == "cuda graph" and eager.extra["step"] == "static"
+    want, want_scores = eager.sequences[:, 5:].cpu(), [s.cpu() for s in eager.scores]
+    got, got_scores = graph.sequences[:, 5:].cpu(), [s.cpu() for s in graph.scores]
+    assert min(same_tokens_where_decided(want, want_scores, got, got_scores, 2e-2)) >= 1
+
+
 def _syncs(fn) -> int:  # noqa: ANN001
     """The synchronising CUDA operations `fn()` makes (torch's sync debug mode, counted)."""
     import warnings
