@@ -42,8 +42,8 @@ names the saved path; --data DIR points to where it is now.
 output (--out): the last saved step in the official layout (transformers and gpt2-port load OUT directly) with
 trainer_state.json + trainer_state.safetensors for --resume; OUT/best: the step with the lowest val loss;
 OUT/log.jsonl: one JSON object per step (step, train_loss, lr, grad_norm, tokens_per_s, mfu, elapsed_s, val_loss
-on evaluated steps, skipped on skipped ones; null where a value is not finite); OUT/loss.png: the curves. A 124M run directory holds about 1.9 GB (model 0.5, AdamW state 1.0,
-best/ 0.5).
+on evaluated steps, skipped on skipped ones; null where a value is not finite); OUT/loss.png: the curves. A 124M
+run directory holds about 1.9 GB (model 0.5, AdamW state 1.0, best/ 0.5).
 
 Ctrl-C (or SIGTERM) is acknowledged at once: the run stops after the current step (an evaluation in progress is cut
 short), saves a resumable state and exits with status 130; a second Ctrl-C stops at once without saving.
