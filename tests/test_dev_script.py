@@ -103,7 +103,7 @@ def test_the_second_pass_runs_the_exactness_tests_on_the_floors_after_a_green_su
     r = subprocess.run(["bash", str(root / "dev"), "test"], cwd=root, env=env, capture_output=True, text=True)
     calls = (root / "calls.log").read_text().splitlines()
     assert r.returncode == want_rc, (r.stderr, calls)
-    assert "python -m pytest -q" in calls  # the suite, in .venv
+    assert "python -m pytest -q -n 2" in calls  # the suite, in .venv, in two pytest-xdist processes
     floor_suite = [c for c in calls if c.startswith("floor-python -m pytest")]
     if suite_rc or check_rc:  # a red suite, or a .venv-floor that is not at the floors: no second pass
         assert floor_suite == []
@@ -118,7 +118,7 @@ def test_the_second_pass_runs_the_exactness_tests_on_the_floors_after_a_green_su
     assert pins == want.stdout.split() and any(p.startswith("torch==") for p in pins)
     install = next(c for c in calls if c.startswith("floor-python -m pip install"))
     assert "-c .venv-floor/floor-pins.txt -e .[dev]" in install
-    assert floor_suite == ["floor-python -m pytest -q -p no:cacheprovider -m exactness OMP=1 ATEN=default"]
+    assert floor_suite == ["floor-python -m pytest -q -p no:cacheprovider -n 2 -m exactness OMP=1 ATEN=default"]
 
 
 def test_without_a_command_it_prints_its_usage_and_exits_2() -> None:
