@@ -141,11 +141,10 @@ def test_resume_works_with_another_number_of_processes(setup, tmp_path: Path) ->
     assert close(losses(run), losses(ref)), (losses(run), losses(ref))
 
 
-_SYNC_SCRIPT = """
+_TRAINER_HEAD = """
 import json, os, sys
 from pathlib import Path
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from gpt2_port.model import from_pretrained
 from gpt2_port.train import Trainer, TrainArgs, distributed, prepare_model
 from gpt2_port.train.data import open_split
@@ -154,9 +153,23 @@ ck, data, out = sys.argv[1:4]
 d = distributed.from_env()
 distributed.init(d, torch.device("cpu"))
 model, _ = from_pretrained(ck)
-args = TrainArgs(steps=2, batch_size=2, block_size=16, grad_accum=3, dropout=0.0, eval_every=0)
+args = TrainArgs(steps=STEPS, batch_size=2, block_size=16, grad_accum=ACCUM, dropout=0.0, eval_every=0)
 prepare_model(model, args, torch.device("cpu"))
 t = Trainer(model, args, open_split(data, "train", model.config.vocab_size, 16), None, out, "cpu", d)
+"""
+
+
+def _trainer_script(steps: int, grad_accum: int, body: str) -> str:
+    """A torchrun worker: a Trainer (`t`, its args `args`, the process group `d`) over argv's checkpoint, data and
+    out, then `body`."""
+    return _TRAINER_HEAD.replace("STEPS", str(steps)).replace("ACCUM", str(grad_accum)) + body
+
+
+_SYNC_SCRIPT = _trainer_script(
+    2,
+    3,
+    """
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 micro = []  # the micro-step each batch belongs to (its copy to the device is made before its forward)
 get = t.batches.get
 t.batches.get = lambda *a: micro.append(len(micro)) or get(*a)
@@ -180,7 +193,8 @@ distributed.shutdown(d)
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(0)
-"""
+""",
+)
 
 
 def test_gradients_are_synchronised_only_on_the_last_micro_step(setup, tmp_path: Path) -> None:
@@ -197,22 +211,11 @@ def test_gradients_are_synchronised_only_on_the_last_micro_step(setup, tmp_path:
         assert x["synced"] and set(x["synced"]) == {2}, x
 
 
-_WAITS_SCRIPT = """
-import json, sys
-from pathlib import Path
-import torch
+_WAITS_SCRIPT = _trainer_script(
+    3,
+    2,
+    """
 import torch.distributed as tdist
-from gpt2_port.model import from_pretrained
-from gpt2_port.train import Trainer, TrainArgs, distributed, prepare_model
-from gpt2_port.train.data import open_split
-
-ck, data, out = sys.argv[1:4]
-d = distributed.from_env()
-distributed.init(d, torch.device("cpu"))
-model, _ = from_pretrained(ck)
-args = TrainArgs(steps=3, batch_size=2, block_size=16, grad_accum=2, dropout=0.0, eval_every=0)
-prepare_model(model, args, torch.device("cpu"))
-t = Trainer(model, args, open_split(data, "train", model.config.vocab_size, 16), None, out, "cpu", d)
 # the checks of values that run only where reading them costs nothing (a CPU tensor) see a device's tensors here
 import gpt2_port.model.fused, gpt2_port.model.gpt2
 gpt2_port.model.gpt2.host_readable = gpt2_port.model.fused.host_readable = lambda t: False
@@ -241,9 +244,9 @@ Path(out).mkdir(parents=True, exist_ok=True)
 distributed.shutdown(d)
 sys.stdout.flush()
 sys.stderr.flush()
-import os
 os._exit(0)
-"""
+""",
+)
 
 
 def test_a_ddp_step_waits_once_and_carries_the_stop_vote_in_its_one_all_reduce(setup, tmp_path: Path) -> None:
