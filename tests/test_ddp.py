@@ -159,10 +159,36 @@ t = Trainer(model, args, open_split(data, "train", model.config.vocab_size, 16),
 """
 
 
+# One file per rank (two processes printing to one pipe can interleave their lines), then leave without the
+# interpreter's and C++'s exit-time teardown: with a Python comm hook registered, torch's exit aborted about 1 run in
+# 150 after the last line had run ("terminate called without an active exception" from a C++ thread, no Python frame;
+# 5 of 742 runs of the sync script on 2 CPU processes). `gpt2-port train` leaves the same way (cli.main.run), after
+# one of its runs had aborted so.
+_TRAINER_TAIL = """
+Path(out).mkdir(parents=True, exist_ok=True)
+(Path(out) / f"rank{d.rank}.json").write_text(json.dumps({"rank": d.rank, **result}))
+distributed.shutdown(d)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
+"""
+
+
 def _trainer_script(steps: int, grad_accum: int, body: str) -> str:
     """A torchrun worker: a Trainer (`t`, its args `args`, the process group `d`) over argv's checkpoint, data and
-    out, then `body`."""
-    return _TRAINER_HEAD.replace("STEPS", str(steps)).replace("ACCUM", str(grad_accum)) + body
+    out, then `body`, which leaves its findings in the dict `result` (written to OUT/rank{r}.json)."""
+    return _TRAINER_HEAD.replace("STEPS", str(steps)).replace("ACCUM", str(grad_accum)) + body + _TRAINER_TAIL
+
+
+def _run_workers(script: str, setup: tuple[Path, Path], tmp_path: Path) -> list[dict]:
+    """`script` in 2 torchrun processes over the fixture's checkpoint and data: each rank's `result`, by rank."""
+    ck, data = setup
+    path = tmp_path / "worker.py"
+    path.write_text(script)
+    launch(2, str(path), str(ck), str(data), str(tmp_path / "out"))
+    ranks = [json.loads(f.read_text()) for f in sorted((tmp_path / "out").glob("rank*.json"))]
+    assert sorted(x["rank"] for x in ranks) == [0, 1]
+    return ranks
 
 
 _SYNC_SCRIPT = _trainer_script(
@@ -182,17 +208,7 @@ def hook(state, bucket):
 t.net.register_comm_hook(None, hook)
 for step in range(2):
     t.step(step)
-# one file per rank: two processes printing to one pipe can interleave their lines
-Path(out).mkdir(parents=True, exist_ok=True)
-(Path(out) / f"rank{d.rank}.json").write_text(json.dumps({"rank": d.rank, "micro": len(micro), "synced": synced}))
-distributed.shutdown(d)
-# Leave without the interpreter's and C++'s exit-time teardown: with this Python comm hook registered, torch's exit
-# aborted about 1 run in 150 after the last line had run ("terminate called without an active exception" from a
-# C++ thread, no Python frame; 5 of 742 runs of this script on 2 CPU processes). `gpt2-port train` leaves the same
-# way (cli.main.run), after one of its runs had aborted so.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+result = {"micro": len(micro), "synced": synced}
 """,
 )
 
@@ -200,13 +216,7 @@ os._exit(0)
 def test_gradients_are_synchronised_only_on_the_last_micro_step(setup, tmp_path: Path) -> None:
     """With --grad-accum 3, DDP's all-reduce runs during the third micro-batch's backward only (no_sync before it):
     the other two would send the gradients three times for nothing."""
-    ck, data = setup
-    script = tmp_path / "sync.py"
-    script.write_text(_SYNC_SCRIPT)
-    launch(2, str(script), str(ck), str(data), str(tmp_path / "out"))
-    ranks = [json.loads(f.read_text()) for f in sorted((tmp_path / "out").glob("rank*.json"))]
-    assert sorted(x["rank"] for x in ranks) == [0, 1]
-    for x in ranks:
+    for x in _run_workers(_SYNC_SCRIPT, setup, tmp_path):
         assert x["micro"] == 7  # 2 steps x 3 micro-batches, and the third step's first batch sent ahead
         assert x["synced"] and set(x["synced"]) == {2}, x
 
@@ -239,12 +249,7 @@ for step in range(3):
     t.step(step)
     stop = t._stop_requested()
     steps.append({"reads": list(reads), "reduces": len(reduces), "stop": stop})
-Path(out).mkdir(parents=True, exist_ok=True)
-(Path(out) / f"rank{d.rank}.json").write_text(json.dumps({"rank": d.rank, "steps": steps}))
-distributed.shutdown(d)
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+result = {"steps": steps}
 """,
 )
 
@@ -253,13 +258,7 @@ def test_a_ddp_step_waits_once_and_carries_the_stop_vote_in_its_one_all_reduce(s
     """Each step reads the device back once (loss, gradient norm and the stop vote in one transfer) and makes one
     all-reduce of its own (DDP's gradient buckets aside): the stop request of one process rides on it, and every
     process stops after the same step."""
-    ck, data = setup
-    script = tmp_path / "waits.py"
-    script.write_text(_WAITS_SCRIPT)
-    launch(2, str(script), str(ck), str(data), str(tmp_path / "out"))
-    ranks = [json.loads(f.read_text()) for f in sorted((tmp_path / "out").glob("rank*.json"))]
-    assert sorted(x["rank"] for x in ranks) == [0, 1]
-    for x in ranks:
+    for x in _run_workers(_WAITS_SCRIPT, setup, tmp_path):
         assert [s["reads"] for s in x["steps"]] == [["tolist"]] * 3, x
         assert [s["reduces"] for s in x["steps"]] == [1, 1, 1], x
         assert [s["stop"] for s in x["steps"]] == [False, True, True], x

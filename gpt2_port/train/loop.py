@@ -447,8 +447,9 @@ class Trainer:
             elapsed = self.elapsed0 + time.perf_counter() - t_start
             record.update(tokens_per_s=rate, mfu=mfu(rate, self.flops_per_token, self.peak), elapsed_s=elapsed)
             tokens = self.tokens0 + (step - self.start_step) * self.tokens_per_step
-            if val_loss is not None and "val_loss" in record and (self.best_val is None or val_loss < self.best_val):
-                self.best_val, self.best_step = val_loss, step
+            this_val = record.get("val_loss")  # this step's, when it evaluated and the loss was finite
+            if this_val is not None and (self.best_val is None or this_val < self.best_val):
+                self.best_val, self.best_step = this_val, step
                 self.save_best(step)
             self.run_dir.append_log(record)
             self.records.append(record)
