@@ -50,6 +50,8 @@ def greedy_hf(
         eos_token_id=None,
         **extra,
     )
+    if compiled and not hasattr(ref, "_compiled_call"):  # generate skips compiling where its criteria fail, silently
+        raise RuntimeError("transformers' generate ran its static-cache forward eagerly: nothing was compiled")
     if out.shape[1] != ids.shape[1] + new_tokens:
         raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, asked for {new_tokens}")
     return out[:, ids.shape[1] :]

@@ -32,6 +32,7 @@ import gc
 import json
 import math
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -207,8 +208,12 @@ def time_steps(model, loss_fn, batches, dev: torch.device, dtype: str, warmup: i
     }
 
 
-def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> dict[str, Callable[[], tuple]]:
-    """name -> () -> (model, loss_fn), each made when its turn comes (one model on the device at a time)."""
+Sides = dict[str, Callable[[], tuple]]
+
+
+def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> tuple[Sides, Sides]:
+    """The key sides and the rest: name -> () -> (model, loss_fn), each made when its turn comes (one model on the
+    device at a time)."""
 
     def ours(kernels: str, compile_: bool, fused: bool = True, pad_vocab: int | None = None) -> Callable[[], tuple]:
         def make() -> tuple:
@@ -227,22 +232,24 @@ def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> dict[str,
         return make
 
     # "ours fast": `train`'s defaults for the device (on CUDA the fused head padded to a multiple of 64); beside it
-    # the same kernels with the head's own 50257 rows, and without the fused head-and-loss
-    sides = {
+    # the same kernels with the head's own 50257 rows, and without the fused head-and-loss. The sides the goals are
+    # stated on come first (a run cut short at a device's time limit keeps them): ours and transformers, compiled and
+    # eager; `run_train` times `train`'s own loop after them, then the rest.
+    key = {}
+    if not a.no_compile:
+        key |= {"ours fast compiled": ours("fast", True), "transformers compiled": hf(True)}
+    key |= {"transformers eager": hf(False), "ours fast eager": ours("fast", False)}
+    rest = {
         "ours reference eager": ours("reference", False),
-        "ours fast eager": ours("fast", False),
         "ours fast eager, head not padded": ours("fast", False, pad_vocab=1),
         "ours fast eager, no fused loss": ours("fast", False, fused=False),
-        "transformers eager": hf(False),
     }
     if not a.no_compile:
-        sides |= {
+        rest |= {
             "ours reference compiled": ours("reference", True),
-            "ours fast compiled": ours("fast", True),
             "ours fast compiled, head not padded": ours("fast", True, pad_vocab=1),
-            "transformers compiled": hf(True),
         }
-    return sides
+    return key, rest
 
 
 def trainer_loop(ck: Path, dev: torch.device, a: argparse.Namespace, batch: int, tmp: Path) -> dict:
@@ -291,6 +298,35 @@ def head_gemm(dev: torch.device, dtype: str, rows: int, C: int, iters: int = 20)
     return {"vocab_50257_s": out[50257], "vocab_50304_s": out[50304], "padded_speedup": out[50257] / out[50304]}
 
 
+def _train_side(
+    size: str,
+    name: str,
+    make: Callable[[], tuple],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    dev: torch.device,
+    a: argparse.Namespace,
+    tokens: int,
+    per_token: float,
+    peak: float | None,
+) -> dict:
+    """One side's timed steps (`tokens` a step): tokens/s and MFU against `peak`, or {"error"} (OOM, a compile
+    error) leaving the other sides."""
+    free(dev)
+    print(f"[{size}] {name} ...", file=sys.stderr)
+    model = loss_fn = None
+    try:
+        model, loss_fn = make()
+        r = time_steps(model, loss_fn, batches, dev, a.dtype, a.warmup, a.steps)
+    except Exception as e:  # noqa: BLE001 - one side failing (OOM, a compile error) leaves the others
+        r = failure(e)
+        print(f"[{size}] {name}: {r['error']}", file=sys.stderr)
+    model = loss_fn = None
+    if "step_s" in r:
+        r["tokens_per_s"] = tokens / r["step_s"]
+        r["mfu"] = None if peak is None else r["tokens_per_s"] * per_token / peak
+    return r
+
+
 def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], None]) -> dict:
     import tempfile
 
@@ -316,21 +352,9 @@ def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], N
             "batch": batch, "block": T, "flops_per_token": per_token, "peak": peak_source, "rows": rows,
             "head_gemm": None,
         }  # fmt: skip
-        for name, make in train_sides(ck, dev, a).items():
-            free(dev)
-            print(f"[{size}] {name} ...", file=sys.stderr)
-            model = loss_fn = None
-            try:
-                model, loss_fn = make()
-                r = time_steps(model, loss_fn, batches, dev, a.dtype, a.warmup, a.steps)
-            except Exception as e:  # noqa: BLE001 - one side failing (OOM, a compile error) leaves the others
-                r = failure(e)
-                print(f"[{size}] {name}: {r['error']}", file=sys.stderr)
-            model = loss_fn = None
-            if "step_s" in r:
-                r["tokens_per_s"] = batch * T / r["step_s"]
-                r["mfu"] = None if peak is None else r["tokens_per_s"] * per_token / peak
-            rows[name] = r
+        key, rest = train_sides(ck, dev, a)
+        for name, make in key.items():
+            rows[name] = _train_side(size, name, make, batches, dev, a, batch * T, per_token, peak)
             save(results)  # each side's row written as it lands: a run cut short keeps what it measured
         free(dev)
         with tempfile.TemporaryDirectory() as tmp:
@@ -339,6 +363,12 @@ def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], N
                 rows["gpt2-port train loop"] = trainer_loop(ck, dev, a, batch, Path(tmp))
             except Exception as e:  # noqa: BLE001
                 rows["gpt2-port train loop"] = failure(e)
+        save(results)
+        if a.key_only:
+            continue
+        for name, make in rest.items():
+            rows[name] = _train_side(size, name, make, batches, dev, a, batch * T, per_token, peak)
+            save(results)
         free(dev)
         try:
             hg = head_gemm(dev, a.dtype, batch * T, cfg.n_embd) if size != "tiny" else None
@@ -350,9 +380,15 @@ def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], N
 
 
 # -- decode ---------------------------------------------------------------------------------------------------------
-def _interleaved(fns: dict[str, Callable[[], torch.Tensor]], dev: torch.device, rounds: int) -> dict[str, dict]:
+def _interleaved(
+    fns: dict[str, Callable[[], torch.Tensor]],
+    dev: torch.device,
+    rounds: int,
+    progress: Callable[[dict[str, dict]], None] | None = None,
+) -> dict[str, dict]:
     """name -> {"times", "tokens"}: each loop run `rounds` times, interleaved (alternating order), after one warm-up
-    run each; a loop that fails its warm-up or a timed run gets {"error"} and is left out of the rounds after."""
+    run each; a loop that fails its warm-up or a timed run gets {"error"} and is left out of the rounds after.
+    `progress` sees the results so far after the warm-ups and after each round (a run cut short keeps them)."""
     out: dict[str, dict] = {}
     for n, f in fns.items():  # warm-up: kernels, the graph's capture, compilation, the allocator
         try:
@@ -362,6 +398,8 @@ def _interleaved(fns: dict[str, Callable[[], torch.Tensor]], dev: torch.device, 
             out[n] = failure(e)
             print(f"{n}: {out[n]['error']}", file=sys.stderr)
     names = [n for n in fns if "error" not in out[n]]
+    if progress is not None:
+        progress(out)
     for r in range(rounds):
         for n in names if r % 2 == 0 else names[::-1]:
             if "error" in out[n]:
@@ -377,6 +415,8 @@ def _interleaved(fns: dict[str, Callable[[], torch.Tensor]], dev: torch.device, 
                 continue
             out[n]["times"].append(time.perf_counter() - t0)
             out[n]["tokens"] = toks[0].tolist()
+        if progress is not None:
+            progress(out)
     return out
 
 
@@ -386,12 +426,13 @@ def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], 
     bw = bandwidth_GBps(dev)
     results: dict = {"kind": "decode", "machine": machine(dev), "bandwidth_GBps": bw, "settings": _settings(a)}
     results["sizes"] = {}
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # bf16 first: the goals' figure
     for size in a.sizes.split(","):
         ck = checkpoint(size, Path(a.weights_dir))
         ids = torch.randint(0, 50257, (1, a.prompt_len), generator=torch.Generator().manual_seed(0)).to(dev)
         N = a.new_tokens
-        per_dtype = {}
+        per_dtype: dict = {}
+        results["sizes"][size] = {"new_tokens": N, "batch1": per_dtype, "batched": {}}
         for dname, dt in dtypes.items():
             if size not in ("gpt2", "tiny") and dname == "float32" and not a.xl_float32:
                 continue
@@ -407,32 +448,43 @@ def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], 
             }
             if dev.type == "cuda":  # generate compiles the static-cache forward by itself on a GPU only
                 fns["transformers, static cache, compiled"] = partial(greedy_hf, hf, ids, N, static=True, compiled=True)
-            runs = _interleaved(fns, dev, a.rounds)
             param_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
-            ref = runs["transformers"].get("tokens") or []
-            per_dtype[dname] = {
-                "param_bytes": param_bytes,
-                "cap_tok_s": bw * 1e9 / param_bytes,
-                "rows": {
-                    n: r
-                    if "error" in r
-                    else {
-                        "tok_s": N / min(r["times"]),
-                        "times": r["times"],
-                        "same_tokens": same_prefix(r["tokens"], ref) if ref else None,  # None: no reference
-                    }
-                    for n, r in runs.items()
-                },
-                "peak_GB": peak_GB(dev),  # both models and every path's buffers of this dtype
-            }
-            del fns, runs  # the partials hold the models: gone before the next dtype's peak is read
+
+            def record(
+                runs: dict[str, dict], into: dict = per_dtype, key: str = dname, n: int = N, pb: int = param_bytes
+            ) -> None:
+                into[key] = _decode_rows(runs, n, bw, pb, peak_GB(dev))
+                save(results)
+
+            _interleaved(fns, dev, a.rounds, record)
+            del fns  # the partials hold the models: gone before the next dtype's peak is read
             ours = hf = None
-            results["sizes"][size] = {"new_tokens": N, "batch1": per_dtype, "batched": {}}
-            save(results)
         free(dev)
         results["sizes"][size]["batched"] = batched(a, ck, dev)
         save(results)
     return results
+
+
+def _decode_rows(runs: dict[str, dict], N: int, bw: float, param_bytes: int, peak: float | None) -> dict:
+    """One dtype's batch-1 record from the timed runs so far: tokens/s (best round), the tokens shared with
+    transformers' generate, the bandwidth cap; a row with no timed round yet has tok_s None."""
+    ref = runs.get("transformers", {}).get("tokens") or []
+
+    def row(r: dict) -> dict:
+        if "error" in r:
+            return r
+        return {
+            "tok_s": N / min(r["times"]) if r["times"] else None,
+            "times": r["times"],
+            "same_tokens": same_prefix(r["tokens"], ref) if ref and r["tokens"] else None,  # None: no reference
+        }
+
+    return {
+        "param_bytes": param_bytes,
+        "cap_tok_s": bw * 1e9 / param_bytes,
+        "rows": {n: row(r) for n, r in runs.items()},
+        "peak_GB": peak,  # both models and every path's buffers of this dtype
+    }
 
 
 def batched(a: argparse.Namespace, ck: Path, dev: torch.device) -> dict:
@@ -476,7 +528,7 @@ def render(res: dict) -> str:
     head = [
         f"## GPU {res['kind']}: {m['device_name']} ({m['device']})",
         "",
-        f"- Command: `python -m benchmarks.gpu {' '.join(sys.argv[1:])}`",
+        f"- Command: `{res.get('command') or 'python -m benchmarks.gpu ' + ' '.join(sys.argv[1:])}`",
         f"- Versions: torch {m['torch']}, transformers {m['transformers']}, CUDA {m.get('cuda')}, Python {m['python']}",
         "",
     ]
@@ -526,8 +578,8 @@ def render(res: dict) -> str:
                 ]
                 base = d["rows"]["transformers"].get("tok_s")
                 for name, x in d["rows"].items():
-                    if "tok_s" not in x:
-                        out.append(f"| {name} | {x['error']} | | | |")
+                    if x.get("tok_s") is None:  # failed, or cut short before its first timed round
+                        out.append(f"| {name} | {x.get('error', 'not timed')} | | | |")
                         continue
                     vs = f"{x['tok_s'] / base:.2f}x" if base else "-"
                     same = "-" if x["same_tokens"] is None else f"{x['same_tokens']}/{r['new_tokens']}"
@@ -567,7 +619,7 @@ def plot(res: dict, path: str) -> None:
         else:
             for dname, d in r["batch1"].items():
                 for name, x in d["rows"].items():
-                    if "tok_s" in x:
+                    if x.get("tok_s") is not None:
                         labels.append(f"{size} {dname}: {name}")
                         values.append(x["tok_s"])
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(labels) + 1))
@@ -594,6 +646,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5, help="train: steps before timing (compilation happens here)")
     p.add_argument("--steps", type=int, default=20, help="train: timed steps")
     p.add_argument("--no-compile", action="store_true", help="train: the eager sides only")
+    p.add_argument(
+        "--key-only",
+        action="store_true",
+        help="train: only the sides the goals name (ours fast and transformers, compiled and eager) and train's loop",
+    )
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--new-tokens", type=int, default=128, help="decode: new tokens per row")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -603,25 +660,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--markdown", default=None, help="append the tables to this Markdown file (- for stdout)")
     p.add_argument("--plot", default=None, help="a PNG of tokens/s per side")
+    p.add_argument(
+        "--render-from",
+        metavar="JSON",
+        default=None,
+        help="run nothing: the Markdown and the plot of the results in JSON (a run's --out, also one cut short)",
+    )
     return p
+
+
+def read_results(path: str, kind: str) -> dict:
+    """A run's --out JSON, as far as it got (UsageError naming the file when it is not one)."""
+    try:
+        res = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--render-from {path}: not a readable JSON file ({e})") from None
+    if not isinstance(res, dict) or res.get("kind") != kind or not isinstance(res.get("sizes"), dict):
+        raise UsageError(f"--render-from {path}: expected the JSON of a `benchmarks.gpu {kind}` run")
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    command = "python -m benchmarks.gpu " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
+        if a.render_from and a.out:
+            raise UsageError("--render-from reads a run's results: --out would have nothing to write (drop it)")
         for path, what in ((a.out, "--out"), (a.markdown, "--markdown"), (a.plot, "--plot")):
             if path:
                 check_writable(path, what)
-        dev = parse_device(a.device)
+        dev = parse_device(a.device) if not a.render_from else torch.device("cpu")
 
         def save(res: dict) -> None:  # the JSON so far, rewritten whole after each side
+            res.setdefault("command", command)
             if a.out:
                 write_output(a.out, json.dumps(res, indent=1, default=str) + "\n", "--out")
 
-        res = run_train(a, dev, save) if a.kind == "train" else run_decode(a, dev, save)
+        if a.render_from:
+            res = read_results(a.render_from, a.kind)
+        else:
+            run = run_train if a.kind == "train" else run_decode
+            res = run(a, dev, save)
+            save(res)
         md = render(res)
         print(md)
-        save(res)
         if a.markdown:
             old = Path(a.markdown).read_text() if a.markdown != "-" and Path(a.markdown).is_file() else ""
             write_output(a.markdown, old + ("\n" if old else "") + md, "--markdown")

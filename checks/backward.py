@@ -22,7 +22,6 @@ import copy
 import gc
 import itertools
 import math
-import platform
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,10 +45,10 @@ from .grads import PREFIX, Grads, act_points, hf_name_of_scratch, layer_of, laye
 from .metrics import metrics
 from .noise import verdict
 from .prompts import Inputs, resolve
-from .reference import amp, exact_matmuls, load_reference
+from .reference import amp, exact_matmuls, load_reference, versions
 from .results import PointResult
-from .steps import TrainConfig, _ref_loss, _scratch_loss, train_steps
-from .storage import DISK_MOMENTS_SHARE, SPILL_BYTES, LazyTensors, SpilledTensors
+from .steps import ADAMW_NAME, TrainConfig, _ref_loss, _scratch_loss, train_steps
+from .storage import DISK_MOMENTS_SHARE, SPILL_BYTES, LazyTensors, SpilledTensors, spills
 from .tolerances import BACKWARD_TOLERANCES
 
 # -- the run --------------------------------------------------------------------------------------------------------
@@ -170,7 +169,7 @@ def _reference_side(s: Setup, noise_floor: bool, spill_bytes: int | None) -> Ref
     t0 = time.perf_counter()
     s.say("reference gradients")
     run = ReferenceRun(want=reference_grads(ref, s.ids_on(base[1]), L), order=[n for n, _ in ref.named_parameters()])
-    if spill_bytes is not None and sum(t.numel() * t.element_size() for t in run.want.params.values()) > spill_bytes:
+    if spills(run.want.params, spill_bytes):
         s.spill_dir = tempfile.TemporaryDirectory(prefix="gpt2port-grads-")
         s.say(f"reference gradients spilled to {s.spill_dir.name}")
         run.want.params = SpilledTensors(dict(run.want.params), Path(s.spill_dir.name) / "grads.safetensors")
@@ -270,7 +269,11 @@ def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.devic
         )
         for n, y in ref.weights.items():
             report.weights.append(_point(f"weight.{n}", mine[n], y, tol.weight, ref.weight_floor if floored else None))
-        report.train = {**asdict(s.tc), "batch": "the prompts, every step (each a batch of one; loss = their mean)"}
+        report.train = {
+            **asdict(s.tc),
+            "optimizer": ADAMW_NAME,
+            "batch": "the prompts, every step (each a batch of one; loss = their mean)",
+        }
     report.timings = {
         **ref.timings,
         "scratch_load_s": t_load,
@@ -307,7 +310,7 @@ def run_backward(
     if attn == "auto":  # like for like: the hand-written path does the eager reference's arithmetic, op for op
         attn = "manual" if reference_attn == "eager" else "sdpa"
     tv = transformers.__version__
-    versions = {"torch": torch.__version__, "transformers": tv, "python": platform.python_version()}
+    run_versions = versions(devs)
     sd, rep = read_checkpoint(model, revision)  # lazy: validates the checkpoint before transformers loads it
     ckpt, cfg = rep.checkpoint, rep.config
     del sd, rep
@@ -350,7 +353,7 @@ def run_backward(
                     precision="float32" if dt == torch.float32 else f"{dtype_name(dt)} autocast",
                     prompts=[t if t is not None else " ".join(map(str, i)) for t, i in zip(inputs.texts, s.ids_py)],
                     n_tokens=sum(len(i) for i in s.ids_py),
-                    versions=versions,
+                    versions=run_versions,
                 )
                 _scratch_side(s, ref, dt, dev, r)
                 reports.append(r)

@@ -73,7 +73,8 @@ def steps_table(r: BackwardReport) -> Table:
     if r.train:
         hp = r.train
         t.notes.append(
-            f"lr {hp['lr']:g}, betas {tuple(hp['betas'])}, eps {hp['eps']:g}, weight decay {hp['weight_decay']:g} "
+            f"{hp.get('optimizer', 'torch.optim.AdamW')}: lr {hp['lr']:g}, betas {tuple(hp['betas'])}, "
+            f"eps {hp['eps']:g}, weight decay {hp['weight_decay']:g} "
             f"(2+-dim weights only), clip_grad_norm {hp['clip']:g} (the total norm summed over transformers' "
             f"tensors on both sides); batch: {hp['batch']}; tolerance {r.steps[0].tolerance:.0e} relative"
         )

@@ -41,6 +41,7 @@ def reference_scorer(ckpt: Checkpoint, cfg: GPT2Config, dtype: torch.dtype, devi
         lambda ids: ref.transformer(input_ids=ids).last_hidden_state,
         ref.lm_head,
         device,
+        vocab_size=cfg.vocab_size,
     )
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +31,7 @@ from .metrics import metrics, next_token
 from .noise import verdict
 from .points import capture_reference_points, capture_scratch_points, logit_lens_top1, point_names
 from .prompts import Inputs, default_inputs, resolve
-from .reference import exact_matmuls, load_reference
+from .reference import exact_matmuls, load_reference, versions
 from .results import PointResult, Report, Sweep
 from .tolerances import TOLERANCES, VS_FLOAT32_TOLERANCES, Tolerance
 
@@ -232,7 +231,7 @@ def _run_detailed(
             "forward_s": t_fwd,
             "noise_floor_s": t_floor,
         }
-        r.versions = {"torch": torch.__version__, "transformers": tv, "python": platform.python_version()}
+        r.versions = versions(devs)
         reports.append(r)
         del scratch, got, floors
         gc.collect()

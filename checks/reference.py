@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import platform
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -109,6 +110,21 @@ def precision_settings(paths: tuple[str, ...] = PRECISION_SETTINGS) -> list[obje
             o = getattr(o, part, None)
         if o is not None and isinstance(getattr(o, "fp32_precision", None), str):
             out.append(o)
+    return out
+
+
+def versions(devices: Iterator[torch.device] | list[torch.device]) -> dict[str, str]:
+    """What the figures were measured with: torch, transformers and python, and for a CUDA run the GPU, CUDA and
+    cuDNN (a float32 forward is bit-exact on one GPU and cuBLAS release; the report says which)."""
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    for dev in devices:
+        if dev.type == "cuda":
+            out["gpu"] = torch.cuda.get_device_name(dev)
+            out["cuda"] = str(torch.version.cuda)
+            out["cudnn"] = str(torch.backends.cudnn.version())
+            break
     return out
 
 

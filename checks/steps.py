@@ -15,6 +15,13 @@ from gpt2_port.config import GPT2Config
 from .grads import decays, prompt_shares
 from .storage import moments_on_disk
 
+# Both sides step with torch's single-tensor AdamW, whatever the device: on CUDA torch would pick its multi-tensor
+# (foreach) kernels by default, which take a per-tensor fallback for our q/k/v views (strided, not dense) and the
+# fused path for transformers' contiguous weights; the single-tensor loop does the same arithmetic per element
+# whatever the layout, and is what the CPU tests compare bit for bit.
+ADAMW_IMPL = {"foreach": False, "fused": False}
+ADAMW_NAME = "torch.optim.AdamW, single-tensor (foreach=False, fused=False)"
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -53,6 +60,7 @@ def train_steps(
         lr=tc.lr,
         betas=tc.betas,
         eps=tc.eps,
+        **ADAMW_IMPL,
     )
     if moments_dir is not None:
         moments_on_disk(opt, moments_dir)

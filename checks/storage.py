@@ -37,6 +37,15 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         return len(self._makers)
 
 
+def spills(tensors: Mapping[str, torch.Tensor], spill_bytes: int | None) -> bool:
+    """Whether these tensors go to disk (SpilledTensors): more than `spill_bytes` of them, all in the host's memory.
+    Tensors on an accelerator stay where they are: the spill saves host memory, and a GPU's copies (6.2 GB of
+    gradients at 1.5B) fit beside the two models on an 80 GB card."""
+    if spill_bytes is None or any(t.device.type != "cpu" for t in tensors.values()):
+        return False
+    return sum(t.numel() * t.element_size() for t in tensors.values()) > spill_bytes
+
+
 class SpilledTensors(Mapping[str, torch.Tensor]):
     """name -> tensor, written once to a safetensors file and read back zero-copy from its mapping: the reference's
     gradients of a large model stay on disk (reclaimable page cache) instead of in the process's memory."""

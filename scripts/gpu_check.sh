@@ -9,20 +9,25 @@
 #               are pyproject's floors, which CI tests too)
 #     parity    gpt2-port parity --device cuda: 124M and 1.5B float32 forward (expect 0 at every point), 124M
 #               backward with 10 AdamW steps (reference kernels: bit-identical; fast: within the noise), 124M bf16
-#     train     the fused head padded and not, and its chunk sizes (benchmarks.head_padding), then python -m
-#               benchmarks.gpu train --sizes gpt2 (tokens/s, MFU, peak memory beside transformers, eager and compiled)
+#     train     python -m benchmarks.gpu train --sizes gpt2 (tokens/s, MFU, peak memory beside transformers, eager
+#               and compiled), then the fused head padded and not, and its chunk sizes (benchmarks.head_padding)
 #     train-xl  the eager sides and `train`'s own loop for gpt2-xl (its 48-layer compiles would not fit one call)
 #     decode    python -m benchmarks.gpu decode --sizes gpt2 (tokens/s beside transformers' generate)
 #     decode-xl the same for gpt2-xl, bf16 (sampled batches of 8 and 32: with the 6.4 GB checkpoint written and
 #               transformers' 48-layer static cache compiled, 64 rows too might not fit one call)
 #     smoke     the same commands at toy sizes on the CPU (checks this script, not the GPU)
-# Each call to a lent GPU runs at most 10 minutes: one phase per call (tests and parity together may not fit). A step
-# still running at the deadline (BUDGET_S after the start, default 570 s) is stopped, so the bundle after it is made;
-# steps left after the deadline are named as not run. While a step runs, RESULTS is bundled every 60 s too.
+# Phases run in the order given. Device time is short (15 minutes a session, machine starts included, each call at
+# most 10): ask the device's `status` first, give BUDGET_S what is left less a start, put the figures wanted most
+# first (`decode tests` in one call; `train` with TRAIN_ARGS=--key-only, the goals' sides and train's loop, in the
+# next, made at once: a machine idle for 30 s is given back). A step still running at the deadline (BUDGET_S after
+# the start, default 570 s) is stopped, so the bundle after it is made; steps left after the deadline are named as
+# not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks rewrite their JSON after every side
+# and round, and `python -m benchmarks.gpu KIND --render-from JSON --markdown M --plot P` renders a cut-short one.
 # Every invocation first writes RESULTS/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
 #
 # Environment: RESULTS (default gpu-results), PYTHON (default python3), INSTALL=0 to skip `pip install -e .` (if it
-# fails, the commands run from the checkout on PYTHONPATH),
+# fails, the commands run from the checkout on PYTHONPATH), TRAIN_ARGS and DECODE_ARGS (more flags for
+# benchmarks.gpu train / decode, word-split: e.g. TRAIN_ARGS="--key-only --steps 10" DECODE_ARGS="--batches 8,32"),
 # SHARED_FROM (default .gpu_shared where it exists; the tests need ../shared beside the checkout: GPT-2's BPE files and
 # tiny shakespeare; where it is missing, a copy of it at SHARED_FROM is put there),
 # OUT: the device machine's folder of files sent back (set there): after env.log and after every step the RESULTS
@@ -34,7 +39,7 @@ PY=${PYTHON:-python3}
 DEADLINE=$(($(date +%s) + ${BUDGET_S:-570}))
 RESULTS=${RESULTS:-gpu-results}
 SHARED_FROM=${SHARED_FROM:-$([ -d .gpu_shared ] && echo .gpu_shared)}
-[ $# -gt 0 ] || { sed -n '6,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { sed -n '6,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 for phase in "$@"; do
   case "$phase" in tests | suite | parity | train | train-xl | decode | decode-xl | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, suite, parity, train, train-xl, decode, decode-xl or smoke)" >&2; exit 2 ;; esac
 done
@@ -100,7 +105,12 @@ bundle
 
 shared() {  # the tests read ../shared: put the copy at SHARED_FROM there when it is missing
   if [ -n "${SHARED_FROM:-}" ] && [ ! -e ../shared ]; then cp -r "$SHARED_FROM" ../shared; fi
+  [ -d ../shared/gpt2-tokenizer ] || echo "gpu_check: ../shared/gpt2-tokenizer is missing (copy ../shared to .gpu_shared and carry it): the tests that read it will fail" >&2
 }
+# shellcheck disable=SC2206  # word-split on purpose: a list of flags
+TRAIN_EXTRA=(${TRAIN_ARGS:-})
+# shellcheck disable=SC2206
+DECODE_EXTRA=(${DECODE_ARGS:-})
 
 checkpoint() {  # checkpoint SIZE: weights/SIZE-random, written once
   [ -f "weights/$1-random/model.safetensors" ] || step "checkpoint-$1" "${G[@]}" demo-checkpoint --size "$1" --out "weights/$1-random"
@@ -130,25 +140,27 @@ for phase in "$@"; do
       ;;
     train)
       checkpoint gpt2
+      step bench-train "$PY" -m benchmarks.gpu train --sizes gpt2 --weights-dir weights --out "$RESULTS/train.json" \
+        --markdown "$RESULTS/train.md" --plot "$RESULTS/train.png" "${TRAIN_EXTRA[@]}"
       step bench-head-padding "$PY" -m benchmarks.head_padding --device cuda --dtype bf16 --rows 16384 \
         --chunk-rows 256,1024,2048,4096,8192 --json "$RESULTS/head-padding.json"
-      step bench-train "$PY" -m benchmarks.gpu train --sizes gpt2 --weights-dir weights --out "$RESULTS/train.json" \
-        --markdown "$RESULTS/train.md" --plot "$RESULTS/train.png"
       ;;
     train-xl)
       checkpoint gpt2-xl
       step bench-train-xl "$PY" -m benchmarks.gpu train --sizes gpt2-xl --no-compile --weights-dir weights \
-        --out "$RESULTS/train-xl.json" --markdown "$RESULTS/train-xl.md" --plot "$RESULTS/train-xl.png"
+        --out "$RESULTS/train-xl.json" --markdown "$RESULTS/train-xl.md" --plot "$RESULTS/train-xl.png" \
+        "${TRAIN_EXTRA[@]}"
       ;;
     decode)
       checkpoint gpt2
       step bench-decode "$PY" -m benchmarks.gpu decode --sizes gpt2 --weights-dir weights --out "$RESULTS/decode.json" \
-        --markdown "$RESULTS/decode.md" --plot "$RESULTS/decode.png"
+        --markdown "$RESULTS/decode.md" --plot "$RESULTS/decode.png" "${DECODE_EXTRA[@]}"
       ;;
     decode-xl)
       checkpoint gpt2-xl
       step bench-decode-xl "$PY" -m benchmarks.gpu decode --sizes gpt2-xl --weights-dir weights --batches 8,32 \
-        --out "$RESULTS/decode-xl.json" --markdown "$RESULTS/decode-xl.md" --plot "$RESULTS/decode-xl.png"
+        --out "$RESULTS/decode-xl.json" --markdown "$RESULTS/decode-xl.md" --plot "$RESULTS/decode-xl.png" \
+        "${DECODE_EXTRA[@]}"
       ;;
     smoke)
       checkpoint gpt2

@@ -266,6 +266,38 @@ def test_spilled_reference_gradients_give_the_same_report(tiny_official: Path) -
     assert max(p.noise_norm_rel for p in b.points) > 0
 
 
+def test_only_host_tensors_spill(tmp_path: Path) -> None:
+    """The spill saves host memory: tensors on an accelerator (here `meta`, which holds no data, standing in for CUDA)
+    stay where they are whatever their size (writing them would need their bytes on the host: 1.5B's backward on CUDA
+    failed there), host tensors above the limit go to disk and read back equal."""
+    big = {"w": torch.empty(1 << 20, 1 << 12, device="meta")}  # 16 GiB declared, nothing allocated
+    assert not storage.spills(big, 0) and not storage.spills(big, None)
+    host = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    assert storage.spills(host, 0) and not storage.spills(host, 1 << 20) and not storage.spills(host, None)
+    want = {k: v.clone() for k, v in host.items()}
+    spilled = storage.SpilledTensors(host, tmp_path / "s.safetensors")
+    assert all(torch.equal(spilled[k], v) and spilled[k].dtype == v.dtype for k, v in want.items())
+
+
+def test_both_sides_step_with_single_tensor_adamw(tiny_official: Path, monkeypatch) -> None:
+    """Both sides' AdamW is torch's single-tensor loop on every device: on CUDA torch's default (foreach) runs our
+    strided q/k/v views and transformers' dense weights through different kernels. The report names the optimizer."""
+    made = []
+    real = torch.optim.AdamW
+
+    class Spy(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **kw) -> None:
+            made.append({k: kw.get(k) for k in ("foreach", "fused")})
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(steps.torch.optim, "AdamW", Spy)
+    r = backward.run_backward(
+        str(tiny_official), ["The students opened their books"], train=steps.TrainConfig(steps=1), noise_floor=False
+    )
+    assert made == [{"foreach": False, "fused": False}] * 2  # the reference, then ours
+    assert r.reports[0].passed and "single-tensor" in r.reports[0].train["optimizer"]
+
+
 def test_moments_on_disk_and_spilled_weights_give_the_same_steps(tiny_official: Path) -> None:
     """1.5B's training state does not fit this machine: AdamW's moments then live in file-backed mappings and the
     reference's trained weights on disk. Every step's losses and every weight figure must be what they are in

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -42,6 +43,23 @@ def test_greedy_loops_agree(tiny_official: Path) -> None:
     assert same_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2 and same_prefix([1, 2], [1, 2]) == 2
     with pytest.raises(ValueError, match="static cache only"):
         greedy_hf(ref, ids, 6, compiled=True)
+
+
+def test_the_compiled_transformers_row_is_an_error_where_generate_did_not_compile(tiny_official: Path) -> None:
+    """transformers' generate compiles its static-cache forward only where its criteria hold (a GPU, by default) and
+    otherwise runs it eagerly without a word: the row named "compiled" then fails instead of timing eager code. With
+    generate's own switch for other devices (backend eager on the CPU) it compiles, and the row runs."""
+    from transformers import CompileConfig, GPT2LMHeadModel
+
+    ref = GPT2LMHeadModel.from_pretrained(tiny_official).eval()
+    ref.generation_config.eos_token_id = None
+    ids = torch.randint(0, 50257, (1, 5), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="ran its static-cache forward eagerly"):
+        greedy_hf(ref, ids, 3, static=True, compiled=True)
+    cc = CompileConfig(backend="eager", mode=None)
+    cc._compile_all_devices = True  # transformers' own switch for compiling on any device (a class attribute)
+    ref.generation_config.compile_config = cc
+    assert torch.equal(greedy_hf(ref, ids, 3, static=True, compiled=True), greedy_hf(ref, ids, 3, static=True))
 
 
 def test_the_graph_row_is_an_error_where_the_step_did_not_run_as_a_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,15 +171,57 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     assert gpu.main([*argv, "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png")]) == 0
     t = json.loads((tmp_path / "t.json").read_text())
     rows = t["sizes"]["tiny"]["rows"]
-    assert {"ours fast compiled", "transformers compiled", "gpt2-port train loop"} <= set(rows)
+    # the goals' sides first (a run cut short at the device's time limit keeps them), `train`'s loop after them
+    key = ["ours fast compiled", "transformers compiled", "transformers eager", "ours fast eager"]
+    assert list(rows)[:5] == [*key, "gpt2-port train loop"] and len(rows) == 10
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG" and "ours fast eager" in (tmp_path / "t.md").read_text()
     argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "4", "--batches", "2", "--rounds", "1"]
     assert gpu.main([*argv, "--weights-dir", w, "--out", str(tmp_path / "d.json")]) == 0
     d = json.loads((tmp_path / "d.json").read_text())
+    assert list(d["sizes"]["tiny"]["batch1"]) == ["bfloat16", "float32"]  # bf16, the goals' figure, first
     rows = d["sizes"]["tiny"]["batch1"]["float32"]["rows"]
     assert rows["ours"]["same_tokens"] == 4 and d["bandwidth_GBps"] > 0
     assert set(d["sizes"]["tiny"]["batched"]["2"]) == {"ours", "transformers"}
+    assert d["command"].startswith("python -m benchmarks.gpu decode --device cpu")
+
+
+def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The JSON is rewritten after every side (train) and every round (decode): a run killed at the device's time
+    limit leaves the rows it timed, and `--render-from` makes its Markdown and plot here; `--key-only` runs the goals'
+    sides and `train`'s loop alone."""
+    from benchmarks import gpu
+
+    w, out = str(tmp_path / "w"), tmp_path / "t.json"
+    argv = ["train", "--device", "cpu", "--sizes", "tiny", "--batch", "2", "--block", "16", "--warmup", "0"]
+    assert gpu.main([*argv, "--steps", "1", "--no-compile", "--key-only", "--weights-dir", w, "--out", str(out)]) == 0
+    t = json.loads(out.read_text())
+    assert list(t["sizes"]["tiny"]["rows"]) == ["transformers eager", "ours fast eager", "gpt2-port train loop"]
+    saved: list[dict] = []
+    real_write = gpu.write_output
+    seen = lambda p, text, what: saved.append(json.loads(text)) if what == "--out" else real_write(p, text, what)  # noqa: E731
+    argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "3", "--batches", "", "--rounds", "2"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu, "write_output", seen)
+        assert gpu.main([*argv, "--weights-dir", w, "--out", str(tmp_path / "d.json")]) == 0
+    # bf16: after its warm-ups (no round timed yet) and after each of the 2 rounds; then float32 the same
+    first = saved[0]["sizes"]["tiny"]["batch1"]
+    assert list(first) == ["bfloat16"] and first["bfloat16"]["rows"]["ours"]["tok_s"] is None
+    assert len(saved[2]["sizes"]["tiny"]["batch1"]["bfloat16"]["rows"]["ours"]["times"]) == 2
+    cut = tmp_path / "cut.json"
+    cut.write_text(json.dumps(saved[0]))  # what a kill after bf16's warm-ups leaves
+    md = tmp_path / "cut.md"
+    assert (
+        gpu.main(["decode", "--render-from", str(cut), "--markdown", str(md), "--plot", str(tmp_path / "c.png")]) == 0
+    )
+    assert (
+        "| ours | not timed | | | |" in md.read_text()
+        and "`python -m benchmarks.gpu decode --device cpu" in md.read_text()
+    )
+    capsys.readouterr()
+    assert gpu.main(["train", "--render-from", str(cut)]) == 2  # a decode run's results
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--render-from {cut}: expected the JSON of a `benchmarks.gpu train` run" in err
 
 
 def test_a_failing_side_leaves_the_others_and_fp16_trains_with_a_grad_scaler(tmp_path: Path, monkeypatch) -> None:
@@ -219,7 +279,7 @@ def gpu_check_commands() -> list[tuple[str, list[str]]]:
         if line.lstrip().startswith("#"):
             continue
         line = re.sub(r'"\$RESULTS/([^"]*)"', r"out/\1", line.strip())
-        line = line.replace("$1", "gpt2")
+        line = line.replace("$1", "gpt2").replace('"${TRAIN_EXTRA[@]}"', "").replace('"${DECODE_EXTRA[@]}"', "")
         for marker, tool in (
             ('"${G[@]}" ', "gpt2-port"),
             ("-m benchmarks.gpu ", "benchmarks.gpu"),
@@ -281,6 +341,32 @@ def test_the_gpu_check_script_runs_from_the_checkout_when_the_install_fails(tmp_
     paths = set(seen.read_text().split())
     assert paths == {f"{REPO}:{out}/pythonpath"}
     assert (out / "pythonpath" / "gpt2_port_checks").resolve() == REPO / "checks"
+
+
+def test_the_gpu_check_script_passes_train_and_decode_args_and_says_when_shared_is_missing(tmp_path: Path) -> None:
+    """TRAIN_ARGS and DECODE_ARGS reach the benchmark commands (word-split, after the script's own flags), so a call
+    can be sized to the device time left; the train phase times the benchmark before the head-padding one; a missing
+    ../shared is named before the tests fail on it. A stand-in python records each command line."""
+    fake, seen, out = tmp_path / "python3", tmp_path / "seen", tmp_path / "out"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {seen}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "RESULTS": str(out), "INSTALL": "0", "SHARED_FROM": ""}
+    env |= {"TRAIN_ARGS": "--key-only --steps 10", "DECODE_ARGS": "--batches 8,32"}
+    env.pop("OUT", None)
+    script = REPO / "scripts" / "gpu_check.sh"
+    r = subprocess.run(["bash", str(script), "train", "decode"], capture_output=True, env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    runs = [line for line in seen.read_text().splitlines() if line.startswith("-m benchmarks.")]
+    assert [line.split()[1] for line in runs] == ["benchmarks.gpu", "benchmarks.head_padding", "benchmarks.gpu"]
+    assert runs[0].startswith("-m benchmarks.gpu train") and runs[0].endswith("train.png --key-only --steps 10")
+    assert runs[2].startswith("-m benchmarks.gpu decode") and runs[2].endswith("decode.png --batches 8,32")
+    assert "--key-only" not in runs[1]
+    # the tests phase in a copy of the checkout with no ../shared beside it
+    repo = tmp_path / "box" / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(script, repo / "scripts" / "gpu_check.sh")
+    r = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "tests"], capture_output=True, env=env)
+    assert "../shared/gpt2-tokenizer is missing" in r.stderr.decode()
 
 
 def test_the_gpu_check_script_bundles_its_results_into_the_devices_out(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpt2_port.cli import main
 
@@ -199,3 +200,22 @@ def test_data_without_byte_counts_gives_the_token_figures_alone(tiny_official: P
     assert r["tokens"] == 300 and r["perplexity"] > 1
     assert r["bytes"] is None and r["bits_per_byte"] is None and r["word_perplexity"] is None
     assert "rerun gpt2-port prepare" in capsys.readouterr().out
+
+
+def test_out_of_memory_is_one_line_naming_the_batch_size(
+    tiny_official: Path, lambada: Path, capsys, monkeypatch
+) -> None:
+    """A batch that does not fit the GPU (torch's OutOfMemoryError, raised here by a stand-in model) ends in one line
+    naming --batch-size, exit 2, no traceback and no half-written --json."""
+    from gpt2_port.model import GPT2
+
+    def oom(*_a, **_k) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.07 GiB")
+
+    monkeypatch.setattr(GPT2, "forward", oom)
+    out_json = lambada.parent / "e.json"
+    rc, out, err = run(
+        capsys, str(tiny_official), "--lambada", str(lambada), "--batch-size", "64", "--json", str(out_json)
+    )
+    assert rc == 2 and not out_json.exists()
+    assert err.count("\n") == 1 and "--batch-size 64: out of memory on cpu" in err and "Traceback" not in err

@@ -380,6 +380,45 @@ def test_nan_weight_stops_the_evaluation_naming_the_weight(tiny_official: Path) 
         score_batch(model_scorer(m), [Request([1], [2, 3])], 16, 0, "window", 7)
 
 
+def test_ids_outside_the_vocabulary_are_refused_before_the_model_runs() -> None:
+    """On CUDA an id >= V is a device-side assert that kills the process's CUDA context: checked on the host first,
+    from the lists, naming the request (a context id and a scored id alike)."""
+
+    def never(_ids: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the model ran")
+
+    s = Scorer("fake", never, lambda h: torch.zeros(len(h), 8), torch.device("cpu"), vocab_size=8)
+    with pytest.raises(UsageError, match=r"window 4: token id 9 is outside the model's vocabulary of 8 tokens"):
+        score_batch(s, [Request([1], [2, 3]), Request([1], [2, 9])], 8, 0, "window", 3)
+    with pytest.raises(UsageError, match=r"choice 0: token id 12 is outside"):
+        score_batch(s, [Request([12], [2])], 8, 0, "choice")
+
+
+def test_a_batch_makes_no_host_tensor_between_the_forward_and_the_head(monkeypatch) -> None:
+    """Everything the device needs for a batch goes in one copy before the forward: a tensor built from host lists
+    after it (the scored rows' indices, the targets) would wait on CUDA for the whole forward before the head."""
+    made: list[str] = []
+    real = torch.tensor
+
+    def spy(*a, **kw) -> torch.Tensor:
+        made.append("tensor")
+        return real(*a, **kw)
+
+    def hidden(ids: torch.Tensor) -> torch.Tensor:
+        made.append("forward")
+        return F.one_hot(ids, 8).float()  # (B, T, 8)
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        made.append("head")
+        return h
+
+    monkeypatch.setattr(torch, "tensor", spy)
+    s = Scorer("fake", hidden, head, torch.device("cpu"), vocab_size=8)
+    sums, _, _ = score_batch(s, [Request([1], [2, 3]), Request([4], [5])], 8, 0)
+    assert made.index("head") == made.index("forward") + 1, made
+    assert sums == pytest.approx([2 * math.log(math.e + 7), math.log(math.e + 7)])  # logit 1 on the input token
+
+
 # -- the real weights ----------------------------------------------------------------------------------------------
 def test_real_gpt2_rolling_nll_equals_transformers(tok, tmp_path: Path) -> None:
     from huggingface_hub import try_to_load_from_cache

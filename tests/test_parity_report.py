@@ -219,3 +219,17 @@ def test_paths_written_are_printed_at_the_end(tiny_official: Path, tmp_path: Pat
     lines = capsys.readouterr().out.rstrip("\n").splitlines()
     assert lines[-3:] == [f"wrote {j} (json)", f"wrote {md} (markdown)", f"wrote {png} (plot)"]
     assert j.is_file() and md.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_report_names_the_gpu_cuda_and_cudnn_of_a_cuda_run(monkeypatch) -> None:
+    """A float32 forward is bit-exact on one GPU with one cuBLAS: a CUDA report names the GPU, CUDA and cuDNN it ran
+    on (stood in here: CUDA calls answered without a GPU); a CPU report names neither."""
+    from gpt2_port_checks.reference import versions
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
+    on_gpu = versions([torch.device("cpu"), torch.device("cuda", 0)])
+    assert on_gpu["gpu"] == "NVIDIA H100 80GB HBM3" and on_gpu["cuda"] == "12.8" and on_gpu["cudnn"] == "91002"
+    assert on_gpu["torch"] == torch.__version__ and "transformers" in on_gpu
+    assert not {"gpu", "cuda", "cudnn"} & set(versions([torch.device("cpu")]))

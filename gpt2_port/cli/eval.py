@@ -132,7 +132,7 @@ def _inputs(args: argparse.Namespace) -> list:
 
 def run(args: argparse.Namespace) -> int:
     from ..devices import dtype_name as name_of
-    from ..devices import parse_device, parse_dtype
+    from ..devices import out_of_memory, parse_device, parse_dtype
     from ..errors import UsageError
     from ..eval.jsonl import read_jsonl
     from ..eval.perplexity import (
@@ -245,9 +245,14 @@ def run(args: argparse.Namespace) -> int:
             results = evaluate_lambada(scorers, reqs, max_length, tok.eot_id, args.batch_size, update)  # type: ignore[arg-type]
         else:
             results = evaluate_choices(scorers, qs, max_length, tok.eot_id, args.batch_size, update)  # type: ignore[arg-type]
-    except BaseException:
+    except BaseException as e:
         if bar is not None:
             bar.abandon()
+        if out_of_memory(e):  # a batch of B windows of max-length tokens does not fit the device
+            raise UsageError(
+                f"--batch-size {args.batch_size}: out of memory on {device} scoring windows of {max_length} tokens "
+                f"in {dt}; try a smaller --batch-size (or --max-length)"
+            ) from None
         raise
     if bar is not None:
         bar.close()

@@ -35,6 +35,7 @@ class Scorer:
     head: Callable[[torch.Tensor], torch.Tensor]  # (N, C) -> (N, V)
     device: torch.device
     nonfinite_hint: Callable[[], str] = lambda: ""
+    vocab_size: int | None = None  # ids at or above it are refused on the host (on CUDA they would assert)
 
 
 def model_scorer(model, name: str = "gpt2_port") -> Scorer:  # noqa: ANN001 (a GPT2; imported lazily elsewhere)
@@ -44,7 +45,8 @@ def model_scorer(model, name: str = "gpt2_port") -> Scorer:  # noqa: ANN001 (a G
             return f"the weights hold NaN/Inf in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
         return f"no weight is NaN/Inf: the activations overflowed in {str(model.dtype).removeprefix('torch.')}"
 
-    return Scorer(name, lambda ids: model(ids, hidden_only=True), model.head, model.device, hint)
+    hidden = lambda ids: model(ids, hidden_only=True)  # noqa: E731
+    return Scorer(name, hidden, model.head, model.device, hint, vocab_size=model.config.vocab_size)
 
 
 class NonFiniteLogits(CheckpointError):
@@ -78,13 +80,21 @@ def score_batch(
         rows_b += [i] * n
         rows_t += range(len(x) - n, len(x))  # position p predicts the token at p + 1
         targets += r.continuation
+    V = scorer.vocab_size
+    if V is not None:
+        _check_ids(inputs, reqs, V, what, first)
+    N = len(targets)
+    # The ids, the scored positions and the targets go to the device in one copy, queued before the forward: an
+    # index made on the host after it would wait for the whole forward before the head could be queued.
+    packed = torch.cat([ids.view(-1), torch.tensor(rows_b + rows_t + targets, dtype=torch.long)])  # (B*T + 3N,)
     with torch.inference_mode():
-        h = scorer.hidden(ids.to(scorer.device))  # (B, T, C)
-        hs = h[torch.tensor(rows_b), torch.tensor(rows_t)]  # (N, C): the scored positions only
-        tgt = torch.tensor(targets, device=hs.device)  # (N,)
-        nll = torch.empty(len(targets), dtype=torch.float32, device=hs.device)
-        hit = torch.zeros(len(targets), dtype=torch.bool, device=hs.device)
-        for s in range(0, len(targets), HEAD_ROWS):
+        on_dev = packed.to(scorer.device, non_blocking=True)
+        ids_d, rb, rt, tgt = on_dev.split([B * T, N, N, N])  # (B*T,), (N,), (N,), (N,)
+        h = scorer.hidden(ids_d.view(B, T))  # (B, T, C)
+        hs = h[rb, rt]  # (N, C): the scored positions only
+        nll = torch.empty(N, dtype=torch.float32, device=hs.device)
+        hit = torch.zeros(N, dtype=torch.bool, device=hs.device)
+        for s in range(0, N, HEAD_ROWS):
             logits = scorer.head(hs[s : s + HEAD_ROWS])  # (R, V)
             nll[s : s + HEAD_ROWS] = token_nll(logits, tgt[s : s + HEAD_ROWS])  # (R,)
             if want_greedy:
@@ -105,6 +115,18 @@ def score_batch(
     misses = torch.zeros(B, dtype=torch.long).index_add_(0, owner, (~hit).long())
     ends = torch.tensor([len(r.continuation) for r in reqs]).cumsum(0) - 1
     return sums.tolist(), (misses == 0).tolist(), hit[ends].tolist()
+
+
+def _check_ids(inputs: Sequence[list[int]], reqs: Sequence[Request], V: int, what: str, first: int) -> None:
+    """Every id the model reads or is scored on lies in 0..V-1 (UsageError naming the request): on the host, from the
+    lists already there, so no device waits and no device-side assert on CUDA."""
+    for i, (x, r) in enumerate(zip(inputs, reqs)):
+        bad = next((t for t in (*x, *r.continuation) if not 0 <= t < V), None)
+        if bad is not None:
+            raise UsageError(
+                f"{what} {first + i}: token id {bad} is outside the model's vocabulary of {V} tokens (0..{V - 1}): "
+                "the tokenizer does not match the model"
+            )
 
 
 def batched(items: Iterable[Request], size: int) -> Iterator[list[Request]]:
