@@ -3,6 +3,7 @@ windows, and the peak RSS of `evaluate_text` as the text grows (windows are stre
 
     python -m benchmarks.eval_speed speed  [--windows 8] [--rounds 5] [--batch-size 4] [--ckpt DIR]
     python -m benchmarks.eval_speed memory [--mb 1 10] [--full-mb 0.1 1]
+    python -m benchmarks.eval_speed order  [--docs 96] [--rounds 2] [--batch-size 8] [--ckpt DIR]
 
 speed: a random-weight 124M checkpoint in the official layout (written once with write_demo_checkpoint unless --ckpt
 is given), the first --windows rolling windows (1024 tokens) of tiny shakespeare, scored in one process, in rounds
@@ -12,6 +13,10 @@ that alternate ours and transformers on the same batches (interleaved, so the sh
 - transformers (logits): GPT2LMHeadModel(ids).logits for the whole batch, then the same loss on the scored rows --
   how a user of transformers scores windows.
 Both sdpa attention, float32, CPU. The ratio is the median of per-round ratios.
+
+order: LAMBADA-shaped passages of 15 to 160 words cut from tiny shakespeare (seeded), batched in file order and
+longest first (what `evaluate_lambada` does), ours and transformers (same scorer) in interleaved rounds; the tokens
+each order pads to and the speed-up.
 
 memory: one fresh process per (mode, text size), tiny shakespeare repeated to N MB, peak RSS (ru_maxrss):
 - `full`: the whole rolling evaluation (`evaluate_text`, batch 8, max-length 1024) with a small random model of
@@ -185,6 +190,84 @@ def memory(args: argparse.Namespace) -> dict:
     return {"runs": out}
 
 
+def passages(n: int, seed: int = 0) -> list[dict]:
+    """n LAMBADA-shaped documents ({"text": ...}) cut from tiny shakespeare at random: 15-40, 40-90 or 90-160
+    words, a third of each (real LAMBADA passages vary as much: the spread is what batching order meets)."""
+    import random
+
+    words = SHAKESPEARE.read_text().split()
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        k = rng.choice([rng.randint(15, 40), rng.randint(40, 90), rng.randint(90, 160)])
+        start = rng.randrange(len(words) - k)
+        docs.append({"text": " ".join(words[start : start + k]), "_line": i + 1})
+    return docs
+
+
+def order(args: argparse.Namespace) -> dict:
+    """LAMBADA batched in file order against longest first (`evaluate_lambada`'s order), for ours and for
+    transformers through the same scorer, interleaved rounds in one process."""
+    from transformers import GPT2LMHeadModel
+
+    from gpt2_port.eval.score import Scorer, batched, longest_first, model_scorer, score_batch
+    from gpt2_port.eval.tasks import lambada_requests
+    from gpt2_port.io.demo import write_demo_checkpoint
+    from gpt2_port.io.tokenizer import load_tokenizer
+    from gpt2_port.model import from_pretrained
+
+    tmp = None
+    ckpt = args.ckpt
+    if ckpt is None:
+        tmp = tempfile.TemporaryDirectory(prefix="evalbench-")
+        ckpt = write_demo_checkpoint(Path(tmp.name) / "gpt2", size="gpt2", seed=0, tokenizer_dir=TOKENIZER)
+    tok = load_tokenizer(TOKENIZER)
+    reqs = lambada_requests(passages(args.docs), tok.encode, tok.eot_id, "--lambada")
+    M, B = 1024, args.batch_size
+    ours_model, _ = from_pretrained(ckpt)
+    ref = GPT2LMHeadModel.from_pretrained(ckpt, attn_implementation="sdpa").eval()
+    ours = model_scorer(ours_model)
+    same = Scorer("transformers", lambda x: ref.transformer(input_ids=x).last_hidden_state, ref.lm_head, ours.device)
+    file_order = [list(range(i, min(i + B, len(reqs)))) for i in range(0, len(reqs), B)]
+    orders = {"file order": file_order, "longest first": list(longest_first(reqs, M, B))}
+    assert [len(b) for b in batched(reqs, B)] == [len(b) for b in file_order]
+
+    def run(scorer: Scorer, batches: list[list[int]]) -> float:
+        return sum(sum(score_batch(scorer, [reqs[i] for i in b], M, tok.eot_id, "document", b)[0]) for b in batches)
+
+    runners = {f"{s.name}, {o}": (s, orders[o]) for s in (ours, same) for o in orders}
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    nll: dict[str, float] = {}
+    for rnd in range(args.rounds):
+        for name in list(runners) if rnd % 2 == 0 else list(reversed(runners)):
+            t0 = time.perf_counter()
+            nll[name] = run(*runners[name])
+            times[name].append(time.perf_counter() - t0)
+            print(f"round {rnd}: {name} {times[name][-1]:.1f} s", file=sys.stderr)
+    padded = {o: sum(len(b) * max(len(reqs[i].model_input(M)) for i in b) for b in bs) for o, bs in orders.items()}
+    res = {
+        "docs": len(reqs),
+        "batch_size": B,
+        "rounds": args.rounds,
+        "input_tokens": sum(len(r.model_input(M)) for r in reqs),
+        "padded_tokens": padded,
+        "seconds_median": {k: statistics.median(v) for k, v in times.items()},
+        "speedup_longest_first": {
+            s.name: statistics.median(
+                a / b for a, b in zip(times[f"{s.name}, file order"], times[f"{s.name}, longest first"])
+            )
+            for s in (ours, same)
+        },
+        "nll": nll,
+        "nll_max_rel_diff": max(
+            abs(v - nll["gpt2_port, file order"]) / abs(nll["gpt2_port, file order"]) for v in nll.values()
+        ),
+    }
+    if tmp is not None:
+        tmp.cleanup()
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.eval_speed")
     sub = p.add_subparsers(dest="what", required=True)
@@ -194,6 +277,11 @@ def main() -> None:
     s.add_argument("--batch-size", type=int, default=4)
     s.add_argument("--threads", type=int, default=0)
     s.add_argument("--ckpt", default=None)
+    o = sub.add_parser("order")
+    o.add_argument("--docs", type=int, default=96)
+    o.add_argument("--rounds", type=int, default=2)
+    o.add_argument("--batch-size", type=int, default=8)
+    o.add_argument("--ckpt", default=None)
     m = sub.add_parser("memory")
     m.add_argument("--mb", type=float, nargs="+", default=[1.0, 10.0], help="sizes for stream and whole")
     m.add_argument("--full-mb", type=float, nargs="+", default=[0.1, 1.0], help="sizes for the full evaluation")
@@ -205,7 +293,7 @@ def main() -> None:
     if args.what == "_memory_one":
         print(json.dumps(memory_one(args.mode, args.mb, args.ckpt)))
         return
-    res = speed(args) if args.what == "speed" else memory(args)
+    res = {"speed": speed, "order": order, "memory": memory}[args.what](args)
     print(json.dumps(res, indent=2))
 
 

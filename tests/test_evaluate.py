@@ -288,6 +288,26 @@ def test_lambada_accuracy_needs_every_target_token_to_be_the_argmax() -> None:
     assert j["perplexity"] == pytest.approx(math.exp((5 * hit + 2 * miss) / 3))  # exp(mean word NLL)
 
 
+def test_lambada_and_choices_batch_longest_first_and_answer_in_file_order() -> None:
+    """Batches are made longest input first (lm-eval's order: the least padding, the largest batch first); every
+    result lands at its own document's or ending's place, as a batch of one gives it."""
+    widths: list[int] = []
+    s = Successor().scorer()
+    hidden = s.hidden
+    s.hidden = lambda ids: (widths.append(ids.shape[1]), hidden(ids))[1]
+    reqs = [Request([5], [6]), Request([1, 2, 3, 4], [9, 10]), Request([7, 8], [9]), Request([3, 4, 5], [7])]
+    one = evaluate_lambada([s], reqs, 16, 0, batch_size=1)["fake"]
+    widths.clear()
+    two = evaluate_lambada([s], reqs, 16, 0, batch_size=2)["fake"]
+    assert widths == [5, 2]  # inputs of 5, 3 | 2, 1 tokens (in file order 1, 5 | 2, 3: widths 5, 3)
+    assert (two.word_nll, two.correct, two.last_token_correct) == (one.word_nll, one.correct, one.last_token_correct)
+    assert two.correct == [True, False, True, False] and two.target_tokens == 5
+    q = [([reqs[0], reqs[1]], [1, 1], 0), ([reqs[2], reqs[3]], [1, 1], 1)]
+    widths.clear()
+    c = evaluate_choices([s], q, 16, 0, batch_size=2)["fake"]
+    assert widths == [5, 2] and c.ending_nll == one.word_nll
+
+
 def test_lambada_target_is_the_last_word_encoded_with_its_context(tok) -> None:
     docs = [{"text": "He looked at the sky and saw an albatross", "_line": 1}]
     (r,) = lambada_requests(docs, tok.encode, tok.eot_id, "--lambada x")

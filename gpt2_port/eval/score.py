@@ -60,12 +60,14 @@ def score_batch(
     max_length: int,
     pad_id: int,
     what: str = "window",
-    first: int = 0,
+    first: int | Sequence[int] = 0,
     want_greedy: bool = True,
 ) -> tuple[list[float], list[bool], list[bool]]:
     """Per request: the summed NLL of its continuation (float64 sum of float32 token NLLs), whether every
     continuation token is the argmax, and whether the last one is (both False without `want_greedy`, which saves a
-    pass over the logits). `first`: the index of reqs[0] in the whole run (for error messages)."""
+    pass over the logits). `first`: the index of reqs[0] in the whole run, or each request's index (for error
+    messages)."""
+    number = (lambda i: first + i) if isinstance(first, int) else first.__getitem__
     inputs = [r.model_input(max_length) for r in reqs]
     B, T = len(inputs), max(len(x) for x in inputs)
     ids = torch.full((B, T), pad_id, dtype=torch.long)  # right padding: causal attention never looks right
@@ -76,13 +78,13 @@ def score_batch(
         ids[i, : len(x)] = torch.tensor(x)
         n = len(r.continuation)
         if n > len(x):
-            raise UsageError(f"{what} {first + i}: {n} tokens to score do not fit a window of {max_length} tokens")
+            raise UsageError(f"{what} {number(i)}: {n} tokens to score do not fit a window of {max_length} tokens")
         rows_b += [i] * n
         rows_t += range(len(x) - n, len(x))  # position p predicts the token at p + 1
         targets += r.continuation
     V = scorer.vocab_size
     if V is not None:
-        _check_ids(inputs, reqs, V, what, first)
+        _check_ids(inputs, reqs, V, f"{what} ", number)
     N = len(targets)
     # The ids, the scored positions and the targets go to the device in one copy, queued before the forward: an
     # index made on the host after it would wait for the whole forward before the head could be queued.
@@ -107,7 +109,7 @@ def score_batch(
         row = int(bad.nonzero()[0, 0])
         hint = scorer.nonfinite_hint()
         raise NonFiniteLogits(
-            f"{scorer.name}: non-finite logits (NaN/Inf) at {what} {first + rows_b[row]}, position "
+            f"{scorer.name}: non-finite logits (NaN/Inf) at {what} {number(rows_b[row])}, position "
             f"{rows_t[row]}: the scores would be garbage{'; ' + hint if hint else ''}"
         )
     owner = torch.tensor(rows_b)
@@ -117,14 +119,16 @@ def score_batch(
     return sums.tolist(), (misses == 0).tolist(), hit[ends].tolist()
 
 
-def _check_ids(inputs: Sequence[list[int]], reqs: Sequence[Request], V: int, what: str, first: int) -> None:
+def _check_ids(
+    inputs: Sequence[list[int]], reqs: Sequence[Request], V: int, what: str, number: Callable[[int], int]
+) -> None:
     """Every id the model reads or is scored on lies in 0..V-1 (UsageError naming the request): on the host, from the
     lists already there, so no device waits and no device-side assert on CUDA."""
     for i, (x, r) in enumerate(zip(inputs, reqs)):
         bad = next((t for t in (*x, *r.continuation) if not 0 <= t < V), None)
         if bad is not None:
             raise UsageError(
-                f"{what} {first + i}: token id {bad} is outside the model's vocabulary of {V} tokens (0..{V - 1}): "
+                f"{what}{number(i)}: token id {bad} is outside the model's vocabulary of {V} tokens (0..{V - 1}): "
                 "the tokenizer does not match the model"
             )
 
@@ -138,6 +142,15 @@ def batched(items: Iterable[Request], size: int) -> Iterator[list[Request]]:
             batch = []
     if batch:
         yield batch
+
+
+def longest_first(reqs: Sequence[Request], max_length: int, size: int) -> Iterator[list[int]]:
+    """The requests' indices in batches of `size`, longest input first (lm-evaluation-harness's order): a batch is
+    padded to its longest row, so rows of alike lengths waste the least compute, and the largest batch comes first,
+    so a batch size the device cannot hold fails at once instead of at the end."""
+    order = sorted(range(len(reqs)), key=lambda i: -len(reqs[i].model_input(max_length)))  # stable: ties in order
+    for s in range(0, len(order), size):
+        yield order[s : s + size]
 
 
 def check_batch_size(batch_size: int) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
-from .score import DEFAULT_BATCH_SIZE, Scorer, batched, check_batch_size, score_batch
+from .score import DEFAULT_BATCH_SIZE, Scorer, check_batch_size, longest_first, score_batch
 from .windows import Request
 
 
@@ -75,19 +75,19 @@ def evaluate_lambada(
     batch_size: int = DEFAULT_BATCH_SIZE,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, LambadaResult]:
-    """`progress(target tokens scored)` after each batch (of `scored_tokens(reqs)`)."""
+    """`progress(target tokens scored)` after each batch (of `scored_tokens(reqs)`). Batches are made longest
+    document first (`longest_first`); the results are in the documents' order."""
     check_batch_size(batch_size)
-    out = {s.name: LambadaResult() for s in scorers}
-    done = scored = 0
-    for batch in batched(reqs, batch_size):
+    n = len(reqs)
+    out = {s.name: LambadaResult([0.0] * n, [False] * n, [False] * n, scored_tokens(reqs)) for s in scorers}
+    scored = 0
+    for idx in longest_first(reqs, max_length, batch_size):
+        batch = [reqs[i] for i in idx]
         for s in scorers:
-            sums, greedy, last = score_batch(s, batch, max_length, eot_id, "document", done)
+            sums, greedy, last = score_batch(s, batch, max_length, eot_id, "document", idx)
             res = out[s.name]
-            res.word_nll += sums
-            res.correct += greedy
-            res.last_token_correct += last
-            res.target_tokens += sum(len(r.continuation) for r in batch)
-        done += len(batch)
+            for j, i in enumerate(idx):
+                res.word_nll[i], res.correct[i], res.last_token_correct[i] = sums[j], greedy[j], last[j]
         scored += sum(len(r.continuation) for r in batch)
         if progress is not None:
             progress(scored)
@@ -151,15 +151,18 @@ def evaluate_choices(
     batch_size: int = DEFAULT_BATCH_SIZE,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, ChoiceResult]:
-    """`progress(ending tokens scored)` after each batch (of `scored_tokens` over every question's endings)."""
+    """`progress(ending tokens scored)` after each batch (of `scored_tokens` over every question's endings). Batches
+    are made longest ending first (`longest_first`) over all questions' endings."""
     check_batch_size(batch_size)
     flat = [r for reqs, _, _ in questions for r in reqs]
-    nll: dict[str, list[float]] = {s.name: [] for s in scorers}
+    nll: dict[str, list[float]] = {s.name: [0.0] * len(flat) for s in scorers}
     scored = 0
-    for batch in batched(flat, batch_size):
-        done = len(next(iter(nll.values())))
+    for idx in longest_first(flat, max_length, batch_size):
+        batch = [flat[i] for i in idx]
         for s in scorers:
-            nll[s.name] += score_batch(s, batch, max_length, eot_id, "ending", done, want_greedy=False)[0]
+            sums = score_batch(s, batch, max_length, eot_id, "ending", idx, want_greedy=False)[0]
+            for j, i in enumerate(idx):
+                nll[s.name][i] = sums[j]
         scored += sum(len(r.continuation) for r in batch)
         if progress is not None:
             progress(scored)
