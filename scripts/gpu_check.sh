@@ -26,8 +26,9 @@
 # Every invocation first writes RESULTS/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
 #
 # Environment: RESULTS (default gpu-results), PYTHON (default python3), INSTALL=0 to skip `pip install -e .` (if it
-# fails, the commands run from the checkout on PYTHONPATH), TRAIN_ARGS and DECODE_ARGS (more flags for
-# benchmarks.gpu train / decode, word-split: e.g. TRAIN_ARGS="--key-only --steps 10" DECODE_ARGS="--batches 8,32"),
+# fails, the commands run from the checkout on PYTHONPATH), TRAIN_ARGS, DECODE_ARGS and TESTS_ARGS (more flags for
+# benchmarks.gpu train / decode and for pytest in tests / suite; split on spaces, quotes not read: for example
+# TRAIN_ARGS="--key-only --steps 10" DECODE_ARGS="--batches 8,32" TESTS_ARGS="-x --maxfail 3"),
 # SHARED_FROM (default .gpu_shared where it exists; the tests need ../shared beside the checkout: GPT-2's BPE files and
 # tiny shakespeare; where it is missing, a copy of it at SHARED_FROM is put there),
 # OUT: the device machine's folder of files sent back (set there): after env.log and after every step the RESULTS
@@ -111,6 +112,8 @@ shared() {  # the tests read ../shared: put the copy at SHARED_FROM there when i
 TRAIN_EXTRA=(${TRAIN_ARGS:-})
 # shellcheck disable=SC2206
 DECODE_EXTRA=(${DECODE_ARGS:-})
+# shellcheck disable=SC2206
+TESTS_EXTRA=(${TESTS_ARGS:-})
 
 checkpoint() {  # checkpoint SIZE: weights/SIZE-random, written once
   [ -f "weights/$1-random/model.safetensors" ] || step "checkpoint-$1" "${G[@]}" demo-checkpoint --size "$1" --out "weights/$1-random"
@@ -120,11 +123,11 @@ for phase in "$@"; do
   case "$phase" in
     tests)
       shared
-      step tests-cuda "$PY" -m pytest -q -m cuda -rs
+      step tests-cuda "$PY" -m pytest -q -m cuda -rs --durations=15 "${TESTS_EXTRA[@]}"
       ;;
     suite)
       shared
-      step tests-all "$PY" -m pytest -q -rs
+      step tests-all "$PY" -m pytest -q -rs --durations=15 "${TESTS_EXTRA[@]}"
       ;;
     parity)
       checkpoint gpt2

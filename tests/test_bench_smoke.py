@@ -351,7 +351,7 @@ def test_the_gpu_check_script_passes_train_and_decode_args_and_says_when_shared_
     fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {seen}\n')
     fake.chmod(0o755)
     env = {**os.environ, "PYTHON": str(fake), "RESULTS": str(out), "INSTALL": "0", "SHARED_FROM": ""}
-    env |= {"TRAIN_ARGS": "--key-only --steps 10", "DECODE_ARGS": "--batches 8,32"}
+    env |= {"TRAIN_ARGS": "--key-only --steps 10", "DECODE_ARGS": "--batches 8,32", "TESTS_ARGS": "-x --maxfail 3"}
     env.pop("OUT", None)
     script = REPO / "scripts" / "gpu_check.sh"
     r = subprocess.run(["bash", str(script), "train", "decode"], capture_output=True, env=env)
@@ -367,6 +367,7 @@ def test_the_gpu_check_script_passes_train_and_decode_args_and_says_when_shared_
     shutil.copy(script, repo / "scripts" / "gpu_check.sh")
     r = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "tests"], capture_output=True, env=env)
     assert "../shared/gpt2-tokenizer is missing" in r.stderr.decode()
+    assert seen.read_text().splitlines()[-1].endswith("-m pytest -q -m cuda -rs --durations=15 -x --maxfail 3")
 
 
 def test_the_gpu_check_script_bundles_its_results_into_the_devices_out(tmp_path: Path) -> None:
