@@ -298,3 +298,29 @@ def test_each_token_costs_one_transfer_from_the_device(static: bool, monkeypatch
     assert g.sequences.shape[1] == 3 + 12
     first = reads.index("tolist")  # before it: the prompt's checks, on the caller's tensor, before the loop
     assert reads[first:] == ["tolist"] * 12, reads
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None:
+    """The forward and plan steps' keys grow by one a token: on CUDA cuDNN's SDPA kernel would build a plan for every
+    new length (bf16 ran 10x slower than float32), so those steps run with it excluded and the flag is put back
+    after; elsewhere the flags are left alone. A stand-in model and plan on a stand-in device report the flag."""
+    from types import SimpleNamespace
+
+    from gpt2_port.generate.steps import ForwardSteps, PlanSteps
+
+    seen: list[bool] = []
+
+    def call(*_a, **_k) -> torch.Tensor:
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return torch.zeros(1, 1, 4)
+
+    model = type("Stand", (), {"device": torch.device(device), "__call__": lambda self, *a, **k: call()})()
+    seq = torch.zeros(1, 8, dtype=torch.long)
+    fwd = ForwardSteps(model, seq, None, None)
+    fwd.prefill(seq[:, :3], None)
+    fwd.next(seq[:, 3], 3)
+    plan = SimpleNamespace(step=call)
+    PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
+    assert seen == [device != "cuda"] * 3
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # put back

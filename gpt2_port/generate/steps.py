@@ -3,6 +3,8 @@
 - `ForwardSteps`: `model.forward` every step (train mode, recorded activations, the manual attention, or no cache);
 - `PlanSteps`: model/decode.py's DecodePlan over a cache that grows by one slot a step (the CPU's default: the
   forward's ops without module dispatch, bit-identical to the forward);
+  on CUDA both attend with SDPA's cuDNN kernel excluded: their keys grow by one a step, and cuDNN builds an execution
+  plan for every new key length (bf16 on an H100 ran 10x slower than float32 with it: 4.9 ms of host time a call);
 - `StaticSteps`: DecodePlan.static_step over a StaticKVCache, every shape fixed for the whole generation (one
   attention plan: bf16 on an H100 no longer rebuilds cuDNN's plan for each new key length), captured as a CUDA
   graph on CUDA (the GPU's default; `cuda_graph=False`: the same step run eagerly). A captured step is kept on the
@@ -12,10 +14,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .cache import KVCache, StaticKVCache, static_len
 from .cuda_graph import CapturedStep
@@ -24,22 +28,36 @@ from .protocol import CausalLM
 KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_layer x B x L x C values)
 
 
+# SDPA's kernels but cuDNN's, for attention whose key length changes every call (see the module docstring)
+GROWING_KEYS_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def growing_keys_attention(device: torch.device) -> contextlib.AbstractContextManager:
+    """On CUDA, SDPA without its cuDNN kernel while the block runs (torch's global backend flags, put back after);
+    elsewhere nothing (the CPU has no cuDNN attention)."""
+    return sdpa_kernel(GROWING_KEYS_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class ForwardSteps:
     name = "forward"
     capture_s = 0.0  # time spent recording a CUDA graph (StaticSteps), so far
 
     def __init__(self, model: CausalLM, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> None:
         self.model, self.seq, self.mask, self.cache = model, seq, mask, cache
+        self.device = model.device
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return self.model(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)
+        with growing_keys_attention(self.device):
+            return self.model(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)
 
     def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
         S = slot + 1
         mask = self.mask[:, :S] if self.mask is not None else None
-        if self.cache is None:  # the whole sequence again
-            return self.model(self.seq[:, :S], attention_mask=mask, last_only=True, hidden_only=True)
-        return self.model(self.seq[:, slot:S], attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)
+        with growing_keys_attention(self.device):
+            if self.cache is None:  # the whole sequence again
+                return self.model(self.seq[:, :S], attention_mask=mask, last_only=True, hidden_only=True)
+            seq = self.seq[:, slot:S]
+            return self.model(seq, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)
 
 
 class PlanSteps(ForwardSteps):
@@ -52,7 +70,8 @@ class PlanSteps(ForwardSteps):
     def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
         S = slot + 1
         mask = self.mask[:, :S] if self.mask is not None else None
-        return self.plan.step(self.seq[:, slot:S], self.cache, mask)
+        with growing_keys_attention(self.device):
+            return self.plan.step(self.seq[:, slot:S], self.cache, mask)
 
 
 class StaticSteps:
