@@ -44,22 +44,33 @@ SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 TOKENIZER = REPO.parent / "shared" / "gpt2-tokenizer"
 
 
-def speed(args: argparse.Namespace) -> dict:
+def _models(ckpt: str | None) -> tuple:
+    """(temporary folder or None, transformers' model, ours as a scorer, transformers through the same scorer) on
+    the 124M checkpoint at `ckpt`, or on one written into a temporary folder (random weights, the official layout)."""
     from transformers import GPT2LMHeadModel
 
-    from gpt2_port.eval.score import Scorer, batched, model_scorer, score_batch
-    from gpt2_port.eval.windows import rolling_requests
+    from gpt2_port.eval.score import Scorer, model_scorer
     from gpt2_port.io.demo import write_demo_checkpoint
-    from gpt2_port.io.tokenizer import load_tokenizer
     from gpt2_port.model import from_pretrained
-    from gpt2_port.model.loss import token_nll
 
-    torch.set_num_threads(args.threads) if args.threads else None
     tmp = None
-    ckpt = args.ckpt
     if ckpt is None:
         tmp = tempfile.TemporaryDirectory(prefix="evalbench-")
         ckpt = write_demo_checkpoint(Path(tmp.name) / "gpt2", size="gpt2", seed=0, tokenizer_dir=TOKENIZER)
+    ours = model_scorer(from_pretrained(ckpt)[0])
+    ref = GPT2LMHeadModel.from_pretrained(ckpt, attn_implementation="sdpa").eval()
+    same = Scorer("transformers", lambda x: ref.transformer(input_ids=x).last_hidden_state, ref.lm_head, ours.device)
+    return tmp, ref, ours, same
+
+
+def speed(args: argparse.Namespace) -> dict:
+    from gpt2_port.eval.score import batched, score_batch
+    from gpt2_port.eval.windows import rolling_requests
+    from gpt2_port.io.tokenizer import load_tokenizer
+    from gpt2_port.model.loss import token_nll
+
+    torch.set_num_threads(args.threads) if args.threads else None
+    tmp, ref, ours, same = _models(args.ckpt)
     tok = load_tokenizer(TOKENIZER)
     M = 1024
     ids = tok.encode(SHAKESPEARE.read_text())
@@ -70,11 +81,6 @@ def speed(args: argparse.Namespace) -> dict:
             break
     batches = list(batched(reqs, args.batch_size))
     n_tokens = sum(len(r.continuation) for r in reqs)
-
-    ours_model, _ = from_pretrained(ckpt)
-    ref = GPT2LMHeadModel.from_pretrained(ckpt, attn_implementation="sdpa").eval()
-    ours = model_scorer(ours_model)
-    same = Scorer("transformers", lambda x: ref.transformer(input_ids=x).last_hidden_state, ref.lm_head, ours.device)
 
     def hf_logits(batch: list) -> list[float]:  # transformers the usual way: full logits, then the shared loss
         inputs = [r.model_input(M) for r in batch]
@@ -208,26 +214,14 @@ def passages(n: int, seed: int = 0) -> list[dict]:
 def order(args: argparse.Namespace) -> dict:
     """LAMBADA batched in file order against longest first (`evaluate_lambada`'s order), for ours and for
     transformers through the same scorer, interleaved rounds in one process."""
-    from transformers import GPT2LMHeadModel
-
-    from gpt2_port.eval.score import Scorer, batched, longest_first, model_scorer, score_batch
+    from gpt2_port.eval.score import Scorer, batched, longest_first, score_batch
     from gpt2_port.eval.tasks import lambada_requests
-    from gpt2_port.io.demo import write_demo_checkpoint
     from gpt2_port.io.tokenizer import load_tokenizer
-    from gpt2_port.model import from_pretrained
 
-    tmp = None
-    ckpt = args.ckpt
-    if ckpt is None:
-        tmp = tempfile.TemporaryDirectory(prefix="evalbench-")
-        ckpt = write_demo_checkpoint(Path(tmp.name) / "gpt2", size="gpt2", seed=0, tokenizer_dir=TOKENIZER)
+    tmp, _ref, ours, same = _models(args.ckpt)
     tok = load_tokenizer(TOKENIZER)
     reqs = lambada_requests(passages(args.docs), tok.encode, tok.eot_id, "--lambada")
     M, B = 1024, args.batch_size
-    ours_model, _ = from_pretrained(ckpt)
-    ref = GPT2LMHeadModel.from_pretrained(ckpt, attn_implementation="sdpa").eval()
-    ours = model_scorer(ours_model)
-    same = Scorer("transformers", lambda x: ref.transformer(input_ids=x).last_hidden_state, ref.lm_head, ours.device)
     file_order = [list(range(i, min(i + B, len(reqs)))) for i in range(0, len(reqs), B)]
     orders = {"file order": file_order, "longest first": list(longest_first(reqs, M, B))}
     assert [len(b) for b in batched(reqs, B)] == [len(b) for b in file_order]
