@@ -474,3 +474,28 @@ def test_one_non_finite_logit_in_a_scored_row_is_caught(bad: float) -> None:
     s = Scorer("fake", lambda ids: ids[..., None].float(), head, torch.device("cpu"))
     with pytest.raises(NonFiniteLogits, match="non-finite logits .* at window 3, position 1"):
         score_batch(s, [Request([1], [2, 3, 4])], 8, 0, "window", 3)
+
+
+def test_a_batchs_forward_runs_without_cudnn_attention_on_the_scorers_device(monkeypatch) -> None:
+    """Evaluation batches change length from one to the next: on CUDA each new length would cost cuDNN's attention a
+    new plan, so the forward runs with it excluded (asked for the scorer's device; here the CPU's answer is swapped
+    for CUDA's, whose flags a CPU build holds too) and the flags are put back after."""
+    from gpt2_port.eval import score
+    from gpt2_port.devices import without_cudnn_attention
+
+    asked: list[str] = []
+
+    def as_on_cuda(device: torch.device):  # noqa: ANN202
+        asked.append(device.type)
+        return without_cudnn_attention(torch.device("cuda"))
+
+    seen: list[bool] = []
+
+    def hidden(ids: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return F.one_hot(ids, 8).float()  # (B, T, 8)
+
+    monkeypatch.setattr(score, "without_cudnn_attention", as_on_cuda)
+    s = Scorer("fake", hidden, lambda h: h, torch.device("cpu"), vocab_size=8)
+    score_batch(s, [Request([1], [2, 3])], 8, 0)
+    assert asked == ["cpu"] and seen == [False] and torch.backends.cuda.cudnn_sdp_enabled()

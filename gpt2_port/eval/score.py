@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import without_cudnn_attention
 from ..errors import CheckpointError, UsageError
 from ..io.load import nonfinite_tensors
 from ..model.loss import token_nll
@@ -92,7 +93,8 @@ def score_batch(
     with torch.inference_mode():
         on_dev = packed.to(scorer.device, non_blocking=True)
         ids_d, rb, rt, tgt = on_dev.split([B * T, N, N, N])  # (B*T,), (N,), (N,), (N,)
-        h = scorer.hidden(ids_d.view(B, T))  # (B, T, C)
+        with without_cudnn_attention(scorer.device):  # a batch's length differs from the last one's
+            h = scorer.hidden(ids_d.view(B, T))  # (B, T, C)
         hs = h[rb, rt]  # (N, C): the scored positions only
         nll = torch.empty(N, dtype=torch.float32, device=hs.device)
         hit = torch.zeros(N, dtype=torch.bool, device=hs.device)

@@ -14,28 +14,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import OrderedDict
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..devices import without_cudnn_attention
 from .cache import KVCache, StaticKVCache, static_len
 from .cuda_graph import CapturedStep
 from .protocol import CausalLM
 
 KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_layer x B x L x C values)
-
-
-# SDPA's kernels but cuDNN's, for attention whose key length changes every call (see the module docstring)
-GROWING_KEYS_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def growing_keys_attention(device: torch.device) -> contextlib.AbstractContextManager:
-    """On CUDA, SDPA without its cuDNN kernel while the block runs (torch's global backend flags, put back after);
-    elsewhere nothing (the CPU has no cuDNN attention)."""
-    return sdpa_kernel(GROWING_KEYS_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class ForwardSteps:
@@ -47,13 +36,13 @@ class ForwardSteps:
         self.device = model.device
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        with growing_keys_attention(self.device):
+        with without_cudnn_attention(self.device):
             return self.model(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)
 
     def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
         S = slot + 1
         mask = self.mask[:, :S] if self.mask is not None else None
-        with growing_keys_attention(self.device):
+        with without_cudnn_attention(self.device):
             if self.cache is None:  # the whole sequence again
                 return self.model(self.seq[:, :S], attention_mask=mask, last_only=True, hidden_only=True)
             seq = self.seq[:, slot:S]
@@ -70,7 +59,7 @@ class PlanSteps(ForwardSteps):
     def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
         S = slot + 1
         mask = self.mask[:, :S] if self.mask is not None else None
-        with growing_keys_attention(self.device):
+        with without_cudnn_attention(self.device):
             return self.plan.step(self.seq[:, slot:S], self.cache, mask)
 
 
