@@ -85,7 +85,7 @@ def score_batch(
         targets += r.continuation
     V = scorer.vocab_size
     if V is not None:
-        _check_ids(inputs, reqs, V, f"{what} ", number)
+        _check_ids(inputs, reqs, V, what, number)
     N = len(targets)
     # The ids, the scored positions and the targets go to the device in one copy, queued before the forward: an
     # index made on the host after it would wait for the whole forward before the head could be queued.
@@ -130,7 +130,7 @@ def _check_ids(
         bad = next((t for t in (*x, *r.continuation) if not 0 <= t < V), None)
         if bad is not None:
             raise UsageError(
-                f"{what}{number(i)}: token id {bad} is outside the model's vocabulary of {V} tokens (0..{V - 1}): "
+                f"{what} {number(i)}: token id {bad} is outside the model's vocabulary of {V} tokens (0..{V - 1}): "
                 "the tokenizer does not match the model"
             )
 
