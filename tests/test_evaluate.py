@@ -480,8 +480,8 @@ def test_a_batchs_forward_runs_without_cudnn_attention_on_the_scorers_device(mon
     """Evaluation batches change length from one to the next: on CUDA each new length would cost cuDNN's attention a
     new plan, so the forward runs with it excluded (asked for the scorer's device; here the CPU's answer is swapped
     for CUDA's, whose flags a CPU build holds too) and the flags are put back after."""
-    from gpt2_port.eval import score
     from gpt2_port.devices import without_cudnn_attention
+    from gpt2_port.eval import score
 
     asked: list[str] = []
 
