@@ -5,6 +5,7 @@
   forward's ops without module dispatch, bit-identical to the forward);
   on CUDA both attend with SDPA's cuDNN kernel excluded: their keys grow by one a step, and cuDNN builds an execution
   plan for every new key length (bf16 on an H100 ran 10x slower than float32 with it: 4.9 ms of host time a call);
+  so does every prefill (each prompt length is a new shape);
 - `StaticSteps`: DecodePlan.static_step over a StaticKVCache, every shape fixed for the whole generation (one
   attention plan: bf16 on an H100 no longer rebuilds cuDNN's plan for each new key length), captured as a CUDA
   graph on CUDA (the GPU's default; `cuda_graph=False`: the same step run eagerly). A captured step is kept on the
@@ -81,7 +82,9 @@ class StaticSteps:
         self.cache.length = 0
         self.cache.k.zero_()  # a reused cache: an earlier generation's keys must not reach the masked slots (a NaN
         self.cache.v.zero_()  # there would pass through the attention's additive mask)
-        h = self._model()(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)  # type: ignore[misc]
+        model = self._model()
+        with without_cudnn_attention(model.device):  # type: ignore[union-attr]  # each prompt length a new shape
+            h = model(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)  # type: ignore[misc]
         self.cache.start(mask, ids.shape[1])
         return h
 
