@@ -4,6 +4,7 @@ windows, and the peak RSS of `evaluate_text` as the text grows (windows are stre
     python -m benchmarks.eval_speed speed  [--windows 8] [--rounds 5] [--batch-size 4] [--ckpt DIR]
     python -m benchmarks.eval_speed memory [--mb 1 10] [--full-mb 0.1 1]
     python -m benchmarks.eval_speed order  [--docs 96] [--rounds 2] [--batch-size 8] [--ckpt DIR]
+    python -m benchmarks.eval_speed host   [--batch-size 8] [--tokens 1024] [--rounds 50]
 
 speed: a random-weight 124M checkpoint in the official layout (written once with write_demo_checkpoint unless --ckpt
 is given), the first --windows rolling windows (1024 tokens) of tiny shakespeare, scored in one process, in rounds
@@ -17,6 +18,9 @@ Both sdpa attention, float32, CPU. The ratio is the median of per-round ratios.
 order: LAMBADA-shaped passages of 15 to 160 words cut from tiny shakespeare (seeded), batched in file order and
 longest first (what `evaluate_lambada` does), ours and transformers (same scorer) in interleaved rounds; the tokens
 each order pads to and the speed-up.
+
+host: score_batch's host work per batch (building it, checking its ids, indexing, summing) with a stand-in scorer
+whose forward and head return zeros: the share a GPU waits on between batches when the host is the slower side.
 
 memory: one fresh process per (mode, text size), tiny shakespeare repeated to N MB, peak RSS (ru_maxrss):
 - `full`: the whole rolling evaluation (`evaluate_text`, batch 8, max-length 1024) with a small random model of
@@ -262,6 +266,37 @@ def order(args: argparse.Namespace) -> dict:
     return res
 
 
+def host(args: argparse.Namespace) -> dict:
+    """score_batch's host work alone: a stand-in scorer whose forward and head return zeros (and a zero loss), so
+    what is timed is building the batch, checking its ids, indexing and summing: what a GPU waits on between
+    batches when the host is the slower side."""
+    import random
+
+    from gpt2_port.eval import score
+    from gpt2_port.eval.windows import Request
+
+    rng = random.Random(0)
+    reqs = [Request([50256], [rng.randrange(50257) for _ in range(args.tokens)]) for _ in range(args.batch_size)]
+    s = score.Scorer(
+        "stand-in",
+        lambda ids: torch.zeros(*ids.shape, 4),  # (B, T, 4)
+        lambda h: torch.zeros(len(h), 8),  # (N, 8)
+        torch.device("cpu"),
+        vocab_size=50257,
+    )
+    real = score.token_nll
+    score.token_nll = lambda logits, t: torch.zeros(len(t))
+    try:
+        times = []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            score.score_batch(s, reqs, args.tokens, 50256, want_greedy=False)
+            times.append(time.perf_counter() - t0)
+    finally:
+        score.token_nll = real
+    return {"batch": args.batch_size, "tokens": args.tokens, "host_ms_median": 1e3 * statistics.median(times)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.eval_speed")
     sub = p.add_subparsers(dest="what", required=True)
@@ -276,6 +311,10 @@ def main() -> None:
     o.add_argument("--rounds", type=int, default=2)
     o.add_argument("--batch-size", type=int, default=8)
     o.add_argument("--ckpt", default=None)
+    h = sub.add_parser("host")
+    h.add_argument("--batch-size", type=int, default=8)
+    h.add_argument("--tokens", type=int, default=1024)
+    h.add_argument("--rounds", type=int, default=50)
     m = sub.add_parser("memory")
     m.add_argument("--mb", type=float, nargs="+", default=[1.0, 10.0], help="sizes for stream and whole")
     m.add_argument("--full-mb", type=float, nargs="+", default=[0.1, 1.0], help="sizes for the full evaluation")
@@ -287,7 +326,7 @@ def main() -> None:
     if args.what == "_memory_one":
         print(json.dumps(memory_one(args.mode, args.mb, args.ckpt)))
         return
-    res = {"speed": speed, "order": order, "memory": memory}[args.what](args)
+    res = {"speed": speed, "order": order, "host": host, "memory": memory}[args.what](args)
     print(json.dumps(res, indent=2))
 
 

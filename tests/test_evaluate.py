@@ -412,6 +412,8 @@ def test_ids_outside_the_vocabulary_are_refused_before_the_model_runs() -> None:
         score_batch(s, [Request([1], [2, 3]), Request([1], [2, 9])], 8, 0, "window", 3)
     with pytest.raises(UsageError, match=r"choice 0: token id 12 is outside"):
         score_batch(s, [Request([12], [2])], 8, 0, "choice")
+    with pytest.raises(UsageError, match=r"padding id 99 is outside the model's vocabulary of 8"):
+        score_batch(s, [Request([1], [2]), Request([1, 2], [3])], 8, 99)  # the short row is padded
 
 
 def test_a_batch_makes_no_host_tensor_between_the_forward_and_the_head(monkeypatch) -> None:
