@@ -352,9 +352,12 @@ def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], N
             "batch": batch, "block": T, "flops_per_token": per_token, "peak": peak_source, "rows": rows,
             "head_gemm": None,
         }  # fmt: skip
+        side = partial(
+            _train_side, size, batches=batches, dev=dev, a=a, tokens=batch * T, per_token=per_token, peak=peak
+        )
         key, rest = train_sides(ck, dev, a)
         for name, make in key.items():
-            rows[name] = _train_side(size, name, make, batches, dev, a, batch * T, per_token, peak)
+            rows[name] = side(name, make)
             save(results)  # each side's row written as it lands: a run cut short keeps what it measured
         free(dev)
         with tempfile.TemporaryDirectory() as tmp:
@@ -367,7 +370,7 @@ def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], N
         if a.key_only:
             continue
         for name, make in rest.items():
-            rows[name] = _train_side(size, name, make, batches, dev, a, batch * T, per_token, peak)
+            rows[name] = side(name, make)
             save(results)
         free(dev)
         try:

@@ -47,8 +47,9 @@ def model_scorer(model, name: str = "gpt2_port") -> Scorer:  # noqa: ANN001 (a G
             return f"the weights hold NaN/Inf in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
         return f"no weight is NaN/Inf: the activations overflowed in {str(model.dtype).removeprefix('torch.')}"
 
-    hidden = lambda ids: model(ids, hidden_only=True)  # noqa: E731
-    return Scorer(name, hidden, model.head, model.device, hint, vocab_size=model.config.vocab_size)
+    return Scorer(
+        name, lambda ids: model(ids, hidden_only=True), model.head, model.device, hint, model.config.vocab_size
+    )
 
 
 class NonFiniteLogits(CheckpointError):
@@ -92,8 +93,9 @@ def score_batch(
     # matters on a GPU).
     flat += rows_b + rows_t + targets
     packed = torch.from_numpy(np.fromiter(flat, dtype=np.int64, count=len(flat)))  # (B*T + 3N,)
-    if scorer.vocab_size is not None:
-        _check_ids(packed, B * T, N, reqs, inputs, scorer.vocab_size, pad_id, what, number)
+    V = scorer.vocab_size  # every id read or scored in 0..V-1, checked on the host (on CUDA: a device-side assert)
+    if V is not None and bool((packed[: B * T] >= V).any() | (packed[B * T + 2 * N :] >= V).any() | (packed < 0).any()):
+        raise UsageError(_outside_vocabulary(inputs, reqs, V, pad_id, what, number))
     with torch.inference_mode():
         on_dev = packed.to(scorer.device, non_blocking=True)
         ids_d, rb, rt, tgt = on_dev.split([B * T, N, N, N])  # (B*T,), (N,), (N,), (N,)
@@ -125,30 +127,18 @@ def score_batch(
     return sums.tolist(), (misses == 0).tolist(), hit[ends].tolist()
 
 
-def _check_ids(
-    packed: torch.Tensor,
-    n_ids: int,
-    N: int,
-    reqs: Sequence[Request],
-    inputs: Sequence[list[int]],
-    V: int,
-    pad_id: int,
-    what: str,
-    number: Callable[[int], int],
-) -> None:
-    """Every id the model reads (packed's first n_ids) or is scored on (its last N) lies in 0..V-1, checked on the
-    host before anything goes to the device (on CUDA an id >= V is a device-side assert); UsageError naming the
-    request, or the padding id."""
-    read, scored = packed[:n_ids], packed[n_ids + 2 * N :]
-    if bool(((read < 0) | (read >= V)).any() | ((scored < 0) | (scored >= V)).any()):  # host tensors: no wait
-        for i, (x, r) in enumerate(zip(inputs, reqs)):
-            bad = next((t for t in (*x, *r.continuation) if not 0 <= t < V), None)
-            if bad is not None:
-                raise UsageError(
-                    f"{what} {number(i)}: token id {bad} is outside the model's vocabulary of {V} tokens "
-                    f"(0..{V - 1}): the tokenizer does not match the model"
-                )
-        raise UsageError(f"padding id {pad_id} is outside the model's vocabulary of {V} tokens (0..{V - 1})")
+def _outside_vocabulary(
+    inputs: Sequence[list[int]], reqs: Sequence[Request], V: int, pad_id: int, what: str, number: Callable[[int], int]
+) -> str:
+    """The message for a batch holding an id outside 0..V-1: the first request with one, else the padding id."""
+    for i, (x, r) in enumerate(zip(inputs, reqs)):
+        bad = next((t for t in (*x, *r.continuation) if not 0 <= t < V), None)
+        if bad is not None:
+            return (
+                f"{what} {number(i)}: token id {bad} is outside the model's vocabulary of {V} tokens (0..{V - 1}): "
+                "the tokenizer does not match the model"
+            )
+    return f"padding id {pad_id} is outside the model's vocabulary of {V} tokens (0..{V - 1})"
 
 
 def batched(items: Iterable[Request], size: int) -> Iterator[list[Request]]:
