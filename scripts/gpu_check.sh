@@ -123,11 +123,14 @@ for phase in "$@"; do
   case "$phase" in
     tests)
       shared
-      step tests-cuda "$PY" -m pytest -q -m cuda -rs --durations=15 "${TESTS_EXTRA[@]}"
+      # a failure shows its traceback (the CLI's one line would hide it); a test running past 150 s has every
+      # thread's stack written to the log (pytest's faulthandler), so a hang names itself before the deadline
+      step tests-cuda env GPT2_PORT_DEBUG=1 "$PY" -m pytest -q -m cuda -rs --durations=15 -o faulthandler_timeout=150 \
+        "${TESTS_EXTRA[@]}"
       ;;
     suite)
       shared
-      step tests-all "$PY" -m pytest -q -rs --durations=15 "${TESTS_EXTRA[@]}"
+      step tests-all "$PY" -m pytest -q -rs --durations=15 -o faulthandler_timeout=150 "${TESTS_EXTRA[@]}"
       ;;
     parity)
       checkpoint gpt2

@@ -346,11 +346,15 @@ def test_the_gpu_check_script_runs_from_the_checkout_when_the_install_fails(tmp_
 def test_the_gpu_check_script_passes_train_and_decode_args_and_says_when_shared_is_missing(tmp_path: Path) -> None:
     """TRAIN_ARGS and DECODE_ARGS reach the benchmark commands (word-split, after the script's own flags), so a call
     can be sized to the device time left; the train phase times the benchmark before the head-padding one; a missing
-    ../shared is named before the tests fail on it. A stand-in python records each command line."""
+    ../shared is named before the tests fail on it; the cuda tests run with the CLI's tracebacks on and pytest's
+    faulthandler timeout (a hang names itself). A stand-in python records each command line (and GPT2_PORT_DEBUG)."""
     fake, seen, out = tmp_path / "python3", tmp_path / "seen", tmp_path / "out"
-    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {seen}\n')
+    fake.write_text(
+        f'#!/usr/bin/env bash\necho "$*${{GPT2_PORT_DEBUG:+ [GPT2_PORT_DEBUG=$GPT2_PORT_DEBUG]}}" >> {seen}\n'
+    )
     fake.chmod(0o755)
     env = {**os.environ, "PYTHON": str(fake), "RESULTS": str(out), "INSTALL": "0", "SHARED_FROM": ""}
+    env.pop("GPT2_PORT_DEBUG", None)
     env |= {"TRAIN_ARGS": "--key-only --steps 10", "DECODE_ARGS": "--batches 8,32", "TESTS_ARGS": "-x --maxfail 3"}
     env.pop("OUT", None)
     script = REPO / "scripts" / "gpu_check.sh"
@@ -367,7 +371,13 @@ def test_the_gpu_check_script_passes_train_and_decode_args_and_says_when_shared_
     shutil.copy(script, repo / "scripts" / "gpu_check.sh")
     r = subprocess.run(["bash", str(repo / "scripts" / "gpu_check.sh"), "tests"], capture_output=True, env=env)
     assert "../shared/gpt2-tokenizer is missing" in r.stderr.decode()
-    assert seen.read_text().splitlines()[-1].endswith("-m pytest -q -m cuda -rs --durations=15 -x --maxfail 3")
+    assert (
+        seen.read_text()
+        .splitlines()[-1]
+        .endswith(
+            "-m pytest -q -m cuda -rs --durations=15 -o faulthandler_timeout=150 -x --maxfail 3 [GPT2_PORT_DEBUG=1]"
+        )
+    )
 
 
 def test_the_gpu_check_script_bundles_its_results_into_the_devices_out(tmp_path: Path) -> None:

@@ -22,6 +22,15 @@ pytestmark = [pytest.mark.cuda, pytest.mark.exactness]
 SMALL = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=512)
 
 
+@pytest.fixture(autouse=True)
+def _tf32_put_back():
+    """A training run turns TF32 on for the process (--tf32, the default, as nanoGPT does) and leaves it so: the
+    float32 tests after one must not run on TF32 tensor cores."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("cuda")
@@ -107,11 +116,16 @@ def test_a_run_saved_on_one_device_resumes_on_the_other(small: tuple[Path, Path]
     assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]
 
 
-def test_the_measured_memory_check_is_within_10_percent_of_the_peak(small: tuple[Path, Path], tmp_path: Path):
-    ck, data = small
+def test_the_measured_memory_check_is_within_10_percent_of_the_peak(small: tuple[Path, Path], ckpt124: Path, tmp_path):
+    """At 124M (about 2 GB of weights, gradients and moments, and the activations of 8 x 256 tokens): on the 2-layer
+    model cuBLAS's workspaces (32 MiB per handle and stream, in both figures) would outweigh all it measures."""
+    _, data = small  # ids below 512, valid for GPT-2's vocabulary too
     js = tmp_path / "s.json"
-    assert _train(ck, data, tmp_path / "run", "--device", "cuda", "--steps", "3", "--json", str(js)) == 0
+    argv = ["train", "--init", str(ckpt124), "--data", str(data), "--out", str(tmp_path / "run"), "--device", "cuda"]
+    argv += ["--batch-size", "8", "--block-size", "256", "--steps", "3", "--eval-every", "0", "--no-plot"]
+    assert main([*argv, "--json", str(js)]) == 0
     s = json.loads(js.read_text())
+    assert s["peak_device_mb"] > 2000, s  # the model's state is in it
     assert s["memory_method"] == "measured"
     assert abs(s["memory_estimate_mb"] - s["peak_device_mb"]) <= 0.10 * s["peak_device_mb"], s
 
@@ -242,14 +256,14 @@ def test_a_token_and_a_training_step_each_wait_for_the_gpu_once(small: tuple[Pat
     opts = dict(eos_token_id=None, do_sample=True, top_k=50, seed=1)
     generate_full(m, ids, 24, **opts)  # records the graph
     n = _syncs(lambda: generate_full(m, ids, 24, **opts))
-    assert n <= 24 + 2, n  # one per token, and the prompt's checks
+    assert 24 <= n <= 24 + 2, n  # one per token, and the prompt's checks (none counted: the count did not work)
     args = TrainArgs(steps=6, batch_size=4, block_size=64, dtype="bf16", eval_every=0, dropout=0.0)
     model = GPT2.from_pretrained(str(ck))
     prepare_model(model, args, torch.device("cuda"))
     t = Trainer(model, args, TokenFile(data / "train.bin", SMALL.vocab_size), None, tmp_path / "o", "cuda")
     t.step(0)
     n = _syncs(lambda: [t.step(s) for s in range(1, 5)])
-    assert n <= 4, n
+    assert 1 <= n <= 4, n  # at most one a step (none counted: the count did not work)
 
 
 def test_a_model_moved_to_cuda_after_the_load_keeps_c_attn_one_tensor(tiny_official: Path) -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +17,14 @@ import pytest
 import torch
 
 from gpt2_port.cli import main
+from gpt2_port.cli.train_settings import load_checkpoint
 from gpt2_port.config import GPT2Config
 from gpt2_port.io.demo import write_demo_checkpoint
 from gpt2_port.io.safetensors_io import SafetensorsFile
+from gpt2_port.train import TrainArgs, Trainer, prepare_model
 from gpt2_port.train import state as trainer_state
+from gpt2_port.train.data import open_split
+from gpt2_port.train.distributed import Dist
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -100,10 +107,16 @@ def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= LOSS_REL * abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("kernels", ["reference", "fast"])
-def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup, tmp_path: Path, kernels: str) -> None:
+@pytest.mark.parametrize(("kernels", "compiled"), [("reference", False), ("fast", True)])
+def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(
+    setup, tmp_path: Path, monkeypatch, kernels: str, compiled: bool
+) -> None:
+    """The fast kernels' case runs the 2 processes with --compile (DDP's module compiled without fullgraph: its
+    bucketing splits the graph; aot_eager: the graphs inductor would get, run by eager kernels) against 1 eager
+    process."""
     ck, data = setup
     two, one = tmp_path / "two", tmp_path / "one"
+    monkeypatch.setenv("GPT2_PORT_COMPILE_BACKEND", "aot_eager")
     r = torchrun(
         2,
         "--init",
@@ -118,10 +131,12 @@ def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(setup,
         str(tmp_path / "s.json"),
         "--kernels",
         kernels,
+        *(["--compile"] if compiled else []),
         *COMMON,
     )
     assert r.stdout.count("trained steps 0->4") == 1  # only rank 0 prints (and writes)
-    assert json.loads((tmp_path / "s.json").read_text())["world_size"] == 2
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["world_size"] == 2 and summary["compile"] is compiled
     one_process_accumulating_two(ck, data, one, "--kernels", kernels)
     a, b = losses(two), losses(one)
     assert len(a) == 4 and close(a, b), (a, b)
@@ -262,3 +277,57 @@ def test_a_ddp_step_waits_once_and_carries_the_stop_vote_in_its_one_all_reduce(s
         assert [s["reads"] for s in x["steps"]] == [["tolist"]] * 3, x
         assert [s["reduces"] for s in x["steps"]] == [1, 1, 1], x
         assert [s["stop"] for s in x["steps"]] == [False, True, True], x
+
+
+@dataclass(frozen=True)
+class _OneOf(Dist):
+    """Process `rank` of `world_size` seen alone: its all-reduce returns its own share (no process group)."""
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+@pytest.mark.parametrize(("world", "eval_batches"), [(3, 4), (2, 1)])
+def test_each_process_evaluates_whole_batches_and_their_shares_add_up_to_one_processs_loss(
+    setup, tmp_path: Path, world: int, eval_batches: int
+) -> None:
+    """The validation batches are dealt to the processes whole: every forward has --batch-size rows (one compiled
+    shape), each batch is one the single process evaluates, a process left without a batch adds 0 (not NaN), and the
+    shares add up to the single process's mean loss."""
+    ck, data = setup
+    model = load_checkpoint(ck)
+    args = TrainArgs(steps=1, batch_size=2, block_size=16, eval_batches=eval_batches, dropout=0.0)
+    prepare_model(model, args, torch.device("cpu"))
+    t = Trainer(
+        model, args, open_split(data, "train", SMALL.vocab_size, 16), open_split(data, "val", 512, 16), tmp_path
+    )
+    whole = t.evaluate()
+    rows: list[list[int]] = []
+    forward = t.eval_forward
+    t.eval_forward = lambda x, **k: rows[-1].append(x.shape[0]) or forward(x, **k)
+    shares = []
+    for rank in range(world):
+        object.__setattr__(t, "dist", _OneOf(rank=rank, world_size=world))
+        rows.append([])
+        shares.append(t.evaluate())
+    assert all(math.isfinite(s) for s in shares), shares
+    assert [len(r) for r in rows] == [len(range(eval_batches)[r::world]) for r in range(world)]
+    assert {n for r in rows for n in r} == {args.batch_size}
+    assert sum(shares) == pytest.approx(whole, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("rank", "verbose", "level"), [("1", False, logging.ERROR), ("1", True, None), ("0", False, None)]
+)
+def test_only_rank_0_logs_warnings(monkeypatch, tmp_path: Path, rank: str, verbose: bool, level: int | None) -> None:
+    """The processes after the first log errors only (the warnings are the same in every process; rank 0 logs them),
+    unless -v. Checked before the process group is joined: a --resume directory that is missing stops the run."""
+    lib = logging.getLogger("gpt2_port")
+    before = lib.level
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        assert main([*(["-v"] if verbose else []), "train", "--resume", str(tmp_path / "missing")]) == 2
+        assert lib.level == (level if level is not None else before)
+    finally:
+        lib.setLevel(before)  # setLevel, which also clears the loggers' cached levels

@@ -304,8 +304,8 @@ def test_each_token_costs_one_transfer_from_the_device(static: bool, monkeypatch
 def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None:
     """The forward and plan steps' keys grow by one a token: on CUDA cuDNN's SDPA kernel would build a plan for every
     new length (bf16 ran 10x slower than float32), so those steps, and every prefill, run with it excluded and the
-    flag is put back after; elsewhere the flags are left alone. A stand-in model, plan and cache on a stand-in device
-    report the flag."""
+    flag is put back after; the static step too (what its CUDA graph records, and the same eagerly); elsewhere the
+    flags are left alone. A stand-in model, plan and cache on a stand-in device report the flag."""
     from types import SimpleNamespace
 
     from gpt2_port.generate.steps import ForwardSteps, PlanSteps, StaticSteps
@@ -323,12 +323,11 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     fwd.next(seq[:, 3], 3)
     plan = SimpleNamespace(step=call, static_step=lambda cache: call())
     PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
-    # the static step's prefill too (a new prompt length, a new shape); its fixed-shape step keeps what SDPA picks
+    # the static step's prefill (a new prompt length, a new shape) and its fixed-shape step
     cache = SimpleNamespace(k=torch.zeros(1), v=torch.zeros(1), length=0, start=lambda mask, n: None)
     cache.feed, cache.advance = (lambda tok, slot: None), (lambda: None)
     static = StaticSteps(model, plan, cache, cuda_graph=False)  # type: ignore[arg-type]
     static.prefill(seq[:, :3], None)
-    assert seen == [device != "cuda"] * 4
     static.next(seq[:, 3], 3)
-    assert seen[-1] is True
+    assert seen == [device != "cuda"] * 5
     assert torch.backends.cuda.cudnn_sdp_enabled()  # put back

@@ -859,9 +859,11 @@ def test_the_summary_gives_this_runs_mean_rate_and_its_own_time(
     assert all("mfu" in r for r in log(out)) and s["mfu"] is None  # no peak is known for a CPU
 
 
-def _interrupt_at(monkeypatch: pytest.MonkeyPatch, where: str, at: int, times: int) -> None:
-    """Ctrl-C pressed `times` times (a real SIGINT each, delivered to this process's handler) inside the Trainer's
-    `where` ("step" or "evaluate") on its `at`-th call (1-based)."""
+def _interrupt_at(
+    monkeypatch: pytest.MonkeyPatch, where: str, at: int, times: int, signum: int = signal.SIGINT
+) -> None:
+    """Ctrl-C pressed `times` times (a real SIGINT each, or `signum`, delivered to this process's handler) inside the
+    Trainer's `where` ("step" or "evaluate") on its `at`-th call (1-based)."""
     real = getattr(Trainer, where)
     calls = []
 
@@ -869,7 +871,7 @@ def _interrupt_at(monkeypatch: pytest.MonkeyPatch, where: str, at: int, times: i
         calls.append(1)
         if len(calls) == at:
             for _ in range(times):
-                signal.raise_signal(signal.SIGINT)  # the handler runs before the next line
+                signal.raise_signal(signum)  # the handler runs before the next line
         return real(self, *a, **k)
 
     monkeypatch.setattr(Trainer, where, pressed)
@@ -889,6 +891,21 @@ def test_ctrl_c_is_acknowledged_at_once_and_a_second_stops_without_saving(
     assert "stopping after this step" in err and "Ctrl-C again to stop now without saving" in err
     assert f"stopped at once (second Ctrl-C) without saving: the last saved state in {out} is step 2" in err
     assert trainer_state.load(out).step == 2 and [r["step"] for r in log(out)] == [1, 2, 3]
+
+
+def test_a_repeated_sigterm_still_saves(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """SIGTERM twice (a scheduler signalling every process of the job, and torchrun passing its own on) is one request:
+    the run finishes the step and saves; only a second Ctrl-C stops without saving."""
+    out = tmp_path / "run"
+    _interrupt_at(monkeypatch, "step", at=4, times=2, signum=signal.SIGTERM)
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "10", *FAST]
+    rc = train(*argv, "--eval-every", "0", "--save-every", "2")
+    o, e = capsys.readouterr()
+    assert rc == 130, e
+    assert "stopped at once" not in e and f"interrupted at step 4/10: state saved in {out}" in o
+    assert trainer_state.load(out).step == 4 and [r["step"] for r in log(out)] == [1, 2, 3, 4]
 
 
 def test_one_ctrl_c_stops_after_the_step_with_the_command_that_continues(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -274,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out if args.out is not None else args.resume)
     dist = distributed.from_env()
     device = distributed.device_for(dist, parse_device(args.device))
+    if not dist.is_main and not args.verbose:
+        logging.getLogger("gpt2_port").setLevel(logging.ERROR)  # rank 0 logs the warnings every process would
 
     def warn(msg: str) -> None:
         if dist.is_main:
@@ -382,8 +385,12 @@ def run(args: argparse.Namespace) -> int:
             )
 
         def on_signal(signum: int, frame: object) -> None:
+            # a second Ctrl-C stops now; a second SIGTERM does not (a scheduler may signal every process of the job
+            # and torchrun pass its own on too, so one request can arrive twice)
             if trainer is not None and trainer._stop:
-                raise KeyboardInterrupt
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                return
             trainer.request_stop()  # type: ignore[union-attr]
             if dist.is_main:
                 if bar is not None:
@@ -400,9 +407,10 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             if bar is not None:
                 bar.abandon()
-            saved = trainer.last_saved
-            where = f"the last saved state in {out} is step {saved}" if saved else f"nothing was saved in {out}"
-            sys.stderr.write(f"stopped at once (second Ctrl-C) without saving: {where}\n")
+            if dist.is_main:
+                saved = trainer.last_saved
+                where = f"the last saved state in {out} is step {saved}" if saved else f"nothing was saved in {out}"
+                sys.stderr.write(f"stopped at once (second Ctrl-C) without saving: {where}\n")
             return 130
         except BaseException:
             if bar is not None:

@@ -6,9 +6,11 @@
   on CUDA both attend with SDPA's cuDNN kernel excluded: their keys grow by one a step, and cuDNN builds an execution
   plan for every new key length (bf16 on an H100 ran 10x slower than float32 with it: 4.9 ms of host time a call);
   so does every prefill (each prompt length is a new shape);
-- `StaticSteps`: DecodePlan.static_step over a StaticKVCache, every shape fixed for the whole generation (one
-  attention plan: bf16 on an H100 no longer rebuilds cuDNN's plan for each new key length), captured as a CUDA
-  graph on CUDA (the GPU's default; `cuda_graph=False`: the same step run eagerly). A captured step is kept on the
+- `StaticSteps`: DecodePlan.static_step over a StaticKVCache, every shape fixed for the whole generation, captured
+  as a CUDA graph on CUDA (the GPU's default; `cuda_graph=False`: the same step run eagerly). It too attends with
+  cuDNN's kernel excluded on CUDA: the masked SDPA then runs the memory-efficient kernel (or the math one), which
+  CUDA-graph decoders capture, where whether cuDNN's attention captures is not established; the captured graph and
+  the eager fallback run the same kernel either way. A captured step is kept on the
   model for the next call with the same batch, length bucket (cache.static_len) and dtype; it holds the model only
   weakly, so `del model` frees the model, its kept caches and their graphs without waiting for the garbage collector.
 """
@@ -68,7 +70,12 @@ class StaticSteps:
     def __init__(self, model: CausalLM, plan, cache: StaticKVCache, cuda_graph: bool) -> None:  # noqa: ANN001
         self._model = weakref.ref(model)  # kept on the model: a strong reference would be a cycle
         self.plan, self.cache = plan, cache
-        step = lambda: plan.static_step(cache)  # noqa: E731
+        device = model.device  # type: ignore[attr-defined]
+
+        def step() -> torch.Tensor:
+            with without_cudnn_attention(device):  # the kernel the graph records, and the same when run eagerly
+                return plan.static_step(cache)
+
         self.run = CapturedStep(step, cache.k.device) if cuda_graph else step
 
     @property

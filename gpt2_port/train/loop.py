@@ -293,11 +293,14 @@ class Trainer:
         a, d = self.args, self.dist
         g = torch.Generator().manual_seed(a.seed + 1)
         n = a.eval_batches * a.batch_size
-        offsets = torch.randint(len(self.val_data) - self.block_size, (n,), generator=g)[d.rank :: d.world_size]
+        offsets = torch.randint(len(self.val_data) - self.block_size, (n,), generator=g)
+        # whole batches dealt to the processes in turn: each batch is the single process's batch (the same rows, the
+        # same loss), every forward has --batch-size rows (one compiled shape), and a process left without a batch
+        # adds 0 (more processes than batches)
+        chunks = offsets.split(a.batch_size)[d.rank :: d.world_size]
         val = Batches(self.val_data, self.block_size, self.device)
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64 if self.device.type != "mps" else torch.float32, device=self.device)
-        chunks = offsets.split(a.batch_size)
         try:
             for i, chunk in enumerate(chunks):
                 if self._stop and not d.enabled:
@@ -355,8 +358,8 @@ class Trainer:
             self.run_dir.save(self._write_model, self._state(step, elapsed, tokens))
             if self.cb.on_save:
                 self.cb.on_save("last", self.out, step)
-        self.last_saved = step
         self.dist.barrier()
+        self.last_saved = step  # after the barrier: a process stopped while waiting names the state saved before
 
     def save_best(self, step: int) -> None:
         if not self.dist.is_main:
