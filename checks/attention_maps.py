@@ -47,14 +47,19 @@ def reference_probs(
     return got["probs"][0]  # (nh, T, T)
 
 
+MAX_CELL_INCHES = 12.0  # one heatmap's side at most: 1,440 px at 120 dpi (a 1024-token map uncapped: 288 in, 35k px)
+MAX_LABELS = 64  # tick labels per axis at most: every k-th token past that
+
+
 def _heatmap(ax, m: torch.Tensor, labels: list[str], title: str, cmap: str, vmax: float | None, fig) -> None:
     T = m.shape[0]
     im = ax.imshow(m.float().cpu().numpy(), cmap=cmap, vmin=0.0, vmax=vmax, interpolation="nearest")
     fs = 8 if T <= 16 else (6 if T <= 32 else 4)
-    ax.set_xticks(range(T))
-    ax.set_yticks(range(T))
-    ax.set_xticklabels(labels, rotation=90, fontsize=fs)
-    ax.set_yticklabels(labels, fontsize=fs)
+    ticks = range(0, T, -(-T // MAX_LABELS))
+    ax.set_xticks(ticks)
+    ax.set_yticks(ticks)
+    ax.set_xticklabels([labels[i] for i in ticks], rotation=90, fontsize=fs)
+    ax.set_yticklabels([labels[i] for i in ticks], fontsize=fs)
     ax.set_xlabel("key", fontsize=8)
     ax.set_ylabel("query", fontsize=8)
     ax.set_title(title, fontsize=9)
@@ -79,7 +84,7 @@ def draw(
     per = 2 if diff is not None else 1
     cols = per * (1 if n == 1 else min(4 if per == 1 else 2, n))
     rows = -(-n * per // cols)
-    cell = max(3.2, 0.28 * T + 1.6)
+    cell = min(max(3.2, 0.28 * T + 1.6), MAX_CELL_INCHES)
     fig, axes = plt.subplots(rows, cols, figsize=(cell * cols + 0.5, cell * rows + 0.8), squeeze=False)
     dmax = float(diff[list(heads)].max()) if diff is not None else None
     k = 0

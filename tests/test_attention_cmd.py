@@ -84,3 +84,34 @@ def test_command_does_not_import_transformers(tiny_official: Path, tmp_path: Pat
         "assert rc == 0, rc; assert 'transformers' not in sys.modules, 'transformers was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+
+
+def test_a_long_text_draws_a_bounded_canvas(tiny_official: Path, tmp_path: Path, capsys):
+    """A heatmap's side is capped (MAX_CELL_INCHES) and the tokens labelled every k-th past MAX_LABELS: 120 tokens
+    drew a 35-inch (4,200 px) map before, and 1024 tokens of all 12 heads would have needed some 200 GB of memory."""
+    out = tmp_path / "long.png"
+    text = " ".join(["word"] * 120)
+    assert main(["attention", str(tiny_official), text, "--layer", "0", "--head", "0", "--png", str(out)]) == 0
+    head = out.read_bytes()
+    width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")  # the PNG's IHDR
+    assert max(width, height) <= 13 * 120, (width, height)  # 12 inches at 120 dpi, and the margins
+    assert "120 tokens" in capsys.readouterr().out
+
+
+def test_ids_outside_the_models_vocabulary_are_refused_before_the_forward(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """GPT-2's tokenizer on a model of 512 tokens: one line naming the id. On a GPU the forward does not read the ids
+    back to check them (an out-of-range one is a device-side assert there): its check is turned off here as there."""
+    import gpt2_port.model.gpt2
+    from gpt2_port.config import GPT2Config
+    from gpt2_port.io.demo import write_demo_checkpoint
+
+    monkeypatch.setattr(gpt2_port.model.gpt2, "host_readable", lambda t: False)
+
+    small = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32, vocab_size=512)
+    ck = write_demo_checkpoint(tmp_path / "ck", config=small, tokenizer_dir=tokenizer_dir)
+    assert main(["attention", str(ck), "Hello world", "--layer", "0", "--png", str(tmp_path / "a.png")]) == 2
+    err = capsys.readouterr().err
+    assert "TEXT: token id 15496 is out of range for the model's vocabulary of 512" in err, err
+    assert not (tmp_path / "a.png").exists()

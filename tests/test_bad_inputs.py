@@ -1584,6 +1584,13 @@ def c_attention_png_empty(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_attention_text_outside_vocabulary(tmp: Path, base: Path) -> dict:
+    # GPT-2's tokenizer on a model of 1,000 tokens: refused on the host before the forward (a GPU would not check)
+    argv = ["attention", str(base), "Hello world", "--layer", "0", "--png", str(tmp / "a.png")]
+    return {"argv": argv, "expect": ["TEXT: token id 15496", "vocabulary of 1000", "--tokenizer"]}
+
+
+@case
 def c_demo_out_empty(tmp: Path, base: Path) -> dict:
     return {"argv": ["demo-checkpoint", "--out", ""], "expect": ["--out ''", "empty path"]}
 

@@ -96,7 +96,22 @@ def test_generate_cli_int8(tiny_official, tmp_path, capsys) -> None:  # noqa: AN
     assert outs[0]["generated_ids"] == outs[1]["generated_ids"]
     assert len(outs[0]["generated_ids"][0]) == 8
     assert main(["generate", str(tiny_official), "Hi", "--quantize", "int8", "--dtype", "bfloat16"]) == 2
-    assert "--quantize int8 runs on CPU from float32 weights" in capsys.readouterr().err
+    assert (
+        "--quantize int8 --dtype bfloat16 --device auto: int8 runs on the CPU from float32 weights"
+        in capsys.readouterr().err
+    )
+
+
+def test_int8_on_cuda_is_refused_naming_the_flags_as_typed(tiny_official, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """--dtype int8 stands for --quantize int8 from float32: the refusal names what was typed, not the rewrite; a
+    GPU is stood in (torch.cuda's availability) so that --device cuda parses."""
+    from gpt2_port.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["generate", str(tiny_official), "Hi", "--dtype", "int8", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype int8 --device cuda: int8 runs on the CPU from float32 weights" in err, err
 
 
 def test_an_int8_model_cannot_train(tiny_official) -> None:  # noqa: ANN001
@@ -118,3 +133,17 @@ def test_an_int8_model_cannot_train(tiny_official) -> None:  # noqa: ANN001
         model(ids, labels=ids)
     with torch.no_grad():
         assert model(ids).shape == (1, 4, model.config.vocab_size)
+
+
+def test_an_int8_model_refuses_a_device_and_a_save_in_one_line(tiny_official, tmp_path) -> None:  # noqa: ANN001
+    """`.to()` moves an int8 layer's bias and scale but not its packed weight (a CPU object): an input on another
+    device ('meta' stands in for CUDA) is refused naming the layer, not torch's missing-kernel error; and
+    save_pretrained refuses the int8 model (its state has no float weights to write) before writing anything."""
+    model, _ = from_pretrained(tiny_official)
+    quantize_int8(model)
+    with pytest.raises(UsageError, match=r"^save_pretrained .*: the model is int8-quantized; save the float32 model$"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    model.to("meta")
+    with torch.no_grad(), pytest.raises(UsageError, match=r"h\.0\.attn\.q_proj is int8 and runs on the CPU only"):
+        model(torch.tensor([[1, 2, 3]], device="meta"))

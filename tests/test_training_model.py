@@ -234,3 +234,31 @@ def test_activation_gradients_with_keep_graph(tiny_official: Path) -> None:
     with m.record(["block.0", "ln_f"], keep_graph=True) as acts:
         m(ids, labels=labels).loss.backward()
     assert acts["block.0"].grad is not None and acts["ln_f"].grad.shape == acts["ln_f"].shape
+
+
+def test_record_with_keep_graph_keeps_gradients_under_gradient_checkpointing(tiny_official: Path) -> None:
+    """A backward inside the record block with gradient checkpointing on: the activations recorded inside blocks
+    keep their gradients (a recomputation would have replaced them with tensors that never get one). One name may be
+    a string."""
+    m = _ours(tiny_official)
+    m.gradient_checkpointing = True
+    ids, labels = _batch(3)
+    with m.record(["block.0.ln_1", "block.1.mlp.act", "ln_f"], keep_graph=True) as acts:
+        m(ids, labels=labels).loss.backward()
+    assert all(acts[n].grad is not None for n in ("block.0.ln_1", "block.1.mlp.act", "ln_f"))
+    with m.record("ln_f") as acts:
+        m(ids)
+    assert list(acts) == ["ln_f"]
+
+
+def test_ids_on_another_device_than_the_model_are_a_usage_error(tiny_official: Path) -> None:
+    """input_ids must be on the model's device ('meta' stands in for a GPU): one line saying so, not torch's error
+    from inside the embedding."""
+    m = _ours(tiny_official).to("meta")
+    with pytest.raises(UsageError, match=r"input_ids are on cpu, the model on meta: pass input_ids.to\(model.device\)"):
+        m(torch.tensor([[1, 2, 3]]))
+
+
+def test_an_unknown_layout_is_a_usage_error(tiny_official: Path) -> None:
+    with pytest.raises(UsageError, match=r"layout 'contigous': expected one of 'auto', 'checkpoint', 'contiguous'"):
+        from_pretrained(tiny_official, layout="contigous")  # type: ignore[arg-type]

@@ -188,15 +188,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--stop needs a non-empty string")
     check_seed(args.seed)
     sampling = sampling_from_args(args)
-    quantize = args.quantize
+    quantize, given = args.quantize, args.dtype  # as typed, for the message
     if str(args.dtype).lower() == "int8":
         quantize, args.dtype = "int8", "float32"
     dtype = parse_dtype(args.dtype)
-    device = parse_device("cpu" if quantize and args.device == "auto" else args.device)  # int8 runs on the CPU
+    auto = str(args.device).lower() == "auto"
+    device = parse_device("cpu" if quantize and auto else args.device)  # int8 runs on the CPU
     if quantize and (device.type != "cpu" or dtype != torch.float32):
-        raise UsageError(
-            f"--quantize int8 runs on CPU from float32 weights; got --device {device} --dtype {args.dtype}"
-        )
+        where = f"--dtype {given}" if quantize != args.quantize else f"--quantize int8 --dtype {given}"
+        raise UsageError(f"{where} --device {args.device}: int8 runs on the CPU from float32 weights")
     if args.json:
         check_writable(args.json, "--json", checkpoint_inputs(args.model) + tokenizer_inputs(args.tokenizer))
     tok = load_tokenizer(args.tokenizer, strict=True) if args.tokenizer is not None else None

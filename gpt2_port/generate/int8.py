@@ -81,6 +81,8 @@ class Int8Linear(nn.Module):
                 f"{self.name} is int8: int8 layers run inference only (this call is in train mode or wants a "
                 "gradient); call model.eval() under torch.no_grad(), or load the float32 checkpoint to train"
             )
+        if x.device.type != "cpu":  # the packed weight is a CPU object that .to() does not move
+            raise UsageError(f"{self.name} is int8 and runs on the CPU only; got its input on {x.device}")
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         # reduce_range: 7-bit activations, as fbgemm needs (its u8 x s8 pair sums saturate int16 with 8 bits)

@@ -13,13 +13,13 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from ..config import GPT2Config, check_against_shapes, infer_from_shapes, read_config_json
 from ..devices import parse_device, parse_dtype
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, UsageError
 from . import adapter
 from .checkpoint import Checkpoint, LazyStateDict, locate
 
@@ -72,6 +72,7 @@ def nonfinite_tensors(state: Mapping[str, torch.Tensor]) -> list[str]:
 
 
 Layout = Literal["auto", "checkpoint", "contiguous"]
+LAYOUTS = get_args(Layout)
 
 
 def contiguous_layout(layout: Layout, dtype: torch.dtype, device: torch.device) -> bool:
@@ -81,6 +82,8 @@ def contiguous_layout(layout: Layout, dtype: torch.dtype, device: torch.device) 
     weight (2-core AVX2, torch 2.13: a (768 -> 3072) bf16 linear of one token takes 5.7 ms on the view, 0.34 ms
     contiguous; float32 takes 0.43 ms on either; BENCHMARKS.md, "bfloat16 decode on the CPU"). "checkpoint" keeps
     the views (the parity checker: the same calls as transformers' Conv1D)."""
+    if layout not in LAYOUTS:
+        raise UsageError(f"layout {layout!r}: expected one of {', '.join(map(repr, LAYOUTS))}")
     if layout == "auto":
         return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
     return layout == "contiguous"

@@ -30,6 +30,7 @@ from ..config import GPT2Config
 from ..devices import compiling, host_readable
 from ..errors import UsageError
 from ..generate.cache import KVCache
+from ..generate.int8 import is_quantized
 from ..generate.mixin import GenerationMixin
 from ..io.load import Layout, LoadReport, contiguous_layout, read_state
 from ..io.save import write_checkpoint
@@ -150,6 +151,8 @@ class GPT2(GenerationMixin, nn.Module):
                 )
         elif getattr(self, "load_report", None) is not None:
             files = self.load_report.checkpoint.tokenizer_files()
+        if is_quantized(self):
+            raise UsageError(f"save_pretrained {directory}: the model is int8-quantized; save the float32 model")
         return write_checkpoint(self.state_dict(), self.config, directory, files)
 
     @property
@@ -245,10 +248,11 @@ class GPT2(GenerationMixin, nn.Module):
         `embed`, `block.{i}.ln_1`, `block.{i}.attn.{q,k,v}` (B, nh, T, hs), `block.{i}.attn.probs` (asked for by name;
         uses the manual path), `block.{i}.attn.merged` (before c_proj), `block.{i}.attn.c_proj`, `block.{i}.resid_attn`,
         `block.{i}.ln_2`, `block.{i}.mlp.act`, `block.{i}.mlp.c_proj`, `block.{i}` (block output), `ln_f`, `logits`.
-        An unknown name raises UsageError listing the valid ones. `keep_graph=True` keeps the tensors in the autograd
-        graph with their gradients retained (read `acts[name].grad` after backward).
+        One name may be passed as a string. An unknown name raises UsageError listing the valid ones.
+        `keep_graph=True` keeps the tensors in the autograd graph with their gradients retained (read
+        `acts[name].grad` after backward; gradient checkpointing is off while it records so).
         """
-        rec = Recorder(names, self.config.n_layer, keep_graph)
+        rec = Recorder([names] if isinstance(names, str) else names, self.config.n_layer, keep_graph)
         prev, self.taps.rec = self.taps.rec, rec
         try:
             yield rec.acts
@@ -282,6 +286,11 @@ class GPT2(GenerationMixin, nn.Module):
         V = self.config.vocab_size
         if S > self.config.n_positions:
             raise UsageError(f"sequence of {S} tokens exceeds the context of {self.config.n_positions}")
+        if input_ids.device != self.wte.weight.device:  # devices compared, no values read: no sync
+            raise UsageError(
+                f"input_ids are on {input_ids.device}, the model on {self.wte.weight.device}: pass "
+                "input_ids.to(model.device) (and the same for attention_mask, labels and targets)"
+            )
         if input_ids.numel() and host_readable(input_ids):
             lo, hi = int(input_ids.min()), int(input_ids.max())
             if lo < 0 or hi >= V:
@@ -307,7 +316,10 @@ class GPT2(GenerationMixin, nn.Module):
         if self.taps.rec is not None:
             self.taps.rec("embed", x)
         mask = build_mask(attention_mask, T, S, input_ids.device)
-        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        # not while recording with keep_graph: a recomputation during backward would fire the taps again and
+        # replace the recorded tensors (whose .grad the caller reads) with new ones that never get a gradient
+        keep = self.taps.rec is not None and self.taps.rec.keep_graph
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and not keep
         for block in self.h:
             x = checkpoint(block, x, mask, cache, use_reentrant=False) if recompute else block(x, mask, cache)
         if cache is not None:
