@@ -159,8 +159,9 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 
 # SDPA's kernels but cuDNN's: for calls whose shapes change from one call to the next (decode steps over keys that
-# grow a token a step, evaluation batches of varying lengths). cuDNN's attention builds an execution plan for every
-# new shape: bf16 decoding on an H100 spent 4.9 ms of host time a call on it and ran 10x slower than float32.
+# grow a token a step, prefills, evaluation batches of varying lengths), and for the fixed-shape static decode step,
+# which a CUDA graph records. cuDNN's attention builds an execution plan for every new shape: bf16 decoding on an
+# H100 spent 4.9 ms of host time a call on it and ran 10x slower than float32.
 VARYING_SHAPE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

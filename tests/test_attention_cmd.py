@@ -87,8 +87,8 @@ def test_command_does_not_import_transformers(tiny_official: Path, tmp_path: Pat
 
 
 def test_a_long_text_draws_a_bounded_canvas(tiny_official: Path, tmp_path: Path, capsys):
-    """A heatmap's side is capped (MAX_CELL_INCHES) and the tokens labelled every k-th past MAX_LABELS: 120 tokens
-    drew a 35-inch (4,200 px) map before, and 1024 tokens of all 12 heads would have needed some 200 GB of memory."""
+    """A heatmap's side is capped (MAX_CELL_INCHES) and the tokens labelled every k-th past MAX_LABELS: uncapped, 120
+    tokens make a 35-inch (4,200 px) map, and 1024 tokens of all 12 heads some 200 GB of memory."""
     out = tmp_path / "long.png"
     text = " ".join(["word"] * 120)
     assert main(["attention", str(tiny_official), text, "--layer", "0", "--head", "0", "--png", str(out)]) == 0

@@ -259,6 +259,7 @@ def test_ids_on_another_device_than_the_model_are_a_usage_error(tiny_official: P
         m(torch.tensor([[1, 2, 3]]))
 
 
-def test_an_unknown_layout_is_a_usage_error(tiny_official: Path) -> None:
+def test_an_unknown_layout_is_a_usage_error_before_the_checkpoint_is_read(tmp_path: Path) -> None:
+    """Refused first: the checkpoint named here does not exist (a Hub id would be downloaded before a later check)."""
     with pytest.raises(UsageError, match=r"layout 'contigous': expected one of 'auto', 'checkpoint', 'contiguous'"):
-        from_pretrained(tiny_official, layout="contigous")  # type: ignore[arg-type]
+        from_pretrained(tmp_path / "missing", layout="contigous")  # type: ignore[arg-type]

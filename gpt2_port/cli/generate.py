@@ -194,9 +194,10 @@ def run(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype)
     auto = str(args.device).lower() == "auto"
     device = parse_device("cpu" if quantize and auto else args.device)  # int8 runs on the CPU
-    if quantize and (device.type != "cpu" or dtype != torch.float32):
-        where = f"--dtype {given}" if quantize != args.quantize else f"--quantize int8 --dtype {given}"
-        raise UsageError(f"{where} --device {args.device}: int8 runs on the CPU from float32 weights")
+    if quantize and device.type != "cpu":
+        raise UsageError(f"--device {args.device}: int8 runs on the CPU (--device cpu, or leave --device out)")
+    if quantize and dtype != torch.float32:
+        raise UsageError(f"--dtype {given}: --quantize int8 quantizes float32 weights (leave --dtype out)")
     if args.json:
         check_writable(args.json, "--json", checkpoint_inputs(args.model) + tokenizer_inputs(args.tokenizer))
     tok = load_tokenizer(args.tokenizer, strict=True) if args.tokenizer is not None else None

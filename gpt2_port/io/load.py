@@ -105,6 +105,7 @@ def read_state(
     blocks of one contiguous [3C, C] copy, every other weight its own contiguous copy: `contiguous_layout`).
     """
     dt, dev = parse_dtype(dtype), parse_device(device)
+    contiguous = contiguous_layout(layout, dt, dev)  # an unknown layout is refused before the read (or a download)
     sd, report = read_checkpoint(model, revision)
     conv = report.conversion
     sd.release(conv.dropped)  # checked and discarded (mask buffers): out of the RSS, 4 MB per layer
@@ -112,7 +113,6 @@ def read_state(
     if check_finite:
         report.nonfinite = nonfinite_tensors(conv.state)
     state = conv.state
-    contiguous = contiguous_layout(layout, dt, dev)
     if contiguous or dev.type != "cpu" or any(t.dtype != dt for t in state.values()):
         move = lambda t: t.to(device=dev, dtype=dt)  # noqa: E731
         state = adapter.convert_sources(conv, sd, report.config, move, contiguous)

@@ -358,8 +358,8 @@ class Trainer:
             self.run_dir.save(self._write_model, self._state(step, elapsed, tokens))
             if self.cb.on_save:
                 self.cb.on_save("last", self.out, step)
+        self.last_saved = step  # rank 0 has written it; the others (which wait below) never report it
         self.dist.barrier()
-        self.last_saved = step  # after the barrier: a process stopped while waiting names the state saved before
 
     def save_best(self, step: int) -> None:
         if not self.dist.is_main:
