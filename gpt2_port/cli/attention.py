@@ -79,9 +79,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("TEXT encodes to no tokens")
     if len(ids) > cfg.n_positions:
         raise UsageError(f"TEXT is {len(ids)} tokens, more than the context of {cfg.n_positions}")
-    if max(ids) >= cfg.vocab_size:  # checked here, on the host: on a GPU the forward does not read the ids back
+    top = max(ids)
+    if top >= cfg.vocab_size:  # checked here, on the host: on a GPU the forward does not read the ids back
         raise UsageError(
-            f"TEXT: token id {max(ids)} is out of range for the model's vocabulary of {cfg.vocab_size} "
+            f"TEXT: token id {top} is out of range for the model's vocabulary of {cfg.vocab_size} "
             "(a tokenizer for another vocabulary? --tokenizer)"
         )
     x = torch.tensor([ids], device=dev)

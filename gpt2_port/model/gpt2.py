@@ -142,6 +142,8 @@ class GPT2(GenerationMixin, nn.Module):
     ) -> Path:
         """Write the official layout (io/save.py): config.json, model.safetensors, and the tokenizer files from
         `tokenizer_dir`, else from the checkpoint the model was loaded from, when either has them."""
+        if is_quantized(self):
+            raise UsageError(f"save_pretrained {directory}: the model is int8-quantized; save the float32 model")
         files = None
         if tokenizer_dir is not None:
             files = find_files(tokenizer_dir)
@@ -151,8 +153,6 @@ class GPT2(GenerationMixin, nn.Module):
                 )
         elif getattr(self, "load_report", None) is not None:
             files = self.load_report.checkpoint.tokenizer_files()
-        if is_quantized(self):
-            raise UsageError(f"save_pretrained {directory}: the model is int8-quantized; save the float32 model")
         return write_checkpoint(self.state_dict(), self.config, directory, files)
 
     @property
