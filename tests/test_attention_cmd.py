@@ -63,7 +63,14 @@ def test_reference_probs_are_the_attention_probabilities(tiny_hf: Path):
         (["--layer", "0", "--head", "4"], "--head 4: the model has 4 heads"),
     ],
 )
-def test_bad_layer_or_head(tiny_official: Path, tmp_path: Path, args, msg, capsys):
+def test_bad_layer_or_head(tiny_official: Path, tmp_path: Path, args, msg, capsys, monkeypatch):
+    """Refused from the checkpoint's config before the model loads (seconds at 1.5B, more onto a GPU)."""
+    import gpt2_port.model
+
+    def no_load(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded before --layer/--head were checked")
+
+    monkeypatch.setattr(gpt2_port.model, "from_pretrained", no_load)
     assert main(["attention", str(tiny_official), "Hi", *args, "--png", str(tmp_path / "a.png")]) == 2
     assert msg in capsys.readouterr().err
 

@@ -331,3 +331,24 @@ def test_only_rank_0_logs_warnings(monkeypatch, tmp_path: Path, rank: str, verbo
         assert lib.level == (level if level is not None else before)
     finally:
         lib.setLevel(before)  # setLevel, which also clears the loggers' cached levels
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_more_processes_than_gpus_is_refused_in_one_line(monkeypatch, tmp_path: Path, capsys, device: str) -> None:
+    """torchrun's `--nproc_per_node 2` on a machine with one GPU: `--device auto` picks CUDA and process 1 would ask
+    for cuda:1, which is not there. Every process refuses before anything is read or joined (CUDA stood in for: the
+    counts are all the check reads)."""
+    from gpt2_port.train.distributed import device_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    argv = ["train", "--init", "gpt2", "--data", str(tmp_path), "--out", str(tmp_path / "o"), "--device", device]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "torchrun started 2 processes on this machine, which has 1 GPU" in err
+    assert "--nproc_per_node 1" in err and "--device cpu" in err and not (tmp_path / "o").exists()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # one GPU a process: process 1 takes cuda:1
+    assert device_for(Dist(1, 2, 1, 2), torch.device("cuda")) == torch.device("cuda", 1)
+    assert device_for(Dist(1, 2, 1, 2), torch.device("cpu")) == torch.device("cpu")

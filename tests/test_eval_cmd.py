@@ -62,6 +62,7 @@ def test_text_json_has_every_key_and_lm_eval_formulas(tiny_official: Path, text:
     assert math.isclose(d["word_perplexity"], math.exp(d["nll"] / d["words"]))
     assert f"perplexity           {d['perplexity']:.6g}" in out
     assert d["published"] == [] and "Published" not in out  # a local path: no published figures
+    assert out.splitlines()[-1] == f"wrote {out_json}"  # as every command says of each file it writes
 
 
 def test_json_to_stdout_is_only_json(tiny_official: Path, text: Path, capsys) -> None:
@@ -74,8 +75,8 @@ def test_json_to_stdout_is_only_json(tiny_official: Path, text: Path, capsys) ->
 
 def test_markdown_table(tiny_official: Path, lambada: Path, tmp_path: Path, capsys) -> None:
     md = tmp_path / "r.md"
-    rc, _, _ = run(capsys, str(tiny_official), "--lambada", str(lambada), "--markdown", str(md))
-    assert rc == 0
+    rc, out, _ = run(capsys, str(tiny_official), "--lambada", str(lambada), "--markdown", str(md))
+    assert rc == 0 and out.splitlines()[-1] == f"wrote {md}"
     lines = md.read_text().splitlines()
     assert "| metric | value |" in lines and any(ln.startswith("| accuracy | ") for ln in lines)
     assert any(ln.startswith("| n | 3 |") for ln in lines)

@@ -246,6 +246,21 @@ def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
     assert not torch.equal(weights(out)["h.0.mlp.c_fc.weight"], weights(small_ckpt)["h.0.mlp.c_fc.weight"])
 
 
+@pytest.mark.parametrize("stop_at", [None, "1"])
+def test_json_to_stdout_is_the_json_alone(small_ckpt: Path, small_data: Path, tmp_path: Path, capsys, stop_at) -> None:
+    """`--json -`: stdout is the summary alone (the closing lines go to stderr), as `-` means for every JSON output;
+    to a file, the command says `wrote PATH`."""
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--steps", "2", *FAST, "--eval-every", "0"]
+    argv += ["--no-progress", *(["--stop-at", stop_at] if stop_at else [])]
+    capsys.readouterr()
+    assert train(*argv, "--out", str(tmp_path / "a"), "--json", "-") == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["step"] == int(stop_at or 2)
+    assert ("--resume" if stop_at else "trained steps 0->2") in err
+    assert train(*argv, "--out", str(tmp_path / "b"), "--json", str(tmp_path / "s.json")) == 0
+    assert f"wrote {tmp_path / 's.json'}" in capsys.readouterr().out.splitlines()
+
+
 def test_without_matplotlib_train_stops_before_training_and_names_no_plot(
     small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:

@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from ..devices import parse_device, parse_dtype
     from ..errors import UsageError
     from ..files import check_writable
+    from ..io.load import read_checkpoint
     from ..io.tokenizer import load_tokenizer, tokenizer_for
     from ..model import from_pretrained
     from ..plots import require_matplotlib
@@ -65,13 +66,13 @@ def run(args: argparse.Namespace) -> int:
 
     dt, dev = parse_dtype(args.dtype), parse_device(args.device)
     tok = load_tokenizer(args.tokenizer, strict=True) if args.tokenizer is not None else None
-    model, rep = from_pretrained(args.model, dtype=dt, device=dev, revision=args.revision)
-    cfg = rep.config
+    cfg = read_checkpoint(args.model, args.revision)[1].config  # memory-mapped: --layer/--head before the load
     layer = args.layer + cfg.n_layer if args.layer < 0 else args.layer
     if not 0 <= layer < cfg.n_layer:
         raise UsageError(f"--layer {args.layer}: the model has {cfg.n_layer} layers (0..{cfg.n_layer - 1})")
     if args.head is not None and not 0 <= args.head < cfg.n_head:
         raise UsageError(f"--head {args.head}: the model has {cfg.n_head} heads (0..{cfg.n_head - 1})")
+    model, rep = from_pretrained(args.model, dtype=dt, device=dev, revision=args.revision)
     if tok is None:
         tok = tokenizer_for(rep.checkpoint.root)
     ids = tok.encode(args.text)

@@ -20,6 +20,7 @@ from .common import (
     checkpoint_inputs,
     data_inputs,
     file_input,
+    report_written,
     tokenizer_inputs,
 )
 
@@ -304,10 +305,12 @@ def run(args: argparse.Namespace) -> int:
     }
     if parity is not None:
         data["check"] = parity.to_json()
+    written = []
     if args.json:
-        write_output(args.json, json.dumps(data, indent=2) + "\n", "--json")
+        written.append(write_output(args.json, json.dumps(data, indent=2) + "\n", "--json"))
     if args.markdown:
         md = [f"**{header}**", "", "| metric | value |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in _rows(task, res)]
         md += _published_lines(args.model, task, res, markdown=True)
-        write_output(args.markdown, "\n".join(md) + "\n", "--markdown")
+        written.append(write_output(args.markdown, "\n".join(md) + "\n", "--markdown"))
+    report_written(written)
     return 0 if parity is None or parity.passed else 1

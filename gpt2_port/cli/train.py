@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import signal
@@ -21,6 +22,7 @@ from .common import (
     checkpoint_inputs,
     data_inputs,
     file_input,
+    report_written,
     tokenizer_inputs,
 )
 
@@ -124,7 +126,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "for 64; the pad's logits are -inf, saved files keep 50257 rows); 1: none (default: 64 on CUDA, 1 elsewhere)",
     )
     g.add_argument(
-        "--compile", action=bool_flag, help="torch.compile the training and evaluation forward (one graph; off)"
+        "--compile",
+        action=bool_flag,
+        help="torch.compile the training and evaluation forward (one graph; under torchrun, split at DDP's gradient "
+        "buckets; off)",
     )
     g = p.add_argument_group("evaluation and saving")
     g.add_argument("--eval-every", type=int, help=f"steps between val losses ({d.eval_every})")
@@ -466,20 +471,21 @@ def run(args: argparse.Namespace) -> int:
         "memory_estimate_mb": mem["estimate_bytes"] / 2**20 if mem is not None else None,
         "memory_method": mem["method"] if mem is not None else None,
     }
+    say = functools.partial(print, file=sys.stderr if args.json == "-" else sys.stdout)  # stdout: the JSON alone
     if args.json:
-        write_output(args.json, json.dumps(summary, indent=2) + "\n", "--json")
+        report_written([write_output(args.json, json.dumps(summary, indent=2) + "\n", "--json")])
     if result.stopped_at:
-        print(f"stopped at step {result.step}/{targs.steps} (--stop-at): state saved in {out}; continue with")
-        print(f"gpt2-port train --resume {out}")
+        say(f"stopped at step {result.step}/{targs.steps} (--stop-at): state saved in {out}; continue with")
+        say(f"gpt2-port train --resume {out}")
         return 0
     if result.interrupted:
         if result.step >= targs.steps:
             skipped = " (its final evaluation skipped)" if result.eval_skipped else ""
             done = f"interrupted at step {result.step}/{targs.steps}, the last: the run is complete{skipped}"
-            print(f"{done}; saved in {out}")
+            say(f"{done}; saved in {out}")
         else:
-            print(f"interrupted at step {result.step}/{targs.steps}: state saved in {out}; continue with")
-            print(f"gpt2-port train --resume {out}")
+            say(f"interrupted at step {result.step}/{targs.steps}: state saved in {out}; continue with")
+            say(f"gpt2-port train --resume {out}")
         return 130
-    print(_summary_line(result, targs, out))
+    say(_summary_line(result, targs, out))
     return 0

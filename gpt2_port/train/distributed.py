@@ -63,8 +63,16 @@ def from_env() -> Dist:
 
 
 def device_for(d: Dist, requested: torch.device) -> torch.device:
-    """Each process of a multi-GPU run takes the GPU of its local rank."""
+    """Each process of a multi-GPU run takes the GPU of its local rank: one GPU a process, so a machine running more
+    processes than it has GPUs is refused (every process says so: each sees the same counts)."""
     if d.enabled and requested.type == "cuda":
+        n = torch.cuda.device_count()
+        if d.local_world_size > n:
+            raise UsageError(
+                f"torchrun started {d.local_world_size} processes on this machine, which has {n} GPU"
+                f"{'' if n == 1 else 's'}: one process a GPU (--nproc_per_node {n}), or CPU processes with "
+                "--device cpu (gloo)"
+            )
         return torch.device("cuda", d.local_rank)
     return requested
 
