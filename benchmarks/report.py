@@ -181,7 +181,7 @@ def render(res: dict) -> str:
             out.append(
                 f"| {size} | {opt} | {r['decode']['tok_s']:.1f} | {_r(s[f'{k}_tok_s'][2])} "
                 f"| {_r(same) if same is not None else '-'} | {s[f'{k}_weight_GBps']:.1f} | {pc} "
-                f"| {s[f'{k}_tokens_match_hf']}/{n} ({s[f'{k}_tokens_against']}) |"
+                f"| {s[f'{k}_tokens_match_hf']}/{n} ({s.get(f'{k}_tokens_against', 'float32')}) |"
             )
     return "\n".join(out) + "\n"
 

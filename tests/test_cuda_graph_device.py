@@ -161,10 +161,16 @@ def test_running_out_of_memory_while_capturing_is_raised_not_run_eagerly(monkeyp
     fake = _Fake(monkeypatch)
     caller = fake.stream
 
-    def step() -> torch.Tensor:
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    calls = []
+
+    def step() -> torch.Tensor:  # the warm-up runs; the run inside the capture runs out of memory
+        calls.append(fake.stream)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return torch.zeros(1)
 
     captured = cuda_graph.CapturedStep(step, torch.device("cuda:0"), warmup=1)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         captured()
+    assert len(calls) == 2 and calls[1] is not caller  # it ran out inside the capture, on the capture stream
     assert not captured.eager and fake.stream is caller

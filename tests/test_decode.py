@@ -291,13 +291,17 @@ def test_each_token_costs_one_transfer_from_the_device(static: bool, monkeypatch
             return _real(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+    m.register_forward_pre_hook(lambda *_: reads.append("prefill"))  # the prompt's forward; the steps run the plan
+    import gpt2_port.model.gpt2 as gpt2_module
+
+    monkeypatch.setattr(gpt2_module, "host_readable", lambda t: False)  # as on a GPU: the forward reads no id back
     ids = torch.tensor([[5, 17, 42]])
     opts = dict(eos_token_id=None, do_sample=True, seed=1, repetition_penalty=1.2, static_cache=static)
     g = generate_full(m, ids, 12, **opts)
     monkeypatch.undo()
     assert g.sequences.shape[1] == 3 + 12
-    first = reads.index("tolist")  # before it: the prompt's checks, on the caller's tensor, before the loop
-    assert reads[first:] == ["tolist"] * 12, reads
+    first = reads.index("prefill")  # before it: the prompt's checks, on the caller's tensor, before the loop
+    assert reads[first:] == ["prefill"] + ["tolist"] * 12, reads
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])

@@ -420,11 +420,13 @@ def test_a_batch_makes_no_host_tensor_between_the_forward_and_the_head(monkeypat
     """Everything the device needs for a batch goes in one copy before the forward: a tensor built from host lists
     after it (the scored rows' indices, the targets) would wait on CUDA for the whole forward before the head."""
     made: list[str] = []
-    real = torch.tensor
 
-    def spy(*a, **kw) -> torch.Tensor:
-        made.append("tensor")
-        return real(*a, **kw)
+    def spy(name: str, real):  # noqa: ANN001, ANN202
+        def made_one(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            made.append(name)
+            return real(*a, **kw)
+
+        return made_one
 
     def hidden(ids: torch.Tensor) -> torch.Tensor:
         made.append("forward")
@@ -434,7 +436,9 @@ def test_a_batch_makes_no_host_tensor_between_the_forward_and_the_head(monkeypat
         made.append("head")
         return h
 
-    monkeypatch.setattr(torch, "tensor", spy)
+    for name in ("tensor", "as_tensor", "from_numpy"):  # every way a host list or array becomes a tensor
+        monkeypatch.setattr(torch, name, spy(name, getattr(torch, name)))
+    monkeypatch.setattr(torch.Tensor, "to", spy("to", torch.Tensor.to))  # and every copy to a device
     s = Scorer("fake", hidden, head, torch.device("cpu"), vocab_size=8)
     sums, _, _ = score_batch(s, [Request([1], [2, 3]), Request([4], [5])], 8, 0)
     assert made.index("head") == made.index("forward") + 1, made

@@ -245,7 +245,9 @@ def test_resume_in_place_may_name_its_own_tokenizer_but_not_replace_another_chec
 
 def test_cuda_generator_states_are_restored_in_device_order_past_ten_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     """rng.cuda.N keys sorted as strings would put device 10 before device 2: each GPU would get another's state."""
-    states = {f"rng.cuda.{i}": torch.full((4,), i, dtype=torch.uint8) for i in range(12)}
+    # in the order a saved state holds them: save() writes its keys sorted as strings (0, 1, 10, 11, 2, ...)
+    states = {f"rng.cuda.{i}": torch.full((4,), i, dtype=torch.uint8) for i in sorted(range(12), key=str)}
+    assert list(states)[2] == "rng.cuda.10"
     tensors = {**states, trainer_state.RNG_TORCH: torch.get_rng_state(), trainer_state.RNG_DATA: torch.zeros(1)}
     got: list[torch.Tensor] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -375,13 +375,29 @@ def test_from_scratch_is_seeded_and_an_out_that_holds_a_run_is_not_overwritten(
 
 
 @pytest.mark.exactness
-def test_grad_checkpointing_trains_the_same_model(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
-    runs = []
+def test_grad_checkpointing_trains_the_same_model(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """--grad-checkpointing: the same losses and weights bit for bit, and the blocks do go through checkpoint()."""
+    import gpt2_port.model.gpt2 as gpt2_module
+
+    calls = [0]
+    real = gpt2_module.checkpoint
+
+    def counted(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(gpt2_module, "checkpoint", counted)
+    runs, checkpointed = [], []
     for flag in ([], ["--grad-checkpointing"]):
         out = tmp_path / f"run{len(runs)}"
         argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "2", *FAST]
+        calls[0] = 0
         assert train(*argv, "--dropout", "0.1", "--eval-every", "0", *flag) == 0
         runs.append(out)
+        checkpointed.append(calls[0])
+    assert checkpointed[0] == 0 and checkpointed[1] >= 2 * 2  # 2 blocks a step at least
     assert [r["train_loss"] for r in log(runs[0])] == [r["train_loss"] for r in log(runs[1])]
     wa, wb = weights(runs[0]), weights(runs[1])
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -147,16 +147,29 @@ def test_init_weights_follows_gpt2s_rule() -> None:
 
 
 def test_gradient_checkpointing_keeps_the_gradients(tiny_official: Path) -> None:
+    """The same gradients with and without checkpointing, and checkpointing does recompute: block 0 starts twice
+    (forward, then again in backward) and the blocks keep none of their inner activations for backward."""
     ids, labels = _batch(4)
-    grads = []
+    grads, counts = [], []
     for ckpt in (False, True):
         m = _ours(tiny_official, "sdpa", dropout=0.1)
         m.gradient_checkpointing = ckpt
+        n = {"calls": 0, "saved": 0}
+        # a pre-hook: the recomputation stops once it has what backward needs (checkpoint's early stop), before
+        # a forward hook would fire
+        m.h[0].register_forward_pre_hook(lambda *_, n=n: n.update(calls=n["calls"] + 1))
         torch.manual_seed(7)  # dropout on: checkpointing must replay the same masks
-        m(ids, labels=labels).loss.backward()
-        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
-    for n in grads[0]:
-        assert torch.equal(grads[0][n], grads[1][n]), n
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, n=n: (n.update(saved=n["saved"] + 1), t)[1], lambda t: t
+        ):
+            loss = m(ids, labels=labels).loss
+        loss.backward()
+        grads.append({k: p.grad.clone() for k, p in m.named_parameters()})
+        counts.append(n)
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), k
+    assert [c["calls"] for c in counts] == [1, 2]
+    assert counts[1]["saved"] < counts[0]["saved"] / 2, counts  # the blocks' inner activations are not kept
 
 
 def test_fused_qkv_view_is_not_used_when_gradients_are_wanted(tiny_official: Path) -> None:
