@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .errors import UsageError
+from .errors import DeviceMemoryError, UsageError
 
 GiB = 1 << 30
 MEMORY_HEADROOM = 0.9  # a memory check uses at most this share of the available memory: its estimate is not exact
@@ -95,16 +95,30 @@ def parse_device(name: str | torch.device) -> torch.device:
     raise UsageError(f"unknown device {name!r}: expected cpu, cuda, cuda:N, mps or auto")
 
 
-def out_of_memory(e: BaseException | None) -> bool:
-    """e is torch's out-of-memory error or was raised from one (torch.compile re-raises an error met while compiling,
-    autotuning included, as its own exception with the original as its cause)."""
+def _out_of_memory_error(e: BaseException | None) -> BaseException | None:
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         if isinstance(e, torch.OutOfMemoryError):
-            return True
+            return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
-    return False
+    return None
+
+
+def out_of_memory(e: BaseException | None) -> bool:
+    """e is torch's out-of-memory error or was raised from one (torch.compile re-raises an error met while compiling,
+    autotuning included, as its own exception with the original as its cause)."""
+    return _out_of_memory_error(e) is not None
+
+
+def memory_error(e: BaseException, during: str = "") -> DeviceMemoryError | None:
+    """A DeviceMemoryError for an out-of-memory error (see out_of_memory), else None: torch's first two sentences
+    ("CUDA out of memory. Tried to allocate 2.00 GiB"), and `during` (the step it was in) when given."""
+    oom = _out_of_memory_error(e)
+    if oom is None:
+        return None
+    said = ". ".join(str(oom).replace("\n", " ").split(". ")[:2]).strip().rstrip(".") or "out of memory"
+    return DeviceMemoryError(f"{said}{' ' + during if during else ''}")
 
 
 def peak_rss_mb() -> float:

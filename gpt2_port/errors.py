@@ -61,6 +61,12 @@ class UsageError(GPT2PortError):
     """
 
 
+class DeviceMemoryError(GPT2PortError):
+    """The device ran out of memory while the command worked (torch's OutOfMemoryError, or an error raised from one):
+    the message names the request torch could not serve and the step it was in; the CLI adds what to change for that
+    command (a smaller batch, fewer rows, ...). Not a bug: the inputs asked for more than the device has."""
+
+
 class HubError(GPT2PortError):
     """The Hugging Face Hub could not provide the model (offline with no cache, unknown id, failed download).
 

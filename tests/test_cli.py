@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY
 
 from gpt2_port.cli import main
@@ -133,3 +134,36 @@ def test_demo_checkpoint_takes_the_largest_seed(tmp_path: Path):
     a = write_demo_checkpoint(tmp_path / "a", config=cfg, seed=2**63 - 1)
     b = write_demo_checkpoint(tmp_path / "b", config=cfg, seed=2**63 - 2)
     assert (a / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+@pytest.mark.parametrize(
+    ("command", "hint"),
+    [
+        (["generate", "Hi", "--greedy", "--max-new-tokens", "2"], "fewer rows (--num-samples"),
+        (["parity", "--no-noise-floor"], "fewer or shorter prompts"),
+        (["attention", "Hi", "--layer", "0", "--png", "{tmp}/a.png"], "a shorter TEXT"),
+    ],
+)
+def test_running_out_of_device_memory_is_one_line_saying_what_to_change(
+    tiny_official: Path, tmp_path: Path, monkeypatch, capsys, command: list[str], hint: str, wrapped: bool
+) -> None:
+    """torch's OutOfMemoryError (here from a stand-in forward; `wrapped`: re-raised from another error, as
+    torch.compile does) is not a bug: one line with torch's request and what to change, exit 2, no traceback."""
+    from gpt2_port.model import GPT2
+
+    def oom(*_a, **_k) -> None:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.5 GiB free. X")
+        except torch.OutOfMemoryError as e:
+            if wrapped:
+                raise RuntimeError("backend='inductor' raised: see above") from e
+            raise
+
+    monkeypatch.setattr(GPT2, "forward", oom)
+    argv = [command[0], str(tiny_official), *(a.format(tmp=tmp_path) for a in command[1:])]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err and "Traceback" not in err, err
+    assert f"gpt2-port {command[0]}: error: CUDA out of memory. Tried to allocate 2.00 GiB: {hint}" in err, err

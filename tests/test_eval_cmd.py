@@ -219,4 +219,6 @@ def test_out_of_memory_is_one_line_naming_the_batch_size(
         capsys, str(tiny_official), "--lambada", str(lambada), "--batch-size", "64", "--json", str(out_json)
     )
     assert rc == 2 and not out_json.exists()
-    assert err.count("\n") == 1 and "--batch-size 64: out of memory on cpu" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "error: CUDA out of memory. Tried to allocate 3.07 GiB scoring --batch-size 64 windows of" in err
+    assert err.rstrip().endswith(": a smaller --batch-size (or --max-length)")

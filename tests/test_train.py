@@ -246,6 +246,36 @@ def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
     assert not torch.equal(weights(out)["h.0.mlp.c_fc.weight"], weights(small_ckpt)["h.0.mlp.c_fc.weight"])
 
 
+@pytest.mark.parametrize("where", ["step", "evaluate"])
+def test_running_out_of_device_memory_names_the_step_the_last_checkpoint_and_what_to_change(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch, capsys, where: str
+) -> None:
+    """torch's OutOfMemoryError in step 3, or in the evaluation after step 3 (a stand-in here; on a GPU a longer batch
+    or fragmentation after the measured check), is one line naming the step, the last checkpoint (step 2, kept
+    whole) and train's hint, exit 2: not an internal error."""
+    from gpt2_port.train.loop import Trainer
+
+    real = getattr(Trainer, where)
+    calls = []
+
+    def oom_at_the_third(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has 0.2 GiB free.")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, where, oom_at_the_third)
+    out = tmp_path / "run"
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "4", *FAST]
+    capsys.readouterr()
+    assert train(*argv, "--save-every", "2", "--eval-every", "1" if where == "evaluate" else "0", "--no-progress") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    during = "in step 3" if where == "step" else "evaluating after step 3"
+    assert err.startswith(f"gpt2-port train: error: CUDA out of memory. Tried to allocate 1.50 GiB {during} (")
+    assert f"the last checkpoint in {out} is from step 2): a smaller --batch-size" in err, err
+    assert trainer_state.load(out).step == 2
+
+
 @pytest.mark.parametrize("stop_at", [None, "1"])
 def test_json_to_stdout_is_the_json_alone(small_ckpt: Path, small_data: Path, tmp_path: Path, capsys, stop_at) -> None:
     """`--json -`: stdout is the summary alone (the closing lines go to stderr), as `-` means for every JSON output;

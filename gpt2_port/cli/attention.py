@@ -18,6 +18,9 @@ from .common import (
     tokenizer_inputs,
 )
 
+# what to change when the device runs out of memory (the CLI adds it to the one-line error)
+OOM_HINT = "a shorter TEXT or --device cpu"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -43,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device_arg(p)
     add_revision_arg(p)
     add_tokenizer_arg(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, oom_hint=OOM_HINT)
 
 
 def run(args: argparse.Namespace) -> int:

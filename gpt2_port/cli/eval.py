@@ -47,6 +47,10 @@ records them), so bits_per_byte and word_perplexity need no text; a meta.json wi
 """
 
 
+# what to change when the device runs out of memory (the CLI adds it to the one-line error)
+OOM_HINT = "a smaller --batch-size (or --max-length)"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
@@ -74,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--markdown", metavar="PATH", default=None, help="write the results as a Markdown table")
     p.add_argument("--check", action="store_true", help="also score with transformers and report the differences")
     add_progress_arg(p, "scored tokens")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, oom_hint=OOM_HINT)
 
 
 def _rows(task: str, res: dict) -> list[tuple[str, str]]:
@@ -133,7 +137,7 @@ def _inputs(args: argparse.Namespace) -> list:
 
 def run(args: argparse.Namespace) -> int:
     from ..devices import dtype_name as name_of
-    from ..devices import out_of_memory, parse_device, parse_dtype
+    from ..devices import memory_error, parse_device, parse_dtype
     from ..errors import UsageError
     from ..eval.jsonl import read_jsonl
     from ..eval.perplexity import (
@@ -249,11 +253,9 @@ def run(args: argparse.Namespace) -> int:
     except BaseException as e:
         if bar is not None:
             bar.abandon()
-        if out_of_memory(e):  # a batch of B windows of max-length tokens does not fit the device
-            raise UsageError(
-                f"--batch-size {args.batch_size}: out of memory on {device} scoring windows of {max_length} tokens "
-                f"in {dt}; try a smaller --batch-size (or --max-length)"
-            ) from None
+        during = f"scoring --batch-size {args.batch_size} windows of {max_length} tokens on {device} in {dt}"
+        if (mem := memory_error(e, during)) is not None:  # the CLI adds OOM_HINT
+            raise mem from None
         raise
     if bar is not None:
         bar.close()

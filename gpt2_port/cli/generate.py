@@ -36,6 +36,10 @@ others print when the batch is done); generation ends at <|endoftext|>, at a --s
 """
 
 
+# what to change when the device runs out of memory (the CLI adds it to the one-line error)
+OOM_HINT = "fewer rows (--num-samples, fewer prompts), a smaller --max-new-tokens or --dtype bfloat16"
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
@@ -114,7 +118,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="write prompt_ids, generated_ids, texts and the timings as JSON (- for stdout, after the text)",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, oom_hint=OOM_HINT)
 
 
 def sampling_from_args(args: argparse.Namespace) -> dict:

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..errors import GPT2PortError
+from ..errors import DeviceMemoryError, GPT2PortError
 
 # Each module defines register(subparsers) and sets `func` on its parser; kept in the order `--help` shows them.
 COMMAND_MODULES = [
@@ -76,22 +76,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except GPT2PortError as e:
-        msg = " ".join(str(e).split("\n"))
-        sys.stderr.write(f"gpt2-port {args.command}: error: {msg}\n")
-        return 2
+        return _error(args, e)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
     except BrokenPipeError:
         return 0
-    except Exception as e:  # an internal error: still one line unless asked for the traceback
-        if os.environ.get("GPT2_PORT_DEBUG"):
+    except Exception as e:
+        from ..devices import memory_error
+
+        mem = memory_error(e)  # the device ran out of memory: what to change, not a bug
+        if mem is not None:
+            return _error(args, mem)
+        if os.environ.get("GPT2_PORT_DEBUG"):  # an internal error: still one line unless asked for the traceback
             raise
         sys.stderr.write(
             f"gpt2-port {args.command}: internal error: {e.__class__.__name__}: {e} -- this is a bug; "
             f"please report it (rerun with GPT2_PORT_DEBUG=1 for the traceback)\n"
         )
         return 3
+
+
+def _error(args: argparse.Namespace, e: GPT2PortError) -> int:
+    """One line on stderr, exit 2; running out of device memory adds the command's hint (`oom_hint`) on what to
+    change."""
+    msg = " ".join(str(e).split("\n"))
+    if isinstance(e, DeviceMemoryError) and getattr(args, "oom_hint", None):
+        msg += f": {args.oom_hint}"
+    sys.stderr.write(f"gpt2-port {args.command}: error: {msg}\n")
+    return 2
 
 
 def run() -> None:

@@ -14,6 +14,9 @@ from . import parity_backward
 from .common import add_device_arg, add_model_arg, add_revision_arg, add_tokenizer_arg
 from .parity_io import checked_outputs, read_inputs, write_outputs
 
+# what to change when the device runs out of memory (the CLI adds it to the one-line error)
+OOM_HINT = "fewer or shorter prompts (--prompt, --prompt-file), another --device or a smaller model"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -132,7 +135,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="gradient clipping (clip_grad_norm_) for --train-steps (default 1.0)",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, oom_hint=OOM_HINT)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,6 +56,12 @@ torchrun --nnodes M --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:29500
 """
 
 
+# what to change when the device runs out of memory (the CLI adds it to the one-line error)
+OOM_HINT = (
+    "a smaller --batch-size (--grad-accum keeps the tokens a step), --grad-checkpointing or a shorter --block-size"
+)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from ..train.args import DTYPE_CHOICES, KERNEL_CHOICES, TrainArgs
 
@@ -156,7 +162,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_progress_arg(g, "steps, loss and tokens/s")
     g.add_argument("--no-plot", action="store_true", help="do not write OUT/loss.png (which needs matplotlib)")
     g.add_argument("--no-memory-check", action="store_true", help="start even if the memory check says it won't fit")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, oom_hint=OOM_HINT)
 
 
 def plot_loss(records: list[dict], path: Path) -> None:
