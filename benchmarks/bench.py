@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks.decode import same_prefix
 from gpt2_port.config import PRESETS
 from gpt2_port.errors import UsageError
-from gpt2_port.files import check_writable, write_output
+from gpt2_port.files import STDOUT, check_writable, write_output
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
@@ -323,6 +323,6 @@ def main(a: argparse.Namespace) -> int:
     if a.markdown:
         written.append(update_markdown(a.markdown, md))
     for w in written:
-        if w != "stdout":
+        if w != STDOUT:
             print(f"wrote {w}", file=sys.stderr)
     return 0

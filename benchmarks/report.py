@@ -188,7 +188,7 @@ def render(res: dict) -> str:
 
 def update_markdown(path: str | os.PathLike[str], section: str) -> str:
     """Replace the text between the bench markers in `path` (append the section when the markers are absent); `-`
-    writes the marked section alone to stdout. Returns what write_output reports (the path, or "stdout")."""
+    writes the marked section alone to stdout. Returns what write_output reports (the path; STDOUT for `-`)."""
     block = f"{BEGIN}\n{section.rstrip()}\n{END}\n"
     if os.fspath(path) == STDOUT:
         return write_output(path, block, "--markdown")

@@ -8,6 +8,7 @@ import contextlib
 import os
 import resource
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -109,6 +110,17 @@ def out_of_memory(e: BaseException | None) -> bool:
     """e is torch's out-of-memory error or was raised from one (torch.compile re-raises an error met while compiling,
     autotuning included, as its own exception with the original as its cause)."""
     return _out_of_memory_error(e) is not None
+
+
+@contextlib.contextmanager
+def memory_errors(during: str) -> Iterator[None]:
+    """Out of memory inside the block (see out_of_memory) raises DeviceMemoryError naming `during`; else as is."""
+    try:
+        yield
+    except Exception as e:
+        if (mem := memory_error(e, during)) is None:
+            raise
+        raise mem from e
 
 
 def memory_error(e: BaseException, during: str = "") -> DeviceMemoryError | None:

@@ -322,7 +322,8 @@ def append_line(path: str | os.PathLike[str], line: str) -> None:
 
 
 def write_output(path: str | os.PathLike[str], data: str | bytes, what: str = "--json") -> str:
-    """Write a command's output (JSON, Markdown, PNG) to `path`, or to stdout for `-`; return what to report.
+    """Write a command's output (JSON, Markdown, PNG) to `path`, or to stdout for `-`; return the path as given
+    (STDOUT for stdout: a file named "stdout" is a file).
 
     A failed write raises UsageError naming the path and the reason, and says where the results were kept.
     """
@@ -335,7 +336,7 @@ def write_output(path: str | os.PathLike[str], data: str | bytes, what: str = "-
         kept = keep_results(raw, Path(path).suffix)
         where = f"; the results are kept in {kept}" if kept else ""
         raise UsageError(f"{what} {_shown(path, target_of(path))}: cannot write ({e.strerror or e}){where}") from None
-    return "stdout" if os.fspath(path) == STDOUT else os.fspath(path)
+    return os.fspath(path)
 
 
 def keep_results(data: bytes, suffix: str = "") -> str | None:

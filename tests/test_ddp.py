@@ -19,6 +19,7 @@ import torch
 from gpt2_port.cli import main
 from gpt2_port.cli.train_settings import load_checkpoint
 from gpt2_port.config import GPT2Config
+from gpt2_port.errors import UsageError
 from gpt2_port.io.demo import write_demo_checkpoint
 from gpt2_port.io.safetensors_io import SafetensorsFile
 from gpt2_port.train import TrainArgs, Trainer, prepare_model
@@ -349,6 +350,43 @@ def test_more_processes_than_gpus_is_refused_in_one_line(monkeypatch, tmp_path: 
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "torchrun started 2 processes on this machine, which has 1 GPU" in err
     assert "--nproc_per_node 1" in err and "--device cpu" in err and not (tmp_path / "o").exists()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # the GPUs hidden from the process are named
+    with pytest.raises(UsageError, match=r"has 1 GPU shown to it \(CUDA_VISIBLE_DEVICES=3\)"):
+        device_for(Dist(1, 2, 1, 2), torch.device("cuda"))
+    with pytest.raises(UsageError, match="started 3 processes"):  # a launcher that sets no LOCAL_WORLD_SIZE
+        device_for(Dist(2, 3, 2, 1), torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # one GPU a process: process 1 takes cuda:1
     assert device_for(Dist(1, 2, 1, 2), torch.device("cuda")) == torch.device("cuda", 1)
     assert device_for(Dist(1, 2, 1, 2), torch.device("cpu")) == torch.device("cpu")
+
+
+_OOM_ON_RANK_1 = """import os, sys, torch
+from gpt2_port.train.loop import Trainer
+real = Trainer.step
+def step(self, s):
+    if s == 2 and os.environ["RANK"] == "1":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 1 has 0.2 GiB free.")
+    return real(self, s)
+Trainer.step = step
+from gpt2_port.cli.main import run
+sys.argv = ["gpt2-port", *sys.argv[1:]]
+run()
+"""
+
+
+def test_one_process_out_of_memory_is_its_one_line_and_the_others_say_a_peer_stopped(setup, tmp_path: Path) -> None:
+    """Process 1 runs out of memory in step 3 (a stand-in): it says so in one line, and process 0, whose all-reduce
+    loses its peer (gloo: "Connection reset by peer"), says another process stopped, not an internal error."""
+    ck, data = setup
+    script = tmp_path / "oom.py"
+    script.write_text(_OOM_ON_RANK_1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    cmd += ["train", "--init", str(ck), "--data", str(data), "--out", str(tmp_path / "o"), "--steps", "4", *COMMON]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("gpt2-port train:")]
+    assert len(lines) == 2 and "internal error" not in r.stderr, r.stderr[-3000:]
+    assert any("error: CUDA out of memory. Tried to allocate 1.50 GiB in step 3 (" in ln for ln in lines), lines
+    assert any(ln.endswith("another process of this torchrun job stopped, so this one cannot go on (that process's "
+                           "error says why)") for ln in lines), lines  # fmt: skip

@@ -436,9 +436,18 @@ def test_a_batch_makes_no_host_tensor_between_the_forward_and_the_head(monkeypat
         made.append("head")
         return h
 
-    for name in ("tensor", "as_tensor", "from_numpy"):  # every way a host list or array becomes a tensor
+    for name in ("tensor", "as_tensor", "from_numpy", "LongTensor"):  # the Python calls that make a host tensor
         monkeypatch.setattr(torch, name, spy(name, getattr(torch, name)))
-    monkeypatch.setattr(torch.Tensor, "to", spy("to", torch.Tensor.to))  # and every copy to a device
+    monkeypatch.setattr(torch.Tensor, "to", spy("to", torch.Tensor.to))  # and copy one to a device
+    real_index = torch.Tensor.__getitem__
+
+    def index(self: torch.Tensor, key):  # noqa: ANN001, ANN202
+        keys = key if isinstance(key, tuple) else (key,)
+        if not all(isinstance(k, (torch.Tensor, slice, int, type(None), type(...))) for k in keys):
+            made.append("index from a host sequence")  # torch makes a tensor of the list and copies it over
+        return real_index(self, key)
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", index)
     s = Scorer("fake", hidden, head, torch.device("cpu"), vocab_size=8)
     sums, _, _ = score_batch(s, [Request([1], [2, 3]), Request([4], [5])], 8, 0)
     assert made.index("head") == made.index("forward") + 1, made

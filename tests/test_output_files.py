@@ -64,9 +64,19 @@ def test_symlink_is_written_through_and_stays_a_link(tmp_path: Path) -> None:
 def test_dash_is_stdout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
     assert check_writable("-") is None
-    assert write_output("-", '{"a": 1}\n') == "stdout"
+    assert write_output("-", '{"a": 1}\n') == "-"
     assert capfd.readouterr().out == '{"a": 1}\n'
     assert not (tmp_path / "-").exists()
+
+
+def test_a_file_named_stdout_is_a_file_and_is_reported(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Only `-` is standard output: a file named `stdout` is written there and its `wrote` line is said."""
+    from gpt2_port.cli.common import report_written
+
+    monkeypatch.chdir(tmp_path)
+    report_written([write_output("stdout", "x\n"), write_output("r.md", "y\n")])
+    assert (tmp_path / "stdout").read_text() == "x\n"
+    assert capsys.readouterr().out == "wrote stdout\nwrote r.md\n"
 
 
 def test_fifo_written_in_place(tmp_path: Path) -> None:

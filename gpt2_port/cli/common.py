@@ -64,9 +64,11 @@ def report_written(written: list[str], stderr: bool = False) -> None:
     stdout (`-`), so that a JSON or Markdown stream on stdout stays clean."""
     import sys
 
-    stream = sys.stderr if stderr or "stdout" in written else sys.stdout
+    from ..files import STDOUT
+
+    stream = sys.stderr if stderr or STDOUT in written else sys.stdout
     for w in written:
-        if w != "stdout":
+        if w != STDOUT:
             print(f"wrote {w}", file=stream)
 
 

@@ -137,7 +137,7 @@ def _inputs(args: argparse.Namespace) -> list:
 
 def run(args: argparse.Namespace) -> int:
     from ..devices import dtype_name as name_of
-    from ..devices import memory_error, parse_device, parse_dtype
+    from ..devices import memory_errors, parse_device, parse_dtype
     from ..errors import UsageError
     from ..eval.jsonl import read_jsonl
     from ..eval.perplexity import (
@@ -230,32 +230,31 @@ def run(args: argparse.Namespace) -> int:
     bar = Progress("eval", total, "tokens") if args.progress else None
     update = bar.update if bar is not None else None
     t0 = time.perf_counter()
+    during = f"scoring --batch-size {args.batch_size} windows of {max_length} tokens on {device} in {dt}"
     try:
-        if task == "text":
-            results = evaluate_text(
-                scorers, tok.encode, args.text, max_length, tok.eot_id, args.stride, args.batch_size, update
-            )
-        elif task == "data":
-            results = evaluate_split(
-                scorers,
-                *split,
-                args.split,
-                max_length,
-                tok.eot_id,
-                args.stride,
-                args.batch_size,
-                update,  # type: ignore[misc]
-            )
-        elif task == "lambada":
-            results = evaluate_lambada(scorers, reqs, max_length, tok.eot_id, args.batch_size, update)  # type: ignore[arg-type]
-        else:
-            results = evaluate_choices(scorers, qs, max_length, tok.eot_id, args.batch_size, update)  # type: ignore[arg-type]
-    except BaseException as e:
+        with memory_errors(during):  # the CLI adds OOM_HINT
+            if task == "text":
+                results = evaluate_text(
+                    scorers, tok.encode, args.text, max_length, tok.eot_id, args.stride, args.batch_size, update
+                )
+            elif task == "data":
+                results = evaluate_split(
+                    scorers,
+                    *split,
+                    args.split,
+                    max_length,
+                    tok.eot_id,
+                    args.stride,
+                    args.batch_size,
+                    update,  # type: ignore[misc]
+                )
+            elif task == "lambada":
+                results = evaluate_lambada(scorers, reqs, max_length, tok.eot_id, args.batch_size, update)  # type: ignore[arg-type]
+            else:
+                results = evaluate_choices(scorers, qs, max_length, tok.eot_id, args.batch_size, update)  # type: ignore[arg-type]
+    except BaseException:
         if bar is not None:
             bar.abandon()
-        during = f"scoring --batch-size {args.batch_size} windows of {max_length} tokens on {device} in {dt}"
-        if (mem := memory_error(e, during)) is not None:  # the CLI adds OOM_HINT
-            raise mem from None
         raise
     if bar is not None:
         bar.close()

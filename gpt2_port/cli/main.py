@@ -76,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except GPT2PortError as e:
+        if isinstance(e, DeviceMemoryError) and os.environ.get("GPT2_PORT_DEBUG"):  # where it ran out, for a report
+            raise
         return _error(args, e)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
@@ -85,11 +87,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         from ..devices import memory_error
 
+        if os.environ.get("GPT2_PORT_DEBUG"):  # the traceback asked for
+            raise
         mem = memory_error(e)  # the device ran out of memory: what to change, not a bug
         if mem is not None:
             return _error(args, mem)
-        if os.environ.get("GPT2_PORT_DEBUG"):  # an internal error: still one line unless asked for the traceback
-            raise
+        distributed = sys.modules.get("gpt2_port.train.distributed")  # imported by a command that may join a group
+        if distributed is not None and distributed.peer_failed(e):  # another process stopped: its line says why
+            return _error(args, GPT2PortError(distributed.PEER_FAILED))
         sys.stderr.write(
             f"gpt2-port {args.command}: internal error: {e.__class__.__name__}: {e} -- this is a bug; "
             f"please report it (rerun with GPT2_PORT_DEBUG=1 for the traceback)\n"

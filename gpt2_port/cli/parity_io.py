@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..errors import UsageError
-from ..files import write_output
+from ..files import STDOUT, write_output
 from .common import check_outputs, checkpoint_inputs, file_input, tokenizer_inputs
 
 
@@ -84,7 +84,7 @@ def write_outputs(
                 raise UsageError(f"--plot {path}: cannot write ({e.strerror or e})") from None
         else:
             text = json_text() if opt == "--json" else markdown_text()
-            if write_output(path, text, opt) == "stdout":
+            if write_output(path, text, opt) == STDOUT:
                 continue
         wrote.append(f"wrote {path} ({opt.removeprefix('--')})")
     if wrote:

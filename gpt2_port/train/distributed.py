@@ -66,12 +66,13 @@ def device_for(d: Dist, requested: torch.device) -> torch.device:
     """Each process of a multi-GPU run takes the GPU of its local rank: one GPU a process, so a machine running more
     processes than it has GPUs is refused (every process says so: each sees the same counts)."""
     if d.enabled and requested.type == "cuda":
-        n = torch.cuda.device_count()
-        if d.local_world_size > n:
+        n, procs = torch.cuda.device_count(), max(d.local_world_size, d.local_rank + 1)
+        if procs > n:
+            seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+            shown = f" shown to it (CUDA_VISIBLE_DEVICES={seen})" if seen is not None else ""
             raise UsageError(
-                f"torchrun started {d.local_world_size} processes on this machine, which has {n} GPU"
-                f"{'' if n == 1 else 's'}: one process a GPU (--nproc_per_node {n}), or CPU processes with "
-                "--device cpu (gloo)"
+                f"torchrun started {procs} processes on this machine, which has {n} GPU{'' if n == 1 else 's'}"
+                f"{shown}: one process a GPU (--nproc_per_node {n}), or CPU processes with --device cpu (gloo)"
             )
         return torch.device("cuda", d.local_rank)
     return requested
@@ -88,6 +89,19 @@ def init(d: Dist, device: torch.device) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     _joined.append(True)
+
+
+PEER_FAILED = "another process of this torchrun job stopped, so this one cannot go on (that process's error says why)"
+
+
+def peer_failed(e: BaseException) -> bool:
+    """Whether `e` is a collective of this process's group failing because another process left (gloo's "Connection
+    reset by peer", an NCCL error): that process reports its own error, and this one's is not a bug."""
+    if not joined():
+        return False
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(w in str(e) for w in ("gloo", "NCCL", "Connection reset by peer"))
 
 
 def joined() -> bool:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..devices import memory_error
+from ..devices import memory_errors
 from ..errors import GPT2PortError, UsageError
 from ..generate import generate
 from ..model import GPT2
@@ -418,15 +418,13 @@ class Trainer:
         last_saved = self.start_step if self.start_step else -1
         while step < a.steps:
             t0 = time.perf_counter()
-            saved = f"the last checkpoint in {self.out} is from step {last_saved}" if last_saved >= 0 else None
+            saved = f"the last checkpoint in {self.out} is from step {last_saved}" if last_saved >= 0 else ""
+            saved = saved or "nothing was saved"
             try:
-                record = self.step(step)
+                with memory_errors(f"in step {step + 1} ({saved})"):
+                    record = self.step(step)
             except NonFiniteError as e:
-                raise NonFiniteError(f"{e} ({saved or 'nothing was saved'})") from None
-            except Exception as e:
-                if (mem := memory_error(e, f"in step {step + 1} ({saved or 'nothing was saved'})")) is None:
-                    raise
-                raise mem from None
+                raise NonFiniteError(f"{e} ({saved})") from None
             dt = time.perf_counter() - t0  # the step's device work is done: its one wait came after backward
             step_times.append(dt)
             if record.get("skipped"):
@@ -440,13 +438,8 @@ class Trainer:
                 if interrupted:
                     eval_skipped = True
                 else:
-                    try:
+                    with memory_errors(f"evaluating after step {step} ({saved})"):
                         v = self.evaluate()
-                    except Exception as e:
-                        during = f"evaluating after step {step} ({saved or 'nothing was saved'})"
-                        if (mem := memory_error(e, during)) is None:
-                            raise
-                        raise mem from None
                     if v is None:
                         interrupted = eval_skipped = True
                     else:  # JSON has no NaN: null, and never the best (nothing compares below NaN)
