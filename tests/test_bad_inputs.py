@@ -1763,6 +1763,10 @@ def test_internal_error_exit_3_with_hint(
     monkeypatch.setenv("GPT2_PORT_DEBUG", "1")
     with pytest.raises(ZeroDivisionError):
         main(["inspect", str(base)])
+    capsys.readouterr()
+    assert main(["inspect", str(base / "missing")]) == 2  # bad input stays its one line under GPT2_PORT_DEBUG
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gpt2-port inspect: error: ") and "missing" in err, err
 
 
 def test_atomic_write_never_leaves_a_half_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

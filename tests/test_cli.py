@@ -136,6 +136,28 @@ def test_demo_checkpoint_takes_the_largest_seed(tmp_path: Path):
     assert (a / "model.safetensors").read_bytes() != (b / "model.safetensors").read_bytes()
 
 
+def test_out_of_memory_said_as_one_line_shows_its_traceback_only_when_asked(
+    tiny_official: Path, monkeypatch, capsys
+) -> None:
+    """The DeviceMemoryError that train and eval raise (torch's error as its cause) is one line, exit 2; under
+    GPT2_PORT_DEBUG=1 it is raised, traceback and all, for a report."""
+    import gpt2_port.io.load as load
+    from gpt2_port.errors import DeviceMemoryError
+
+    def oom(*_a, **_k) -> None:
+        raise DeviceMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB in step 3")
+
+    monkeypatch.setattr(load, "read_checkpoint", oom)
+    monkeypatch.delenv("GPT2_PORT_DEBUG", raising=False)
+    capsys.readouterr()
+    assert main(["inspect", str(tiny_official)]) == 2
+    err = capsys.readouterr().err
+    assert err == "gpt2-port inspect: error: CUDA out of memory. Tried to allocate 1.00 GiB in step 3\n", err
+    monkeypatch.setenv("GPT2_PORT_DEBUG", "1")
+    with pytest.raises(DeviceMemoryError, match="in step 3"):
+        main(["inspect", str(tiny_official)])
+
+
 @pytest.mark.parametrize("wrapped", [False, True])
 @pytest.mark.parametrize(
     ("command", "hint"),
@@ -167,3 +189,6 @@ def test_running_out_of_device_memory_is_one_line_saying_what_to_change(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "internal error" not in err and "Traceback" not in err, err
     assert f"gpt2-port {command[0]}: error: CUDA out of memory. Tried to allocate 2.00 GiB: {hint}" in err, err
+    monkeypatch.setenv("GPT2_PORT_DEBUG", "1")  # the traceback asked for: torch's error itself, for a report
+    with pytest.raises((torch.OutOfMemoryError, RuntimeError), match="out of memory|inductor"):
+        main(argv)

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,16 +64,20 @@ def test_a_clean_lint_runs_the_suite_and_returns_its_code(tmp_path: Path) -> Non
     assert calls[2] == "python -m pytest -q -k x"
 
 
-def _fake_python_for_the_floor(root: Path, check_rc: int, floor_pytest_rc: int) -> Path:
+def _fake_python_for_the_floor(
+    root: Path, check_rc: int, floor_pytest_rc: int, pip_pid_file: Path | None = None
+) -> Path:
     """A stand-in for $PYTHON: `-m venv DIR` makes DIR/bin/python a logging stand-in (pip and the suite answer 0 or
     floor_pytest_rc; the script's check that the installed versions are the floors answers check_rc); anything else
-    (scripts/floor_pins.py) runs on this interpreter."""
+    (scripts/floor_pins.py) runs on this interpreter. With `pip_pid_file`, pip writes its pid there and takes 120 s."""
     log = root / "calls.log"
     floor = root / "floor-python"
+    slow_pip = f'[ "$2" = pip ] && echo $$ > {pip_pid_file} && exec sleep 120\n' if pip_pid_file else ""
     floor.write_text(
         "#!/bin/sh\n"
         f'echo "floor-python $* OMP=$OMP_NUM_THREADS ATEN=$ATEN_CPU_CAPABILITY" >> {log}\n'
-        f'case "$1" in scripts/floor_pins.py) exit {check_rc};;\n'
+        + slow_pip
+        + f'case "$1" in scripts/floor_pins.py) exit {check_rc};;\n'
         f'  -m) [ "$2" = pytest ] && exit {floor_pytest_rc};;\nesac\n'
         "exit 0\n"
     )
@@ -119,6 +124,41 @@ def test_the_second_pass_runs_the_exactness_tests_on_the_floors_after_a_green_su
     install = next(c for c in calls if c.startswith("floor-python -m pip install"))
     assert "-c .venv-floor/floor-pins.txt -e .[dev]" in install
     assert floor_suite == ["floor-python -m pytest -q -p no:cacheprovider -n 2 -m exactness OMP=1 ATEN=default"]
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has stopped; only its parent's wait is missing
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("fails", ["lint", "suite"])
+def test_the_floor_install_runs_beside_the_venv_setup_and_stops_when_a_step_fails(tmp_path: Path, fails: str) -> None:
+    """.venv-floor's pip starts before the lint (so it has the second core while .venv installs), and a failing lint
+    or suite leaves no pip behind: the stand-in ruff waits (up to 20 s) for the floor's pip to have started."""
+    root = _fake_checkout(tmp_path, int(fails == "lint"), 0, pytest_rc=int(fails == "suite"))
+    pid_file = root / "floor-pip.pid"
+    ruff = root / ".venv" / "bin" / "ruff"
+    waits = f"i=0; while [ ! -s {pid_file} ] && [ $i -lt 200 ]; do sleep 0.1; i=$((i+1)); done\n"
+    ruff.write_text(ruff.read_text().replace("#!/bin/sh\n", "#!/bin/sh\n" + waits, 1))
+    py = _fake_python_for_the_floor(root, 0, 0, pip_pid_file=pid_file)
+    env = dict(os.environ, TORCH_SPEC="torch==2.13.0", PYTHON=str(py))
+    r = subprocess.run(["bash", str(root / "dev"), "test"], cwd=root, env=env, capture_output=True, text=True)
+    calls = (root / "calls.log").read_text().splitlines()
+    assert r.returncode == 1, (r.stderr, calls)
+    assert ("python -m pytest -q -n 2" in calls) == (fails == "suite")
+    assert pid_file.is_file(), calls  # the floor's pip had started by the time the lint ran
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    running = _running(pid)
+    if running:
+        os.kill(pid, 9)
+    assert not running, "the floor's pip was left running"
 
 
 def test_without_a_command_it_prints_its_usage_and_exits_2() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import sys
 
 from .common import (
     add_device_arg,
@@ -15,10 +14,10 @@ from .common import (
     add_tokenizer_arg,
     checkpoint_inputs,
     count,
+    human_stream,
     tokenizer_inputs,
 )
 
-# what to change when the device runs out of memory (the CLI adds it to the one-line error)
 OOM_HINT = "a shorter TEXT or --device cpu"
 
 
@@ -108,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         attention_maps.draw(probs, pieces, layer, heads, args.png, title, diff)
     except OSError as e:  # the early check passed, yet the write failed (a full disk, /dev/full)
         raise UsageError(f"--png {args.png}: cannot write ({e.strerror or e})") from None
-    say = functools.partial(print, file=sys.stderr if args.png == "-" else sys.stdout)
+    say = functools.partial(print, file=human_stream(args.png))
     say(
         f"wrote {'stdout' if args.png == '-' else args.png}: layer {layer}, "
         f"{'head ' + str(args.head) if args.head is not None else 'all heads'}, "

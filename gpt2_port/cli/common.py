@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TextIO
 
 # The files a checkpoint directory holds besides its weights (shard indexes, config, tokenizer): what a load reads
 CHECKPOINT_SIDE_FILES = (
@@ -59,14 +60,23 @@ def add_progress_arg(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def report_written(written: list[str], stderr: bool = False) -> None:
-    """Say which files a command wrote ("wrote PATH"), at its end. On stderr when asked, or when an output went to
-    stdout (`-`), so that a JSON or Markdown stream on stdout stays clean."""
+def human_stream(*outputs: str | None) -> TextIO:
+    """Where a command's lines for people go: stdout, unless one of its outputs (a path, `-` for stdout) streams its
+    JSON, Markdown or PNG there; then stderr, so that the stream on stdout stays clean."""
     import sys
 
     from ..files import STDOUT
 
-    stream = sys.stderr if stderr or STDOUT in written else sys.stdout
+    return sys.stderr if STDOUT in outputs else sys.stdout
+
+
+def report_written(written: list[str], stderr: bool = False) -> None:
+    """Say which files a command wrote ("wrote PATH"), at its end: on stderr when asked, else on `human_stream`."""
+    import sys
+
+    from ..files import STDOUT
+
+    stream = sys.stderr if stderr else human_stream(*written)
     for w in written:
         if w != STDOUT:
             print(f"wrote {w}", file=stream)

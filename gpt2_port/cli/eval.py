@@ -47,7 +47,6 @@ records them), so bits_per_byte and word_perplexity need no text; a meta.json wi
 """
 
 
-# what to change when the device runs out of memory (the CLI adds it to the one-line error)
 OOM_HINT = "a smaller --batch-size (or --max-length)"
 
 

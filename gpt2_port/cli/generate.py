@@ -36,7 +36,6 @@ others print when the batch is done); generation ends at <|endoftext|>, at a --s
 """
 
 
-# what to change when the device runs out of memory (the CLI adds it to the one-line error)
 OOM_HINT = "fewer rows (--num-samples, fewer prompts), a smaller --max-new-tokens or --dtype bfloat16"
 
 

@@ -8,9 +8,8 @@ import argparse
 import dataclasses
 import functools
 import json
-import sys
 
-from .common import add_model_arg, add_revision_arg, checkpoint_inputs, report_written
+from .common import add_model_arg, add_revision_arg, checkpoint_inputs, human_stream, report_written
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_writable(args.json, "--json", checkpoint_inputs(args.model))
     sd, rep = read_checkpoint(args.model, args.revision)
-    # with --json - the JSON alone goes to stdout, so that it can be piped; the readable report goes to stderr
-    say = functools.partial(print, file=sys.stderr if args.json == "-" else sys.stdout)
+    say = functools.partial(print, file=human_stream(args.json))  # `--json -`: the JSON alone on stdout, for a pipe
     cfg, conv = rep.config, rep.conversion
     n_params = sum(t.numel() for t in conv.state.values())
     dtypes = sorted({str(sd[k].dtype).removeprefix("torch.") for k in sd})

@@ -75,10 +75,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except GPT2PortError as e:
-        if isinstance(e, DeviceMemoryError) and os.environ.get("GPT2_PORT_DEBUG"):  # where it ran out, for a report
-            raise
-        return _error(args, e)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
@@ -87,8 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         from ..devices import memory_error
 
-        if os.environ.get("GPT2_PORT_DEBUG"):  # the traceback asked for
+        bad_input = isinstance(e, GPT2PortError) and not isinstance(e, DeviceMemoryError)
+        if os.environ.get("GPT2_PORT_DEBUG") and not bad_input:  # the traceback asked for (bad input: its one line)
             raise
+        if isinstance(e, GPT2PortError):
+            return _error(args, e)
         mem = memory_error(e)  # the device ran out of memory: what to change, not a bug
         if mem is not None:
             return _error(args, mem)

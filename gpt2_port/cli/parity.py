@@ -11,10 +11,9 @@ import sys
 
 from ..errors import UsageError
 from . import parity_backward
-from .common import add_device_arg, add_model_arg, add_revision_arg, add_tokenizer_arg
+from .common import add_device_arg, add_model_arg, add_revision_arg, add_tokenizer_arg, human_stream
 from .parity_io import checked_outputs, read_inputs, write_outputs
 
-# what to change when the device runs out of memory (the CLI adds it to the one-line error)
 OOM_HINT = "fewer or shorter prompts (--prompt, --prompt-file), another --device or a smaller model"
 
 
@@ -179,8 +178,7 @@ def run(args: argparse.Namespace) -> int:
         revision=args.revision,
         tokenizer=args.tokenizer,
     )
-    # The report for people goes to stdout, unless stdout carries the JSON or Markdown ('-'): then to stderr.
-    human = sys.stderr if any(p == "-" for _, p in outs) else sys.stdout
+    human = human_stream(*(p for _, p in outs))  # stderr when stdout carries the JSON or Markdown
     width = shutil.get_terminal_size().columns if human.isatty() else None
     human.write(render.render_text(sweep, args.only_failures, width))
     timing = ", ".join(

@@ -11,6 +11,7 @@ import sys
 import time
 
 from ..errors import UsageError
+from .common import human_stream
 from .parity_io import read_inputs, write_outputs
 
 
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]]) -> int:
         tokenizer=args.tokenizer,
         log=log,
     )
-    human = sys.stderr if any(p == "-" for _, p in outs) else sys.stdout
+    human = human_stream(*(p for _, p in outs))
     width = shutil.get_terminal_size().columns if human.isatty() else None
     human.write(render.render_text(sweep, terminal_width=width))
     t = sweep.reports[0].timings

@@ -22,6 +22,7 @@ from .common import (
     checkpoint_inputs,
     data_inputs,
     file_input,
+    human_stream,
     report_written,
     tokenizer_inputs,
 )
@@ -56,7 +57,6 @@ torchrun --nnodes M --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:29500
 """
 
 
-# what to change when the device runs out of memory (the CLI adds it to the one-line error)
 OOM_HINT = (
     "a smaller --batch-size (--grad-accum keeps the tokens a step), --grad-checkpointing or a shorter --block-size"
 )
@@ -477,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
         "memory_estimate_mb": mem["estimate_bytes"] / 2**20 if mem is not None else None,
         "memory_method": mem["method"] if mem is not None else None,
     }
-    say = functools.partial(print, file=sys.stderr if args.json == "-" else sys.stdout)  # stdout: the JSON alone
+    say = functools.partial(print, file=human_stream(args.json))  # `--json -`: stdout holds the JSON alone
     if args.json:
         report_written([write_output(args.json, json.dumps(summary, indent=2) + "\n", "--json")])
     if result.stopped_at:
