@@ -237,6 +237,11 @@ def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.devic
     report.loss_tolerance = tol.loss_rel
     fl = ref.floors.get((dt, dev))
     report.noise_floor = ref.floor_desc.get((dt, dev))
+    if fl is not None:
+        report.loss_noise_rel = fl["loss"][0]
+        if dt != torch.float32:  # judged under autocast only, where it is the dtype's distance (BackwardReport)
+            v = verdict(report.loss_rel, report.loss_noise_rel)
+            report.loss_noise_verdict, report.loss_within_noise = v.text, v.within
     for n, y in ref.want.params.items():
         report.points.append(_point(f"grad.{n}", got.params[n], y, tol.grad, fl))
     for n in act_points(L, s.kernels == "reference"):

@@ -38,7 +38,7 @@ def point_table(r: BackwardReport) -> Table:
     ok = r.loss_rel <= r.loss_tolerance
     t.rows.append(
         ["loss", num(abs(r.loss_scratch - r.loss_reference)), num(r.loss_rel), "-"]
-        + (["-", "-"] if floor else [])
+        + ([num(r.loss_noise_rel), r.loss_noise_verdict or "-"] if floor else [])
         + [f"{r.loss_tolerance:.0e}", "OK" if ok else "FAIL"]
     )
     if not ok:
@@ -123,13 +123,25 @@ def summary(s: BackwardSweep) -> list[str]:
                 f"{r.label}: FAIL, first failure {r.first_failure}; first diverging layer "
                 f"{r.first_diverging_layer or 'none'}"
             )
-        for what, items, close in (
-            ("every gradient within the reference's own noise", r.points, r.as_close_as_reference),
-            ("every step's loss within the reference's own drift", r.steps, r.steps_as_close_as_reference),
+        judged = [x.within_noise for x in r.points]
+        if r.loss_within_noise is not None:  # under autocast (BackwardReport)
+            judged.insert(0, r.loss_within_noise)
+        for what, within, close in (
+            (
+                f"{'the loss and ' if r.loss_within_noise is not None else ''}every gradient within the reference's "
+                "own noise",
+                judged,
+                r.as_close_as_reference,
+            ),
+            (
+                "every step's loss within the reference's own drift",
+                [s.within_noise for s in r.steps],
+                r.steps_as_close_as_reference,
+            ),
         ):
             if close is not None:
-                above = sum(1 for x in items if x.within_noise is False)
-                lines.append(f"{r.label}: {what}: " + ("YES" if close else f"NO ({above} of {len(items)} above it)"))
+                above = sum(1 for w in within if w is False)
+                lines.append(f"{r.label}: {what}: " + ("YES" if close else f"NO ({above} of {len(within)} above it)"))
     bad = s.first_failing
     lines.append("PASS" if s.passed else f"FAIL: first failure in {bad.label} at {bad.first_failure}")
     return lines

@@ -27,3 +27,12 @@ def test_the_cpu_flash_kernel_the_math_kernel_under_dropout_and_none_for_the_han
     assert attention_kernels(forward, CPU) == ["flash (CPU)"]
     model.set_attn_impl("manual")
     assert attention_kernels(forward, CPU) == []
+
+
+def test_a_probe_runs_with_gradients_off_unless_asked_as_a_training_step_runs() -> None:
+    seen = []
+    probe = lambda: seen.append(torch.is_grad_enabled())  # noqa: E731
+    assert attention_kernels(probe, CPU) == [] and attention_kernels(probe, CPU, grad=True) == []
+    with torch.no_grad():
+        attention_kernels(probe, CPU, grad=True)
+    assert seen == [False, True, True]

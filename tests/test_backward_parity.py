@@ -16,7 +16,7 @@ from gpt2_port.model import from_pretrained, lowp
 
 transformers = pytest.importorskip("transformers")
 
-from gpt2_port_checks import backward, grads, steps, storage, tolerances  # noqa: E402
+from gpt2_port_checks import backward, backward_report, grads, steps, storage, tolerances  # noqa: E402
 
 pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
 
@@ -55,6 +55,8 @@ def test_every_gradient_and_step_equals_transformers_on_the_official_layout(tied
     acts = [p["name"] for p in d["points"] if p["name"].startswith("act_grad.")]
     assert acts == ["act_grad.embed", "act_grad.block.0", "act_grad.block.1", "act_grad.ln_f", "act_grad.logits"]
     assert d["loss_rel"] <= 1e-6 and d["loss_scratch"] > 0
+    # float32: the loss's floor is shown, not judged (one float32 scalar; the two attentions' often round alike)
+    assert d["loss_noise_rel"] is not None and d["loss_within_noise"] is None and d["loss_noise_verdict"] is None
     # the noise floor is measured beside every figure: transformers' sdpa gradients are not its eager ones
     assert all(p["noise_norm_rel"] is not None and p["within_noise"] for p in d["points"])
     assert max(p["noise_norm_rel"] for p in d["points"]) > 0
@@ -241,6 +243,16 @@ def test_a_bf16_autocast_step_lies_within_transformers_own_bf16_distance(
     assert r.as_close_as_reference is True, [(p.name, p.noise_ratio) for p in r.points if not p.within_noise]
     assert r.loss_rel <= r.loss_tolerance and r.passed
     assert all(s.passed for s in r.steps)
+    # the loss, judged against transformers' own bf16 distance too (a real distance: bf16 ran on both sides)
+    assert r.loss_noise_rel > 0 and r.loss_within_noise is True and r.loss_noise_verdict == "within noise"
+    lines = backward_report.summary(backward.BackwardSweep("m", [r], "transformers"))
+    n = len(r.points) + 1
+    assert "bfloat16/cpu: the loss and every gradient within the reference's own noise: YES" in lines
+    r.loss_within_noise = False  # a loss further off than transformers' own, every gradient within: not as close
+    assert r.as_close_as_reference is False and r.to_json()["first_above_noise"] == "loss"
+    lines = backward_report.summary(backward.BackwardSweep("m", [r], "transformers"))
+    verdict = "bfloat16/cpu: the loss and every gradient within the reference's own noise:"
+    assert f"{verdict} NO (1 of {n} above it)" in lines
 
 
 def test_optimizer_groups_are_decided_on_transformers_names(tiny_official: Path) -> None:

@@ -1754,6 +1754,7 @@ def test_internal_error_exit_3_with_hint(
     def boom(*a, **k):  # type: ignore[no-untyped-def]
         raise ZeroDivisionError("simulated bug")
 
+    real = load.read_checkpoint
     monkeypatch.setattr(load, "read_checkpoint", boom)
     monkeypatch.delenv("GPT2_PORT_DEBUG", raising=False)
     rc = main(["inspect", str(base)])
@@ -1763,6 +1764,7 @@ def test_internal_error_exit_3_with_hint(
     monkeypatch.setenv("GPT2_PORT_DEBUG", "1")
     with pytest.raises(ZeroDivisionError):
         main(["inspect", str(base)])
+    monkeypatch.setattr(load, "read_checkpoint", real)
     capsys.readouterr()
     assert main(["inspect", str(base / "missing")]) == 2  # bad input stays its one line under GPT2_PORT_DEBUG
     err = capsys.readouterr().err

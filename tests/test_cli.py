@@ -192,3 +192,33 @@ def test_running_out_of_device_memory_is_one_line_saying_what_to_change(
     monkeypatch.setenv("GPT2_PORT_DEBUG", "1")  # the traceback asked for: torch's error itself, for a report
     with pytest.raises((torch.OutOfMemoryError, RuntimeError), match="out of memory|inductor"):
         main(argv)
+
+
+@pytest.mark.parametrize("flag, want", [([], True), (["--no-cuda-graph"], False)], ids=["default", "no-cuda-graph"])
+def test_no_cuda_graph_reaches_the_generation(tiny_official: Path, monkeypatch, capsys, flag, want) -> None:  # noqa: ANN001
+    """`generate --no-cuda-graph` asks generate_full for the eager static step (on CUDA; elsewhere nothing is
+    captured either way), and the default asks for the captured one."""
+    import gpt2_port.generate as gen
+
+    seen, real = [], gen.generate_full
+
+    def spy(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        seen.append(k["cuda_graph"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(gen, "generate_full", spy)
+    assert main(["generate", str(tiny_official), "Hi", "--greedy", "--max-new-tokens", "2", *flag]) == 0
+    assert seen == [want]
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "parity", "attention", "train"])
+def test_every_command_that_runs_the_model_picks_the_device_itself_by_default(command: str) -> None:
+    """`--device auto` is the default (cuda, else mps, else cpu): a GPU user's command runs on the GPU unasked."""
+    argv = {
+        "generate": ["generate", "m", "x"],
+        "eval": ["eval", "m", "--data", "d"],
+        "parity": ["parity", "m"],
+        "attention": ["attention", "m", "x", "--layer", "0", "--png", "a.png"],
+        "train": ["train", "--init", "m", "--data", "d", "--out", "o"],
+    }[command]
+    assert build_parser().parse_args(argv).device == "auto"

@@ -223,20 +223,51 @@ def test_a_padded_sampled_batch_runs_through_the_captured_step_with_the_eager_st
 
 def test_generation_under_autocast_runs_through_the_captured_step(tiny_official: Path) -> None:
     """A float32 model generating under bf16 autocast: the step's k and v (bf16 out of the matmuls) go into the
-    float32 cache, so the capture and the eager static step both run, with the same tokens where decided."""
+    float32 cache, so the capture and the eager static step both run, with the same tokens where decided. The
+    weights require grad (a model mid-training), so autocast caches their bf16 copies: the graph must not read
+    those, which autocast frees when its block ends (here reused by other tensors before the replay). Without
+    autocast the model gets its own float32 graph, not the bf16 one."""
     from gpt2_port import GPT2
     from gpt2_port.generate import generate_full
 
-    m = GPT2.from_pretrained(str(tiny_official), device="cuda")
+    m = GPT2.from_pretrained(str(tiny_official), device="cuda").requires_grad_(True)
     ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
     opts = dict(eos_token_id=None, output_scores=True)
+
+    def same(a, b, tol: float) -> bool:  # noqa: ANN001
+        want, want_scores = a.sequences[:, 5:].cpu(), [s.cpu() for s in a.scores]
+        got, got_scores = b.sequences[:, 5:].cpu(), [s.cpu() for s in b.scores]
+        return min(same_tokens_where_decided(want, want_scores, got, got_scores, tol)) >= 1
+
     with torch.autocast("cuda", dtype=torch.bfloat16):
         graph = generate_full(m, ids, 24, cuda_graph=True, **opts)
         eager = generate_full(m, ids, 24, cuda_graph=False, **opts)
     assert graph.extra["step"] == "cuda graph" and eager.extra["step"] == "static"
-    want, want_scores = eager.sequences[:, 5:].cpu(), [s.cpu() for s in eager.scores]
-    got, got_scores = graph.sequences[:, 5:].cpu(), [s.cpu() for s in graph.scores]
-    assert min(same_tokens_where_decided(want, want_scores, got, got_scores, 2e-2)) >= 1
+    assert same(eager, graph, 2e-2)
+    scribble = [torch.full((n,), 7.0, device="cuda", dtype=torch.bfloat16) for n in (4096, 16384, 65536) * 4]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        replayed = generate_full(m, ids, 24, cuda_graph=True, **opts)
+    assert replayed.capture_s == 0 and same(eager, replayed, 2e-2)  # the kept graph, over the weights themselves
+    del scribble
+    plain = generate_full(m, ids, 24, cuda_graph=True, **opts)
+    plain_eager = generate_full(m, ids, 24, cuda_graph=False, **opts)
+    assert plain.capture_s > 0 and same(plain_eager, plain, 2e-5)  # its own float32 graph
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static-step", "growing-keys"])
+def test_bf16_decoding_never_dispatches_to_cudnn_attention(tiny_official: Path, static: bool) -> None:
+    """cuDNN's SDPA kernel builds a plan for every new shape (bf16 decode on an H100 ran 10x slower than float32 from
+    it): the prefill and every step, the static one and the one whose keys grow, run SDPA's other kernels (watched
+    in the aten ops each call dispatches; eager steps, as a capture would record the same kernels)."""
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full
+    from gpt2_port.model.attention_kernel import attention_kernels
+
+    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, device="cuda")
+    ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
+    run = lambda: generate_full(m, ids, 8, cuda_graph=False, static_cache=static, eos_token_id=None)  # noqa: E731
+    seen = attention_kernels(run, torch.device("cuda"))
+    assert seen and "cuDNN" not in seen, seen
 
 
 def _syncs(fn) -> int:  # noqa: ANN001

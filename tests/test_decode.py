@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -261,6 +262,41 @@ def test_kept_static_steps_hold_neither_the_model_nor_its_old_weights() -> None:
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_a_step_kept_under_autocast_is_not_the_one_kept_without_it() -> None:
+    """A captured graph records the arithmetic of the autocast it ran under: a generation under bf16 autocast and
+    one without it (or under fp16) each get their own kept step, and each finds its own again."""
+    m = _chaotic()
+    ids = torch.tensor([[5, 17, 42]])
+
+    def kept_after(ctx) -> object:  # noqa: ANN001
+        with ctx:
+            generate_full(m, ids, 5, eos_token_id=None, static_cache=True)
+        return next(reversed(m.__dict__["_static_steps"].values()))
+
+    plain = kept_after(contextlib.nullcontext())
+    bf16 = kept_after(torch.autocast("cpu", dtype=torch.bfloat16))
+    fp16 = kept_after(torch.autocast("cpu", dtype=torch.float16))
+    assert len({id(plain), id(bf16), id(fp16)}) == 3
+    assert kept_after(torch.autocast("cpu", dtype=torch.bfloat16)) is bf16
+    assert kept_after(contextlib.nullcontext()) is plain
+
+
+def test_a_capture_under_autocast_keeps_its_dtype_and_turns_its_cache_of_casts_off() -> None:
+    """cuda_graph.uncached_autocast, which the capture runs in (checked here on the CPU's autocast): the caller's
+    autocast and dtype stay, its cache of cast weights is off inside (a graph must not record cached copies that
+    autocast frees when its block ends) and back on after; without autocast it changes nothing."""
+    from gpt2_port.generate.cuda_graph import uncached_autocast
+
+    with uncached_autocast("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.is_autocast_cache_enabled()
+        with uncached_autocast("cpu"):
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+            assert not torch.is_autocast_cache_enabled()
+        assert torch.is_autocast_cache_enabled()
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -1071,3 +1071,44 @@ def test_train_args_name_the_state_file_and_key() -> None:
     with pytest.raises(UsageError, match=r"args.compile must be true or false, got 'yes'"):
         TrainArgs(compile="yes").validate("s.json")  # type: ignore[arg-type]
     TrainArgs(seed=2**63 - 1, stop_at=100, steps=100).validate()  # the largest seed, a stop at the last step
+
+
+def test_the_attention_kernel_it_names_is_probed_with_gradients_on_under_the_runs_autocast(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first lines name the SDPA kernel from one probe forward, run as a step runs (gradients on, the run's
+    autocast): SDPA may take another kernel for inputs that require grad than for an inference forward."""
+    from gpt2_port.train import loop
+
+    seen, real = [], loop.attention_kernels
+
+    def spy(run, device, grad=False):  # noqa: ANN001, ANN202
+        def probe():  # noqa: ANN202
+            seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
+            return run()
+
+        return real(probe, device, grad)
+
+    monkeypatch.setattr(loop, "attention_kernels", spy)
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(tmp_path / "run"), "--steps", "1"]
+    assert train(*argv, *FAST, "--dtype", "bf16", "--eval-every", "0", "--no-progress") == 0
+    assert seen == [(True, True)]
+
+
+@pytest.mark.parametrize("flag, want", [([], True), (["--no-tf32"], False)], ids=["default", "no-tf32"])
+def test_tf32_is_on_by_default_and_no_tf32_turns_it_off(
+    small_ckpt: Path,
+    small_data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flag,
+    want,  # noqa: ANN001
+) -> None:
+    """What `train` asks of setup.set_tf32 (which acts on CUDA only: float32 matmuls on TF32 tensor cores)."""
+    from gpt2_port.train import loop
+
+    seen = []
+    monkeypatch.setattr(loop, "set_tf32", lambda device, on: seen.append(on))
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(tmp_path / "run"), "--steps", "1"]
+    assert train(*argv, *FAST, "--eval-every", "0", "--no-progress", *flag) == 0
+    assert seen == [want]

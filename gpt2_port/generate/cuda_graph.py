@@ -8,6 +8,7 @@ weights): generate/cache.py's StaticKVCache and model/decode.py's `static_step` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -15,6 +16,16 @@ from collections.abc import Callable
 import torch
 
 log = logging.getLogger(__name__)
+
+
+def uncached_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """The caller's autocast, if on, with its cache of cast weights off: a graph captured under autocast would
+    otherwise read the cached bf16/fp16 copies of weights that require grad, which autocast frees when its outermost
+    block ends, and replay over freed memory (torch's make_graphed_callables refuses such a cache for this reason).
+    Uncached, the casts are recorded in the graph and rerun at each replay."""
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
 
 
 class CapturedStep:
@@ -42,12 +53,12 @@ class CapturedStep:
             try:
                 s = torch.cuda.Stream(self.device)
                 s.wait_stream(caller)
-                with torch.cuda.stream(s):
+                with torch.cuda.stream(s), uncached_autocast("cuda"):
                     for _ in range(self.warmup):
                         self.fn()
                 caller.wait_stream(s)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)):
+                with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)), uncached_autocast("cuda"):
                     self.out = self.fn()
             finally:
                 # torch.cuda.graph ends the capture before it puts the caller's stream back: when ending it raises

@@ -114,8 +114,11 @@ def static_steps(model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bo
     kept: OrderedDict = model.__dict__.setdefault("_static_steps", OrderedDict())
     weights = tuple(p.data_ptr() for p in model.parameters())
     length = static_len(max_len, model.config.n_positions)
-    # inference mode makes inference tensors, which a later call outside it may not write: kept apart
-    key = (batch, length, model.dtype, str(model.device), cuda_graph, torch.is_inference_mode_enabled(), weights)
+    # inference mode makes inference tensors, which a later call outside it may not write: kept apart; a graph
+    # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
+    dev = model.device.type
+    amp = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cpu", "cuda") else None
+    key = (batch, length, model.dtype, str(model.device), cuda_graph, torch.is_inference_mode_enabled(), amp, weights)
     if key in kept:
         kept.move_to_end(key)
         return kept[key]

@@ -64,10 +64,11 @@ class _Calls(TorchFunctionMode):
         return out
 
 
-def attention_kernels(run: Callable[[], object], device: torch.device) -> list[str]:
+def attention_kernels(run: Callable[[], object], device: torch.device, grad: bool = False) -> list[str]:
     """The SDPA kernels `run()` dispatched to, in order of first use ([] when no SDPA call ran: the hand-written
-    attention). The random generators are left as they were, so a probe inside a run does not change it."""
+    attention). The random generators are left as they were, so a probe inside a run does not change it. `grad`:
+    run with gradients on, as a training step does (SDPA may take another kernel for inputs that require grad)."""
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad(), _Watch() as watch, _Calls(watch):
+    with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(grad), _Watch() as watch, _Calls(watch):
         run()
     return watch.seen

@@ -384,10 +384,12 @@ class Trainer:
 
     def describe(self) -> dict[str, Any]:
         """What the run is, for the caller's first lines: sizes, kernels, the attention kernel SDPA picks for this
-        batch (one probe forward of a single window; the random generators are left as they were), the MFU peak."""
+        batch (one probe forward of a single window, with gradients on and under the run's autocast as a step is; the
+        random generators are left as they were), the MFU peak."""
         x, _ = self.train_data.windows(torch.zeros(1, dtype=torch.long), self.block_size)
         with self._autocast():
-            kernels = attention_kernels(lambda: self.model(x.to(self.device), hidden_only=True), self.device)
+            probe = lambda: self.model(x.to(self.device), hidden_only=True)  # noqa: E731
+            kernels = attention_kernels(probe, self.device, grad=True)
         head = self.model.loss_vocab
         return {
             "start_step": self.start_step,
