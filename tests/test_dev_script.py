@@ -121,8 +121,12 @@ def test_the_second_pass_runs_the_exactness_tests_on_the_floors_after_a_green_su
     pins = (root / ".venv-floor" / "floor-pins.txt").read_text().split()
     want = subprocess.run([sys.executable, str(REPO / "scripts" / "floor_pins.py")], capture_output=True, text=True)
     assert pins == want.stdout.split() and any(p.startswith("torch==") for p in pins)
-    install = next(c for c in calls if c.startswith("floor-python -m pip install"))
-    assert "-c .venv-floor/floor-pins.txt -e .[dev]" in install
+    # the pinned dependencies first (beside .venv's setup: nothing built in the checkout), then, after the suite, this
+    # project, editable (built in the checkout, as .venv's was), under the same pins
+    installs = [c for c in calls if c.startswith("floor-python -m pip install")]
+    assert len(installs) == 2 and "-r .venv-floor/floor-pins.txt" in installs[0] and "-e" not in installs[0].split()
+    assert "-c .venv-floor/floor-pins.txt -e .[dev]" in installs[1]
+    assert calls.index(installs[1]) > calls.index("python -m pytest -q -n 2")
     assert floor_suite == ["floor-python -m pytest -q -p no:cacheprovider -n 2 -m exactness OMP=1 ATEN=default"]
 
 

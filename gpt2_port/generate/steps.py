@@ -117,7 +117,7 @@ def static_steps(model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bo
     # inference mode makes inference tensors, which a later call outside it may not write: kept apart; a graph
     # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
     dev = model.device.type
-    amp = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cpu", "cuda") else None
+    amp = torch.get_autocast_dtype(dev) if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) else None
     key = (batch, length, model.dtype, str(model.device), cuda_graph, torch.is_inference_mode_enabled(), amp, weights)
     if key in kept:
         kept.move_to_end(key)
