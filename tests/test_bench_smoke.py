@@ -177,13 +177,14 @@ def test_quant_parity_report(tiny_official: Path) -> None:
 
 
 def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """benchmarks/gpu.py on the CPU with a tiny model (compile through aot_eager): every side runs and lands in the
+    """benchmarks/gpu.py on the CPU with a tiny model (torch.compile with the `eager` backend: dynamo's graphs, run by
+    eager kernels; tests/test_compile.py checks what they trace): every side runs and lands in the
     JSON, the Markdown and the plot (no timing asserted)."""
     from benchmarks import gpu
 
     w = str(tmp_path / "w")
     argv = ["train", "--device", "cpu", "--sizes", "tiny", "--batch", "2", "--block", "16", "--warmup", "1"]
-    argv += ["--steps", "1", "--compile-backend", "aot_eager", "--weights-dir", w, "--out", str(tmp_path / "t.json")]
+    argv += ["--steps", "1", "--compile-backend", "eager", "--weights-dir", w, "--out", str(tmp_path / "t.json")]
     assert gpu.main([*argv, "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png")]) == 0
     t = json.loads((tmp_path / "t.json").read_text())
     rows = t["sizes"]["tiny"]["rows"]

@@ -20,8 +20,6 @@ from gpt2_port.config import GPT2Config
 from gpt2_port.io.demo import write_demo_checkpoint
 from gpt2_port.model import GPT2
 
-pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
-
 # Under bf16/fp16 autocast the compiled loss against eager's, relative: on a CPU without bf16 units eager runs the
 # products as float32 products of the cast operands (lowp), the traced graph autocast's own kernels. Worst seen on the
 # AMD EPYC: 6.0e-6 (bf16, reference kernels, gradient checkpointing).
@@ -49,6 +47,11 @@ def _step(f, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None) -> tor
     return loss.detach()
 
 
+# the tests that compare the compiled arithmetic with eager's, run again under the second configuration; the others
+# check what is traced and compiled (graphs, recompiles, the command's plumbing), which no configuration changes
+ARITHMETIC = pytest.mark.exactness
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
@@ -56,6 +59,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@ARITHMETIC
 @pytest.mark.parametrize("kernels", ["reference", "fast", "fast-padded"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])
 def test_training_and_evaluation_compile_as_one_graph_each_without_recompiles(kernels: str, dtype) -> None:  # noqa: ANN001
@@ -82,6 +86,7 @@ def test_training_and_evaluation_compile_as_one_graph_each_without_recompiles(ke
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@ARITHMETIC
 @pytest.mark.parametrize("kernels", ["reference", "fast", "fast-padded"])
 def test_the_compiled_step_gives_eagers_loss_and_gradients(kernels: str) -> None:
     eager, compiled = _model(kernels), _model(kernels)
@@ -93,6 +98,7 @@ def test_the_compiled_step_gives_eagers_loss_and_gradients(kernels: str) -> None
         torch.testing.assert_close(q.grad, p.grad.to_dense(), rtol=1e-5, atol=1e-7, msg=n)
 
 
+@ARITHMETIC
 @pytest.mark.parametrize("kernels", ["reference", "fast"])
 @pytest.mark.parametrize(
     ("checkpointing", "dtype"), [(True, torch.bfloat16), (False, torch.float16)], ids=["grad-checkpointing", "fp16"]
@@ -144,6 +150,7 @@ def test_train_compile_runs_the_command_with_the_compiled_step(tmp_path: Path, m
         assert b.get("val_loss", 0.0) == pytest.approx(a.get("val_loss", 0.0), rel=1e-5)
 
 
+@ARITHMETIC
 def test_a_compiled_run_with_dropout_resumes_bit_for_bit(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """`--compile` kept across `--stop-at` and `--resume` (the saved setting, no flag repeated): the same losses and
     the same weights bit for bit as the uninterrupted compiled run, dropout on. aot_eager here; the same check with

@@ -65,11 +65,17 @@ def test_a_clean_lint_runs_the_suite_and_returns_its_code(tmp_path: Path) -> Non
 
 
 def _fake_python_for_the_floor(
-    root: Path, check_rc: int, floor_pytest_rc: int, pip_pid_file: Path | None = None
+    root: Path,
+    check_rc: int,
+    floor_pytest_rc: int,
+    pip_pid_file: Path | None = None,
+    venv_rc: int = 0,
+    import_rc: int = 0,
 ) -> Path:
     """A stand-in for $PYTHON: `-m venv DIR` makes DIR/bin/python a logging stand-in (pip and the suite answer 0 or
-    floor_pytest_rc; the script's check that the installed versions are the floors answers check_rc); anything else
-    (scripts/floor_pins.py) runs on this interpreter. With `pip_pid_file`, pip writes its pid there and takes 120 s."""
+    floor_pytest_rc; the script's check that the installed versions are the floors answers check_rc; `-c` (the import
+    of this project) import_rc), or fails with venv_rc; anything else (scripts/floor_pins.py) runs on this
+    interpreter. With `pip_pid_file`, pip writes its pid there and takes 120 s."""
     log = root / "calls.log"
     floor = root / "floor-python"
     slow_pip = f'[ "$2" = pip ] && echo $$ > {pip_pid_file} && exec sleep 120\n' if pip_pid_file else ""
@@ -77,14 +83,15 @@ def _fake_python_for_the_floor(
         "#!/bin/sh\n"
         f'echo "floor-python $* OMP=$OMP_NUM_THREADS ATEN=$ATEN_CPU_CAPABILITY" >> {log}\n'
         + slow_pip
-        + f'case "$1" in scripts/floor_pins.py) exit {check_rc};;\n'
+        + f'case "$1" in scripts/floor_pins.py) exit {check_rc};;\n  -c) exit {import_rc};;\n'
         f'  -m) [ "$2" = pytest ] && exit {floor_pytest_rc};;\nesac\n'
         "exit 0\n"
     )
     py = root / "py"
     py.write_text(
         "#!/bin/sh\n"
-        f'if [ "$1" = -m ] && [ "$2" = venv ]; then mkdir -p "$3/bin" && cp {floor} "$3/bin/python"; exit 0; fi\n'
+        f'if [ "$1" = -m ] && [ "$2" = venv ]; then [ {venv_rc} = 0 ] || exit {venv_rc}; '
+        f'mkdir -p "$3/bin" && cp {floor} "$3/bin/python"; exit 0; fi\n'
         f'exec {sys.executable} "$@"\n'
     )
     for f in (floor, py):
@@ -128,6 +135,22 @@ def test_the_second_pass_runs_the_exactness_tests_on_the_floors_after_a_green_su
     assert "-c .venv-floor/floor-pins.txt -e .[dev]" in installs[1]
     assert calls.index(installs[1]) > calls.index("python -m pytest -q -n 2")
     assert floor_suite == ["floor-python -m pytest -q -p no:cacheprovider -n 2 -m exactness OMP=1 ATEN=default"]
+
+
+@pytest.mark.parametrize("fails", ["venv", "project"])
+def test_a_floor_venv_not_made_or_without_this_project_fails_before_its_tests(tmp_path: Path, fails: str) -> None:
+    """The background install failing (here the venv cannot be made), or this project missing from .venv-floor after
+    its install (pip's failures pass through its filter, so the import is what tells): "setup: .venv-floor failed",
+    exit 1, no second pass, and no stamp saying the venv is complete."""
+    root = _fake_checkout(tmp_path, 0, 0, pytest_rc=0)
+    py = _fake_python_for_the_floor(root, 0, 0, venv_rc=int(fails == "venv"), import_rc=int(fails == "project"))
+    env = dict(os.environ, TORCH_SPEC="torch==2.13.0", PYTHON=str(py))
+    r = subprocess.run(["bash", str(root / "dev"), "test"], cwd=root, env=env, capture_output=True, text=True)
+    calls = (root / "calls.log").read_text().splitlines()
+    assert r.returncode == 1 and "setup: .venv-floor failed" in r.stderr, (r.stderr, calls)
+    assert "python -m pytest -q -n 2" in calls and not any(c.startswith("floor-python -m pytest") for c in calls)
+    assert not (root / ".venv-floor" / ".gpt2port-installed").exists()
+    assert any(c.startswith("floor-python -c import gpt2_port_checks") for c in calls) == (fails == "project")
 
 
 def _running(pid: int) -> bool:
