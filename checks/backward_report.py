@@ -123,14 +123,11 @@ def summary(s: BackwardSweep) -> list[str]:
                 f"{r.label}: FAIL, first failure {r.first_failure}; first diverging layer "
                 f"{r.first_diverging_layer or 'none'}"
             )
-        judged = [x.within_noise for x in r.points]
-        if r.loss_within_noise is not None:  # under autocast (BackwardReport)
-            judged.insert(0, r.loss_within_noise)
+        loss = "the loss and " if r.loss_within_noise is not None else ""  # judged under autocast (BackwardReport)
         for what, within, close in (
             (
-                f"{'the loss and ' if r.loss_within_noise is not None else ''}every gradient within the reference's "
-                "own noise",
-                judged,
+                f"{loss}every gradient within the reference's own noise",
+                [w for _, w in r.judged],
                 r.as_close_as_reference,
             ),
             (

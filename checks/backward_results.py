@@ -91,16 +91,21 @@ class BackwardReport:
         return self.first_failure is None
 
     @property
+    def judged(self) -> list[tuple[str, bool | None]]:
+        """(name, within_noise) of each figure judged against the floor: the loss under autocast, then every point."""
+        loss = [("loss", self.loss_within_noise)] if self.loss_within_noise is not None else []
+        return loss + [(p.name, p.within_noise) for p in self.points]
+
+    @property
     def as_close_as_reference(self) -> bool | None:
         """Every gradient, and under autocast the loss, within transformers' own noise (None: no floor measured)."""
-        within = all_within_noise(self.points)
-        return within if within is None else within and self.loss_within_noise is not False
+        if all_within_noise(self.points) is None:
+            return None
+        return all(within for _, within in self.judged)
 
     @property
     def first_above_noise(self) -> str | None:
-        if self.loss_within_noise is False:
-            return "loss"
-        return next((p.name for p in self.points if p.within_noise is False), None)
+        return next((name for name, within in self.judged if within is False), None)
 
     @property
     def steps_as_close_as_reference(self) -> bool | None:

@@ -18,14 +18,22 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on this device type now; None when it is off (or the device has none here)."""
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def uncached_autocast(device_type: str) -> contextlib.AbstractContextManager:
     """The caller's autocast, if on, with its cache of cast weights off: a graph captured under autocast would
     otherwise read the cached bf16/fp16 copies of weights that require grad, which autocast frees when its outermost
     block ends, and replay over freed memory (torch's make_graphed_callables refuses such a cache for this reason).
     Uncached, the casts are recorded in the graph and rerun at each replay."""
-    if not torch.is_autocast_enabled(device_type):
+    dtype = autocast_dtype(device_type)
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
 
 
 class CapturedStep:

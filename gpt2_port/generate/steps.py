@@ -24,7 +24,7 @@ import torch
 
 from ..devices import without_cudnn_attention
 from .cache import KVCache, StaticKVCache, static_len
-from .cuda_graph import CapturedStep
+from .cuda_graph import CapturedStep, autocast_dtype
 from .protocol import CausalLM
 
 KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_layer x B x L x C values)
@@ -116,8 +116,7 @@ def static_steps(model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bo
     length = static_len(max_len, model.config.n_positions)
     # inference mode makes inference tensors, which a later call outside it may not write: kept apart; a graph
     # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
-    dev = model.device.type
-    amp = torch.get_autocast_dtype(dev) if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) else None
+    amp = autocast_dtype(model.device.type)
     key = (batch, length, model.dtype, str(model.device), cuda_graph, torch.is_inference_mode_enabled(), amp, weights)
     if key in kept:
         kept.move_to_end(key)

@@ -420,8 +420,9 @@ class Trainer:
         last_saved = self.start_step if self.start_step else -1
         while step < a.steps:
             t0 = time.perf_counter()
-            saved = f"the last checkpoint in {self.out} is from step {last_saved}" if last_saved >= 0 else ""
-            saved = saved or "nothing was saved"
+            saved = "nothing was saved"
+            if last_saved >= 0:
+                saved = f"the last checkpoint in {self.out} is from step {last_saved}"
             try:
                 with memory_errors(f"in step {step + 1} ({saved})"):
                     record = self.step(step)
