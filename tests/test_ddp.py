@@ -65,12 +65,18 @@ def _with_exit_probe(env: dict[str, str], where: Path) -> dict[str, str]:
     return dict(env, PYTHONPATH=f"{where}{os.pathsep}{env['PYTHONPATH']}", EXIT_PROBE_DIR=str(where))
 
 
+def _torchrun_env(tmp: Path) -> dict[str, str]:
+    """The environment of a torchrun job: this checkout importable, one thread a process, and temporary files
+    (torchrun's torchelastic_* log folder among them) under `tmp`, not left in the system's."""
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TMPDIR=str(tmp))
+
+
 def launch(n: int, *target: str) -> subprocess.CompletedProcess:
     """torchrun with n CPU processes running `target` (a script and its arguments, or -m MODULE ...). Every worker
     must leave without the exit-time teardown, where gloo's threads aborted a finished run now and then."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n), *target]
     with tempfile.TemporaryDirectory() as probe:
-        env = _with_exit_probe(dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), Path(probe))
+        env = _with_exit_probe(_torchrun_env(Path(probe)), Path(probe))
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
         assert r.returncode == 0, r.stderr[-3000:]
         assert sorted(p.name for p in Path(probe).glob("rank*")) == []
@@ -382,8 +388,7 @@ def test_one_process_out_of_memory_is_its_one_line_and_the_others_say_a_peer_sto
     script.write_text(_OOM_ON_RANK_1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     cmd += ["train", "--init", str(ck), "--data", str(data), "--out", str(tmp_path / "o"), "--steps", "4", *COMMON]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_torchrun_env(tmp_path), timeout=300, cwd=REPO)
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("gpt2-port train:")]
     assert len(lines) == 2 and "internal error" not in r.stderr, r.stderr[-3000:]

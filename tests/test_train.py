@@ -246,13 +246,13 @@ def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
     assert not torch.equal(weights(out)["h.0.mlp.c_fc.weight"], weights(small_ckpt)["h.0.mlp.c_fc.weight"])
 
 
-@pytest.mark.parametrize("where", ["step", "evaluate"])
+@pytest.mark.parametrize("where", ["step", "evaluate", "sample"])
 def test_running_out_of_device_memory_names_the_step_the_last_checkpoint_and_what_to_change(
-    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch, capsys, where: str
+    small_ckpt: Path, small_data: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch, capsys, where: str
 ) -> None:
-    """torch's OutOfMemoryError in step 3, or in the evaluation after step 3 (a stand-in here; on a GPU a longer batch
-    or fragmentation after the measured check), is one line naming the step, the last checkpoint (step 2, kept
-    whole) and train's hint, exit 2: not an internal error."""
+    """torch's OutOfMemoryError in step 3, or in the evaluation or the sample after step 3 (a stand-in here; on a GPU
+    a longer batch or fragmentation after the measured check), is one line naming the step, the last checkpoint
+    (step 2, kept whole) and train's hint, exit 2: not an internal error."""
     from gpt2_port.train.loop import Trainer
 
     real = getattr(Trainer, where)
@@ -268,9 +268,12 @@ def test_running_out_of_device_memory_names_the_step_the_last_checkpoint_and_wha
     out = tmp_path / "run"
     argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "4", *FAST]
     capsys.readouterr()
-    assert train(*argv, "--save-every", "2", "--eval-every", "1" if where == "evaluate" else "0", "--no-progress") == 2
+    argv += ["--eval-every", "1" if where == "evaluate" else "0", "--save-every", "2", "--no-progress"]
+    if where == "sample":
+        argv += ["--sample-every", "1", "--tokenizer", str(tokenizer_dir)]
+    assert train(*argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    during = "in step 3" if where == "step" else "evaluating after step 3"
+    during = {"step": "in step 3", "evaluate": "evaluating after step 3", "sample": "sampling after step 3"}[where]
     assert err.startswith(f"gpt2-port train: error: CUDA out of memory. Tried to allocate 1.50 GiB {during} (")
     assert f"the last checkpoint in {out} is from step 2): a smaller --batch-size" in err, err
     assert trainer_state.load(out).step == 2
@@ -558,6 +561,71 @@ def test_the_cuda_check_adds_adams_moments_only_where_the_optimizer_has_none(
     assert t.check_cuda_memory()["estimate_bytes"] == peak
 
 
+def _cuda_check_stand_ins(monkeypatch: pytest.MonkeyPatch, peak: int | None, free: int) -> None:
+    """Trainer.check_cuda_memory on a CPU model: the dry step's peak (None: it ran out of memory) and `free` bytes of
+    the device stood in for, the whole of it usable (no headroom)."""
+    from gpt2_port.train import loop
+
+    monkeypatch.setattr(loop, "dry_step_peak", lambda model, loss, device, micro_steps: peak)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * memory.GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a stand-in GPU")
+    monkeypatch.setattr(memory, "MEMORY_HEADROOM", 1.0)
+
+
+@pytest.mark.parametrize(("fits", "hint"), [(8, 8), (6, 4)])
+def test_a_cuda_refusal_suggests_the_batch_the_measured_peak_allows(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fits: int, hint: int
+) -> None:
+    """The measured check's refusal is one line whose --batch-size comes from the measurement: the dry step's peak at
+    the run's batch (16), less what the activations and logits of the rows dropped take (the estimate's count of
+    what autograd keeps), and the largest divisor of the step's 16 rows at or below it, so that --grad-accum keeps
+    the batch. Here the device has exactly what `fits` rows would take; --grad-checkpointing fits where its
+    activations do."""
+    model, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=3, batch_size=16, block_size=16, eval_every=0, dropout=0.0)
+    prepare_model(model, args, torch.device("cpu"))
+    moments, cfg = 8 * sum(p.numel() for p in model.parameters()), memory.run_config(model.config, args)
+    kept = {  # (rows, gradient checkpointing) -> bytes of activations and logits the estimate counts
+        (b, gc): (lambda e: e.activations + e.logits)(
+            memory.estimate(cfg, b, 16, False, gc, args.resolved_kernels, args.resolved_pad_vocab("cpu"))
+        )
+        for b in range(1, 17)
+        for gc in (False, True)
+    }
+    peak = 3 * memory.GiB
+    free = peak + moments + kept[fits, False] - kept[16, False]
+    _cuda_check_stand_ins(monkeypatch, peak, free)
+    t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "o", "cpu")
+    with pytest.raises(UsageError) as e:
+        t.check_cuda_memory()
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("memory: this run needs 3.0 GiB (a dry step's peak 3.0, AdamW moments")
+    assert f"try --batch-size {hint} (with --grad-accum {16 // hint} for the same batch)" in msg, msg
+    gc = max(b for b in range(1, 17) if kept[b, True] <= kept[fits, False])
+    assert msg.endswith(f" or --grad-checkpointing (fits --batch-size {gc})"), msg
+
+
+def test_a_dry_step_out_of_memory_is_one_line_with_a_smaller_batch(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the dry step itself runs out of memory there is no peak to scale: the refusal says so in one line and
+    suggests the batch the estimate's device bytes (no host allowances) fit into the free memory."""
+    model, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=3, batch_size=16, block_size=16, eval_every=0, dropout=0.0)
+    prepare_model(model, args, torch.device("cpu"))
+    cfg = memory.run_config(model.config, args)
+    est = memory.estimate(cfg, 4, 16, False, False, args.resolved_kernels, args.resolved_pad_vocab("cpu"))
+    _cuda_check_stand_ins(monkeypatch, None, est.total - est.slack - est.overhead)
+    t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "o", "cpu")
+    with pytest.raises(UsageError) as e:
+        t.check_cuda_memory()
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("memory: this run ran out of memory in a dry forward and backward at --batch-size 16 ")
+    assert "try --batch-size 4 (with --grad-accum 4 for the same batch)" in msg, msg
+
+
 @pytest.mark.parametrize("grad_accum", [1, 3])
 def test_the_cuda_dry_step_holds_the_gradients_through_a_micro_step_when_they_accumulate(
     small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grad_accum: int
@@ -637,6 +705,29 @@ def test_a_grad_scalers_overflow_step_is_recorded_as_skipped_and_leaves_the_weig
     assert [r.get("skipped") for r in log(tmp_path / "o")] == [True]
     assert res.skipped_steps == [1] and t.scaler.get_scale() == 2.0**126
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+def test_a_resumed_fp16_run_takes_up_the_grad_scalers_state(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
+    """The grad scaler's scale and growth tracker are saved with the run and taken up by its resume: a resumed fp16 run
+    continues at the scale it had backed off to, not at GradScaler's default. Here the scaler is torch's CPU one
+    (fp16 trains on CUDA), starting where float32 overflows (a skipped step halves it)."""
+    m, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=2, batch_size=2, block_size=16, eval_every=0, dropout=0.0)
+    prepare_model(m, args, torch.device("cpu"))
+    data = TokenFile(small_data / "train.bin", 512)
+    t = Trainer(m, args, data, None, tmp_path / "o")
+    t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=3)
+    t.run()
+    saved = t.scaler.state_dict()
+    assert saved["scale"] < 2.0**127  # backed off, so unlike a fresh scaler's
+    st = trainer_state.load(tmp_path / "o")
+    assert st.scaler == saved
+    m2, _ = from_pretrained(tmp_path / "o")
+    prepare_model(m2, args, torch.device("cpu"))
+    t2 = Trainer(m2, args, data, None, tmp_path / "o", resume=st, resume_dir=tmp_path / "o")
+    t2.scaler = torch.amp.GradScaler("cpu")
+    t2._restore(st, tmp_path / "o")  # as a CUDA Trainer restores it when it is built
+    assert t2.scaler.state_dict() == saved
 
 
 def test_ctrl_c_saves_a_resumable_state_then_exits(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
@@ -918,6 +1009,28 @@ def test_the_summary_gives_this_runs_mean_rate_and_its_own_time(
     assert s["total_elapsed_s"] == pytest.approx(before + s["elapsed_s"], rel=1e-9)
     assert "trained steps 3->6 in" in text and "since step 0" in text and "tok/s mean" in text
     assert all("mfu" in r for r in log(out)) and s["mfu"] is None  # no peak is known for a CPU
+
+
+def test_mfu_is_the_rate_against_the_devices_peak_in_the_log_the_summary_and_its_line(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Where a peak is known (a GPU in the peak table: here a stand-in peak for the CPU), every log record's mfu is
+    its tokens/s times the FLOPs per token over the peak, the summary's is the mean rate's, and its line shows it."""
+    from gpt2_port.train import loop
+    from gpt2_port.train.throughput import flops_per_token
+
+    peak = 1e9
+    monkeypatch.setattr(loop, "peak_flops", lambda *a, **k: (peak, "a stand-in peak"))
+    out, js = tmp_path / "run", tmp_path / "s.json"
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "3", *FAST]
+    capsys.readouterr()
+    assert train(*argv, "--eval-every", "0", "--json", str(js)) == 0
+    s, recs = json.loads(js.read_text()), log(out)
+    per_token = flops_per_token(from_pretrained(small_ckpt)[0].config, 16)
+    for r in recs:
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / peak, rel=1e-9)
+    assert s["mfu"] == pytest.approx(s["tokens_per_s"] * per_token / peak, rel=1e-9)
+    assert s["mfu"] > 0 and f"MFU {100 * s['mfu']:.1f}%; model in {out}" in capsys.readouterr().out
 
 
 def _interrupt_at(

@@ -450,7 +450,8 @@ class Trainer:
                         if val_loss is None:
                             log.warning("step %d: the validation loss is %s (non-finite): written as null", step, v)
             if a.sample_every and step % a.sample_every == 0 and d.is_main and not interrupted:
-                text = self.sample(step)
+                with memory_errors(f"sampling after step {step} ({saved})"):
+                    text = self.sample(step)
                 if text is not None:
                     record["sample"] = text
             rate = self.tokens_per_step / dt if dt > 0 else 0.0

@@ -141,35 +141,33 @@ def upcasts_under_autocast(args: TrainArgs, device: torch.device) -> bool:
     return upcasts_autocast_dtype(torch.bfloat16 if args.dtype == "bf16" else torch.float16)
 
 
-def largest_batch_that_fits(
-    cfg: GPT2Config,
-    block_size: int,
-    budget: int,
-    amp: bool,
-    grad_checkpointing: bool,
-    limit: int = 1024,
-    kernels: str = "reference",
-    upcast: bool = False,
-) -> int:
-    """The largest micro-batch whose estimate is within `budget` (0 if not even 1 fits)."""
+def run_config(cfg: GPT2Config, args: TrainArgs) -> GPT2Config:
+    """The model's config as the run trains it (its --dropout, which decides whether attention keeps dropout masks)."""
+    return cfg if args.dropout is None else cfg.with_dropout(args.dropout)
+
+
+def largest_batch_that_fits(need: Callable[[int], int], budget: int, limit: int) -> int:
+    """The largest micro-batch up to `limit` whose `need(batch)` bytes are within `budget` (0 if not even 1 fits)."""
     best = 0
     for b in range(1, limit + 1):
-        if estimate(cfg, b, block_size, amp, grad_checkpointing, kernels, upcast=upcast).total > budget:
+        if need(b) > budget:
             break
         best = b
     return best
 
 
-def _hints(cfg: GPT2Config, args: TrainArgs, block_size: int, budget: int, upcast: bool = False) -> str:
-    amp, kernels = args.dtype != "float32", args.resolved_kernels
+def _hints(args: TrainArgs, need: Callable[[int, bool], int], budget: int) -> str:
+    """What to change so that the run fits `budget` bytes: a smaller --batch-size, with the --grad-accum that keeps
+    the batch per optimizer step (the micro-batch a divisor of it), or gradient checkpointing, or else a smaller
+    window or model. need(batch, grad_checkpointing): the bytes the run would take."""
     hints = []
-    b = largest_batch_that_fits(cfg, block_size, budget, amp, args.grad_checkpointing, args.batch_size, kernels, upcast)
+    rows = args.grad_accum * args.batch_size  # rows per optimizer step in this process
+    b = largest_batch_that_fits(lambda n: need(n, args.grad_checkpointing), budget, args.batch_size)
+    b = max((n for n in range(1, b + 1) if rows % n == 0), default=0)
     if b:
-        hints.append(
-            f"--batch-size {b} (with --grad-accum {args.grad_accum * args.batch_size // b} for the same batch)"
-        )
+        hints.append(f"--batch-size {b} (with --grad-accum {rows // b} for the same batch)")
     if not args.grad_checkpointing:
-        bc = largest_batch_that_fits(cfg, block_size, budget, amp, True, args.batch_size, kernels, upcast)
+        bc = largest_batch_that_fits(lambda n: need(n, True), budget, args.batch_size)
         if bc:
             hints.append(f"--grad-checkpointing (fits --batch-size {bc})")
     if not hints:
@@ -180,14 +178,15 @@ def _hints(cfg: GPT2Config, args: TrainArgs, block_size: int, budget: int, upcas
 def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, d: Dist) -> dict:
     """Stop before the run starts if its estimated peak does not fit the free memory (one line: what to change).
     The host's check (CPU): on CUDA the trainer measures instead (`check_measured`)."""
-    amp = args.dtype != "float32"
-    if args.dropout is not None:
-        cfg = cfg.with_dropout(args.dropout)
+    cfg = run_config(cfg, args)
+    amp, kernels = args.dtype != "float32", args.resolved_kernels
     pad = args.resolved_pad_vocab(device.type)
     up = upcasts_under_autocast(args, device)
-    est = estimate(
-        cfg, args.batch_size, block_size, amp, args.grad_checkpointing, args.resolved_kernels, pad, device.type, up
-    )
+
+    def need(batch: int, grad_checkpointing: bool) -> int:
+        return estimate(cfg, batch, block_size, amp, grad_checkpointing, kernels, pad, device.type, up).total
+
+    est = estimate(cfg, args.batch_size, block_size, amp, args.grad_checkpointing, kernels, pad, device.type, up)
     avail, source = devices.available_memory(device)
     share = d.local_world_size if device.type == "cpu" else 1  # processes on one host share its memory
     budget = int(avail * MEMORY_HEADROOM) // share
@@ -204,7 +203,7 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
     raise UsageError(
         f"memory: this run needs about {est.describe()}{per} at --batch-size {args.batch_size} --block-size "
         f"{block_size}, but only {avail / GiB:.1f} GiB is available ({source}); "
-        f"try {_hints(cfg, args, block_size, budget, up)}"
+        f"try {_hints(args, need, budget)}"
     )
 
 
@@ -258,7 +257,32 @@ def check_measured(
     else:
         what = "ran out of memory in a dry forward and backward"
     budget = int(have * MEMORY_HEADROOM)
+    need = _measured_need(cfg, args, block_size, device, None if step_peak is None else step_peak + moments)
     raise UsageError(
         f"memory: this run {what} at --batch-size {args.batch_size} --block-size {block_size}, but only "
-        f"{have / GiB:.1f} GiB is available ({source}); try {_hints(cfg, args, block_size, budget)}"
+        f"{have / GiB:.1f} GiB is available ({source}); try {_hints(args, need, budget)}"
     )
+
+
+def _measured_need(
+    cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, measured: int | None
+) -> Callable[[int, bool], int]:
+    """need(batch, grad_checkpointing) on CUDA, for the hints: the bytes measured at the run's batch, plus what the
+    estimate's activations and logits (their count of what autograd keeps, the part that grows with the batch) add
+    or take away at another batch or with gradient checkpointing. Without a measurement (the dry step ran out of
+    memory) the estimate's device bytes alone: without the host's glibc slack and runtime allowance."""
+    cfg = run_config(cfg, args)
+    amp, kernels, pad = args.dtype != "float32", args.resolved_kernels, args.resolved_pad_vocab(device.type)
+
+    def est(batch: int, grad_checkpointing: bool) -> MemoryEstimate:
+        return estimate(cfg, batch, block_size, amp, grad_checkpointing, kernels, pad, device.type)
+
+    at = est(args.batch_size, args.grad_checkpointing)
+
+    def need(batch: int, grad_checkpointing: bool) -> int:
+        e = est(batch, grad_checkpointing)
+        if measured is None:
+            return e.total - e.slack - e.overhead
+        return measured + e.activations + e.logits - at.activations - at.logits
+
+    return need
