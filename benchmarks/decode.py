@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from gpt2_port.generate import generate_full
+from gpt2_port.generate.loop import Generation
 from gpt2_port.model import GPT2
 
 
@@ -20,6 +21,23 @@ def greedy_ours(model: GPT2, ids: torch.Tensor, new_tokens: int, cuda_graph: boo
     CUDA with `cuda_graph` a step that was not replayed as a CUDA graph (its capture failed: the same step ran
     eagerly) is an error, so the row timed under the graph's name is the graph."""
     g = generate_full(model, ids, new_tokens, do_sample=False, eos_token_id=None, cuda_graph=cuda_graph)
+    return _continuation(model, g, ids, new_tokens, cuda_graph)
+
+
+@torch.inference_mode()
+def sampled_ours(model: GPT2, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, seed: int = 0) -> torch.Tensor:
+    """A left-padded (B, P) batch -> (B, new_tokens) sampled rows (top-k 50, seeded) through `generate`, no EOS stop;
+    on CUDA a step not replayed as a CUDA graph is an error, as in `greedy_ours`."""
+    g = generate_full(
+        model, ids, new_tokens, attention_mask=mask, do_sample=True, top_k=50, seed=seed, eos_token_id=None
+    )
+    return _continuation(model, g, ids, new_tokens, cuda_graph=True)
+
+
+def _continuation(model: GPT2, g: Generation, ids: torch.Tensor, new_tokens: int, cuda_graph: bool) -> torch.Tensor:
+    """The new tokens of `generate_full`'s result `g`, checked: exactly `new_tokens` of them, and on CUDA with
+    `cuda_graph` every step replayed as the CUDA graph (a failed capture runs the same step eagerly, and a row timed
+    under the graph's name must not time that)."""
     if cuda_graph and model.device.type == "cuda" and g.extra["step"] != "cuda graph":
         raise RuntimeError(f"the decode step ran as {g.extra['step']!r}, not as a CUDA graph (see the log)")
     out = g.sequences

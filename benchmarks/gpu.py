@@ -15,10 +15,12 @@ of 64 (50304 rows, nanoGPT's; `train`'s default on CUDA) against GPT-2's 50257, 
 
 decode: greedy decoding at batch 1 (ours through `generate`: the fixed-shape step replayed as a CUDA graph, and the
 same step run eagerly; transformers' `generate` with its dynamic and its static cache, eager, and on a GPU the static
-cache compiled as generate compiles it: torch.compile, "reduce-overhead"), in float32 and bfloat16,
-runs interleaved; tokens/s, the tokens equal to transformers' in the same dtype before the first difference, and the
-bandwidth cap (the GPU's measured read bandwidth / bytes of weights read per token). Then sampled generation
-(top-k 50, seeded) of padded batches of prompts, ours against transformers: tokens/s of all rows.
+cache compiled as generate compiles it: torch.compile, "reduce-overhead"), in bfloat16, float32 and float16
+(--dtypes; the larger sizes bfloat16 alone unless --xl-float32), runs interleaved; tokens/s, the tokens equal to
+transformers' in the same dtype before the first difference, the bandwidth cap (the GPU's measured read bandwidth /
+bytes of weights read per token), and ours in each low precision against ours in float32. Then sampled generation
+(top-k 50, seeded) of padded batches of prompts, ours against transformers: tokens/s of all rows (ours an error
+where its step was not replayed as the CUDA graph).
 
 A side that fails (out of memory, a compile error) gets its error in its row and the others still run; with --out the
 JSON is rewritten after each side, so a run cut short keeps what it measured. --dtype fp16 trains with a GradScaler.
@@ -42,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode import greedy_hf, greedy_ours, same_prefix
+from benchmarks.decode import greedy_hf, greedy_ours, same_prefix, sampled_ours
 from gpt2_port.config import PRESETS, GPT2Config
 from gpt2_port.devices import out_of_memory, parse_device
 from gpt2_port.errors import GPT2PortError, UsageError
@@ -423,13 +425,16 @@ def _interleaved(
     return out
 
 
+DECODE_DTYPES = {"bfloat16", "float32", "float16"}
+
+
 def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], None]) -> dict:
     from gpt2_port.model import from_pretrained
 
     bw = bandwidth_GBps(dev)
     results: dict = {"kind": "decode", "machine": machine(dev), "bandwidth_GBps": bw, "settings": _settings(a)}
     results["sizes"] = {}
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # bf16 first: the goals' figure
+    dtypes = {d: getattr(torch, d) for d in a.dtypes.split(",")}  # bf16 first by default: the goals' figure
     for size in a.sizes.split(","):
         ck = checkpoint(size, Path(a.weights_dir))
         ids = torch.randint(0, 50257, (1, a.prompt_len), generator=torch.Generator().manual_seed(0)).to(dev)
@@ -437,7 +442,7 @@ def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], 
         per_dtype: dict = {}
         results["sizes"][size] = {"new_tokens": N, "batch1": per_dtype, "batched": {}}
         for dname, dt in dtypes.items():
-            if size not in ("gpt2", "tiny") and dname == "float32" and not a.xl_float32:
+            if size not in ("gpt2", "tiny") and dname != "bfloat16" and not a.xl_float32:
                 continue
             free(dev)
             ours, _ = from_pretrained(ck, dtype=dt, device=dev)
@@ -509,7 +514,7 @@ def batched(a: argparse.Namespace, ck: Path, dev: torch.device) -> dict:
         N = a.new_tokens
 
         def ours_fn(ids=ids, mask=mask, N=N):  # noqa: ANN001, ANN202
-            return ours.generate(ids, N, attention_mask=mask, do_sample=True, top_k=50, seed=0, eos_token_id=None)
+            return sampled_ours(ours, ids, mask, N)
 
         def hf_fn(ids=ids, mask=mask, N=N):  # noqa: ANN001, ANN202
             return hf.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=True, top_k=50, pad_token_id=0)
@@ -588,6 +593,9 @@ def render(res: dict) -> str:
                     same = "-" if x["same_tokens"] is None else f"{x['same_tokens']}/{r['new_tokens']}"
                     out.append(f"| {name} | {x['tok_s']:,.1f} | {vs} | {x['tok_s'] / d['cap_tok_s']:.0%} | {same} |")
                 out.append("")
+            vs32 = _against_float32(r["batch1"])
+            if vs32:
+                out += [f"ours in {vs32} ours in float32 (batch 1)", ""]
             out += [
                 f"### {size}: sampled, padded batches (top-k 50)",
                 "",
@@ -602,6 +610,16 @@ def render(res: dict) -> str:
                 out.append(f"| {B} | {o:,.0f} | {h:,.0f} | {o / h:.2f}x |")
             out.append("")
     return "\n".join(out) + "\n"
+
+
+def _against_float32(batch1: dict) -> str:
+    """ "bfloat16 1.83x, float16 1.80x of": each low-precision dtype's tokens/s through the product path over
+    float32's, where both were timed ("" otherwise)."""
+    rate = {d: x["rows"].get("ours", {}).get("tok_s") for d, x in batch1.items()}
+    if not rate.get("float32"):
+        return ""
+    parts = [f"{d} {rate[d] / rate['float32']:.2f}x" for d in batch1 if d != "float32" and rate[d]]
+    return f"{', '.join(parts)} of" if parts else ""
 
 
 def plot(res: dict, path: str) -> None:
@@ -659,7 +677,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--batches", default="8,32,64", help="decode: sampled batch sizes")
     p.add_argument("--rounds", type=int, default=3, help="decode: interleaved timed rounds")
-    p.add_argument("--xl-float32", action="store_true", help="decode: also float32 for the larger sizes")
+    p.add_argument(
+        "--dtypes",
+        default="bfloat16,float32,float16",
+        help="decode: the batch-1 dtypes, in order (comma-separated: bfloat16, float32, float16)",
+    )
+    p.add_argument(
+        "--xl-float32", action="store_true", help="decode: the larger sizes in every --dtypes (else bfloat16 only)"
+    )
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--markdown", default=None, help="append the tables to this Markdown file (- for stdout)")
     p.add_argument("--plot", default=None, help="a PNG of tokens/s per side")
@@ -692,6 +717,9 @@ def main(argv: list[str] | None = None) -> int:
         for path, what in ((a.out, "--out"), (a.markdown, "--markdown"), (a.plot, "--plot")):
             if path:
                 check_writable(path, what)
+        names = a.dtypes.split(",")
+        if not a.render_from and (not set(names) <= DECODE_DTYPES or len(set(names)) != len(names)):
+            raise UsageError(f"--dtypes {a.dtypes}: expected distinct names of {', '.join(sorted(DECODE_DTYPES))}")
         dev = parse_device(a.device) if not a.render_from else torch.device("cpu")
 
         def save(res: dict) -> None:  # the JSON so far, rewritten whole after each side

@@ -80,8 +80,12 @@ def test_the_graph_row_is_an_error_where_the_step_did_not_run_as_a_cuda_graph(mo
     with pytest.raises(RuntimeError, match="ran as 'static \\(capture failed\\)', not as a CUDA graph"):
         greedy_ours(cuda_model, ids, 4)
     assert greedy_ours(cuda_model, ids, 4, cuda_graph=False).shape == (1, 4)  # the row that asks for no graph
+    mask = torch.ones_like(ids)
+    with pytest.raises(RuntimeError, match="ran as 'static \\(capture failed\\)', not as a CUDA graph"):
+        decode.sampled_ours(cuda_model, ids, mask, 4)  # the sampled batches' row
     ran["step"] = "cuda graph"
     assert greedy_ours(cuda_model, ids, 4).shape == (1, 4)
+    assert decode.sampled_ours(cuda_model, ids, mask, 4).shape == (1, 4)
 
 
 @pytest.mark.parametrize("name", ["results.json", "results-xl-rounds.json", "results-loads.json"])
@@ -196,7 +200,10 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "4", "--batches", "2", "--rounds", "1"]
     assert gpu.main([*argv, "--weights-dir", w, "--out", str(tmp_path / "d.json")]) == 0
     d = json.loads((tmp_path / "d.json").read_text())
-    assert list(d["sizes"]["tiny"]["batch1"]) == ["bfloat16", "float32"]  # bf16, the goals' figure, first
+    b1 = d["sizes"]["tiny"]["batch1"]
+    assert list(b1) == ["bfloat16", "float32", "float16"]  # bf16, the goals' figure, first
+    vs = [b1[n]["rows"]["ours"]["tok_s"] / b1["float32"]["rows"]["ours"]["tok_s"] for n in ("bfloat16", "float16")]
+    assert f"ours in bfloat16 {vs[0]:.2f}x, float16 {vs[1]:.2f}x of ours in float32 (batch 1)" in gpu.render(d)
     rows = d["sizes"]["tiny"]["batch1"]["float32"]["rows"]
     assert rows["ours"]["same_tokens"] == 4 and d["bandwidth_GBps"] > 0
     assert set(d["sizes"]["tiny"]["batched"]["2"]) == {"ours", "transformers"}
@@ -239,6 +246,10 @@ def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytes
     assert gpu.main(["train", "--render-from", str(cut)]) == 2  # a decode run's results
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--render-from {cut}: expected the JSON of a `benchmarks.gpu train` run" in err
+    for bad in ("int8", "float32,float32", ""):
+        assert gpu.main(["decode", "--device", "cpu", "--dtypes", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--dtypes {bad}: expected distinct names of bfloat16, float16, float32" in err
 
 
 def test_a_failing_side_leaves_the_others_and_fp16_trains_with_a_grad_scaler(tmp_path: Path, monkeypatch) -> None:

@@ -176,7 +176,7 @@ def test_the_cuda_graph_decode_gives_the_eager_steps_tokens(tiny_official: Path)
     from gpt2_port import GPT2
     from gpt2_port.generate import generate_full
 
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         m = GPT2.from_pretrained(str(tiny_official), dtype=dtype, device="cuda")
         ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
         opts = dict(eos_token_id=None, output_scores=True)
@@ -194,7 +194,7 @@ def test_the_cuda_graph_decode_gives_the_eager_steps_tokens(tiny_official: Path)
         assert first.capture_s > 0 and graph.capture_s == 0 and graph.decode_s > 0  # recorded once, not counted
 
 
-@pytest.mark.parametrize("rows", [8, 32])
+@pytest.mark.parametrize("rows", [8, 32, 64])
 def test_a_padded_sampled_batch_runs_through_the_captured_step_with_the_eager_steps_tokens(
     tiny_official: Path, rows: int
 ) -> None:
@@ -254,8 +254,11 @@ def test_generation_under_autocast_runs_through_the_captured_step(tiny_official:
     assert plain.capture_s > 0 and same(plain_eager, plain, 2e-5)  # its own float32 graph
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("static", [True, False], ids=["static-step", "growing-keys"])
-def test_bf16_decoding_never_dispatches_to_cudnn_attention(tiny_official: Path, static: bool) -> None:
+def test_low_precision_decoding_never_dispatches_to_cudnn_attention(
+    tiny_official: Path, static: bool, dtype: torch.dtype
+) -> None:
     """cuDNN's SDPA kernel builds a plan for every new shape (bf16 decode on an H100 ran 10x slower than float32 from
     it): the prefill and every step, the static one and the one whose keys grow, run SDPA's other kernels (watched
     in the aten ops each call dispatches; eager steps, as a capture would record the same kernels)."""
@@ -263,7 +266,7 @@ def test_bf16_decoding_never_dispatches_to_cudnn_attention(tiny_official: Path, 
     from gpt2_port.generate import generate_full
     from gpt2_port.model.attention_kernel import attention_kernels
 
-    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, device="cuda")
+    m = GPT2.from_pretrained(str(tiny_official), dtype=dtype, device="cuda")
     ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
     run = lambda: generate_full(m, ids, 8, cuda_graph=False, static_cache=static, eos_token_id=None)  # noqa: E731
     seen = attention_kernels(run, torch.device("cuda"))
@@ -299,13 +302,32 @@ def test_a_token_and_a_training_step_each_wait_for_the_gpu_once(small: tuple[Pat
     generate_full(m, ids, 24, **opts)  # records the graph
     n = _syncs(lambda: generate_full(m, ids, 24, **opts))
     assert 24 <= n <= 24 + 2, n  # one per token, and the prompt's checks (none counted: the count did not work)
+    # a left-padded batch with EOS, temperature, top-k, top-p and a repetition penalty: still one wait a token
+    ids = torch.tensor([[0, 0, 5, 17, 42], [3, 9, 11, 2, 8], [0, 7, 7, 1, 4]], device="cuda")
+    mask = (ids != 0).long()
+    opts = dict(attention_mask=mask, eos_token_id=11, do_sample=True, temperature=0.8, top_k=40, top_p=0.9)
+    opts.update(repetition_penalty=1.3, seed=2)
+    made = generate_full(m, ids, 24, **opts).sequences.shape[1] - ids.shape[1]  # records this batch's graph
+    n = _syncs(lambda: generate_full(m, ids, 24, **opts))
+    assert made <= n <= made + 2, (made, n)
+    pinned: list[bool] = []
+    real_pin = torch.Tensor.pin_memory
+
+    def pin(self: torch.Tensor, *a, **k) -> torch.Tensor:  # noqa: ANN002, ANN003
+        out = real_pin(self, *a, **k)
+        pinned.append(out.is_pinned())
+        return out
+
     args = TrainArgs(steps=6, batch_size=4, block_size=64, dtype="bf16", eval_every=0, dropout=0.0)
     model = GPT2.from_pretrained(str(ck))
     prepare_model(model, args, torch.device("cuda"))
     t = Trainer(model, args, TokenFile(data / "train.bin", SMALL.vocab_size), None, tmp_path / "o", "cuda")
     t.step(0)
-    waits = [_syncs(lambda s=s: t.step(s)) for s in range(1, 5)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "pin_memory", pin)
+        waits = [_syncs(lambda s=s: t.step(s)) for s in range(1, 5)]
     assert max(waits) <= 1 and sum(waits) >= 1, waits  # at most one a step (none at all: the count did not work)
+    assert len(pinned) == 4 and all(pinned)  # each step's prefetched batch left from pinned memory
 
 
 def test_a_model_moved_to_cuda_after_the_load_keeps_c_attn_one_tensor(tiny_official: Path) -> None:
@@ -320,3 +342,58 @@ def test_a_model_moved_to_cuda_after_the_load_keeps_c_attn_one_tensor(tiny_offic
     ids = torch.tensor([[464, 2444, 4721, 511, 3835], [464, 3797, 26172, 262, 10211]], device="cuda")
     with torch.no_grad():
         assert torch.equal(moved(ids), direct(ids))
+
+
+def test_greedy_124m_on_cuda_gives_transformers_tokens_for_128(ckpt124: Path) -> None:
+    """float32 greedy on the GPU, through the captured step and through the eager step whose keys grow, against
+    transformers' generate on the same GPU: scores within float32 rounding (SCORES_F32 of tests/test_generate.py)
+    and the same tokens wherever the scores decide them, over 128 new tokens."""
+    from transformers import GPT2LMHeadModel
+
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full
+
+    hf = GPT2LMHeadModel.from_pretrained(ckpt124, dtype=torch.float32).to("cuda").eval()
+    hf.generation_config.eos_token_id = None
+    ids = torch.tensor([[464, 2444, 4721, 511, 3835]], device="cuda")
+    with torch.inference_mode():
+        ref = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=128,
+            do_sample=False,
+            pad_token_id=50256,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    del hf
+    want, want_scores = ref.sequences[:, 5:].cpu(), [x.float().cpu() for x in ref.scores]
+    assert want.shape == (1, 128)
+    m = GPT2.from_pretrained(str(ckpt124), device="cuda")
+    for graph in (True, False):
+        g = generate_full(m, ids, 128, cuda_graph=graph, static_cache=graph, eos_token_id=None, output_scores=True)
+        assert (g.extra["step"] == "cuda graph") == graph, g.extra
+        got, got_scores = g.sequences[:, 5:].cpu(), [x.cpu() for x in g.scores]
+        assert min(same_tokens_where_decided(want, want_scores, got, got_scores, 2e-5)) >= 1
+
+
+def test_generate_and_eval_commands_run_on_cuda(tiny_official: Path, tmp_path: Path, capsys) -> None:
+    """The commands on the GPU: `generate` in bf16 decodes through the captured step and reports its capture, the
+    device's peak memory, the device and the dtype; `eval` in float32 gives the CPU's perplexity to rounding."""
+    js = tmp_path / "g.json"
+    argv = ["generate", str(tiny_official), "The cat", "--device", "cuda", "--dtype", "bf16", "--max-new-tokens", "8"]
+    assert main([*argv, "--seed", "0", "--json", str(js)]) == 0
+    err = capsys.readouterr().err
+    g = json.loads(js.read_text())
+    assert g["decode_step"] == "cuda graph" and g["cuda_graph_capture_s"] > 0 and g["peak_device_mb"] > 0, g
+    assert g["device"].startswith("cuda") and g["dtype"] == "bfloat16" and len(g["generated_ids"][0]) == 8
+    assert "CUDA graph recorded in" in err and "step: cuda graph" in err
+    text = tmp_path / "t.txt"
+    text.write_text("The students opened their books and began to read. " * 20)
+    res = {}
+    for dev in ("cuda", "cpu"):
+        out = tmp_path / f"{dev}.json"
+        assert main(["eval", str(tiny_official), "--text", str(text), "--device", dev, "--json", str(out)]) == 0
+        res[dev] = json.loads(out.read_text())
+    assert res["cuda"]["device"].startswith("cuda") and res["cuda"]["tokens"] == res["cpu"]["tokens"]
+    assert res["cuda"]["nll"] == pytest.approx(res["cpu"]["nll"], rel=1e-5)
