@@ -274,22 +274,52 @@ def test_low_precision_decoding_never_dispatches_to_cudnn_attention(
 
 
 def _syncs(fn) -> int:  # noqa: ANN001
-    """The synchronising CUDA operations `fn()` makes (torch's sync debug mode, counted)."""
+    """The waits for the GPU `fn()` makes: the synchronising CUDA operations torch's sync debug mode flags, and the
+    waits for an event (the decode loop's read of a step's ids waits for its copy's event, which the mode does not
+    flag), counted."""
     import warnings
 
-    with warnings.catch_warnings(record=True) as seen:
+    events = []
+    real = torch.cuda.Event.synchronize
+
+    def counted(self: torch.cuda.Event) -> None:
+        events.append(1)
+        real(self)
+
+    with warnings.catch_warnings(record=True) as seen, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda.Event, "synchronize", counted)
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in seen)
+    return sum("synchronizing" in str(w.message) for w in seen) + len(events)
+
+
+def test_reading_a_steps_ids_waits_for_their_copy_not_for_the_work_queued_after_it() -> None:
+    """The decode loop queues step k + 1 before it reads step k's ids: the read (readback.Readback) waits for the
+    copy of those ids alone, while the device still runs what was queued after it (here a sleep of about a second);
+    its two pinned buffers serve the steps in turn."""
+    from gpt2_port.generate.readback import Readback
+
+    r = Readback(4, torch.device("cuda"))
+    ids = torch.arange(4, device="cuda")
+    a = r.send(ids)
+    torch.cuda._sleep(2_000_000_000)  # GPU clock cycles: about a second of device time queued after the copy
+    later = torch.cuda.Event()
+    later.record()
+    assert r.read(a) == [0, 1, 2, 3]
+    assert not later.query()  # the sleep runs on: the read did not wait for it
+    b, c = r.send(ids + 10), r.send(ids + 20)
+    assert r.read(b) == [10, 11, 12, 13] and r.read(c) == [20, 21, 22, 23]
+    torch.cuda.synchronize()
 
 
 def test_a_token_and_a_training_step_each_wait_for_the_gpu_once(small: tuple[Path, Path], tmp_path: Path) -> None:
-    """Sampled decode with the captured step: one wait per token (the new ids and the finite flag, read together;
-    multinomial's own checks would be two more). A training step: one wait (the loss and the gradient norm)."""
+    """Sampled decode with the captured step: one wait per token (the new ids and the finite flag, read together, one
+    step late; multinomial's own checks would be two more). A training step: one wait (the loss and the gradient
+    norm), its batch from pinned memory."""
     from gpt2_port import GPT2
     from gpt2_port.generate import generate_full
     from gpt2_port.io.tokens import TokenFile

@@ -340,6 +340,67 @@ def test_each_token_costs_one_transfer_from_the_device(static: bool, monkeypatch
     assert reads[first:] == ["prefill"] + ["tolist"] * 12, reads
 
 
+@pytest.mark.parametrize("stop", [None, "zzz"], ids=["no-stop-string", "stop-string"])
+def test_the_next_step_is_queued_before_the_host_reads_this_ones_ids(stop: str | None, monkeypatch, tokenizer_dir):
+    """Without stop strings the loop queues step k + 1 before it reads step k's ids (on a GPU the device then works
+    on the next token while the host takes this one's); the first token is read at once (the prefill's time). A stop
+    string is found on the host, and the row's next token must then be padding: each step is read before the next is
+    queued. The tokens are the same either way."""
+    from gpt2_port.generate import readback
+    from gpt2_port.io.tokenizer import load_tokenizer
+
+    events: list[str] = []
+    real_send, real_read = readback.Readback.send, readback.Readback.read
+
+    def send(self, t):  # noqa: ANN001, ANN202
+        events.append("send")
+        return real_send(self, t)
+
+    def read(self, h):  # noqa: ANN001, ANN202
+        events.append("read")
+        return real_read(self, h)
+
+    monkeypatch.setattr(readback.Readback, "send", send)
+    monkeypatch.setattr(readback.Readback, "read", read)
+    m, ids = _chaotic(), torch.tensor([[5, 17, 42]])
+    tok = load_tokenizer(tokenizer_dir)
+    g = generate_full(m, ids, 5, eos_token_id=None, stop_strings=stop, tokenizer=tok, do_sample=True, seed=4)
+    if stop is None:
+        assert events == ["send", "read"] + ["send", "send", "read"] + ["send", "read"] * 2 + ["read"], events
+    else:
+        assert events == ["send", "read"] * 5, events
+    monkeypatch.undo()
+    # the other way of reading ("zzz" never appears: the stop string only changes when the ids are read)
+    other = generate_full(
+        m, ids, 5, eos_token_id=None, stop_strings=None if stop else "zzz", tokenizer=tok, do_sample=True, seed=4
+    )
+    assert g.stop_reasons == other.stop_reasons == ["length"]
+    assert g.sequences.shape == (1, 8) and torch.equal(g.sequences, other.sequences)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("static", [False, True])
+def test_a_batch_whose_rows_all_end_drops_the_step_queued_after_them(static: bool, rows: int) -> None:
+    """Rows end on EOS (the device pads a row's later tokens itself, before the host has read its EOS); when every
+    row has ended, the step queued before the host learnt it is not in the result. The sequences are the run without
+    EOS cut at each row's EOS, padding after it (1 row: it ends, and with it the batch; 2: the other runs on)."""
+    m = _chaotic()
+    ids = torch.tensor([[5, 17, 42], [9, 9, 3]])[:rows]
+    free = generate_full(m, ids, 12, eos_token_id=None, static_cache=static)
+    new = free.sequences[:, 3:]
+    eos = int(new[0, 4])  # row 0's fifth token: the first place it appears in row 0
+    assert eos not in new[0, :4].tolist()
+    ends = [row.tolist().index(eos) if eos in row.tolist() else None for row in new]
+    g = generate_full(m, ids, 12, eos_token_id=eos, static_cache=static)
+    assert g.stop_reasons[0] == "eos"
+    last = max(e if e is not None else 11 for e in ends)
+    assert g.sequences.shape == (rows, 3 + last + 1)
+    for r, e in enumerate(ends):
+        want = new[r, : (e + 1 if e is not None else last + 1)].tolist()
+        assert g.sequences[r, 3 : 3 + len(want)].tolist() == want and g.new_ids[r] == want
+        assert g.sequences[r, 3 + len(want) :].tolist() == [eos] * (last + 1 - len(want))  # pad: the EOS id
+
+
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None:
     """The forward and plan steps' keys grow by one a token: on CUDA cuDNN's SDPA kernel would build a plan for every

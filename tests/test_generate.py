@@ -342,6 +342,24 @@ def test_stop_strings_and_streaming(model: GPT2, tok) -> None:
     assert len(tok.decode(g.new_ids[0])) >= cut > len(tok.decode(g.new_ids[0][:-1]))
 
 
+def test_a_row_ended_by_a_stop_string_is_padded_while_the_others_run(model: GPT2, tok) -> None:
+    """A stop string is found on the host: the row's later positions hold padding from the very next token (the loop
+    reads each step before queueing the next when stop strings are set), and the other row runs on unchanged."""
+    ids, mask = _left_pad(PROMPTS[:2])
+    T = ids.shape[1]
+    free = generate_full(model, ids, 30, attention_mask=mask, eos_token_id=None, tokenizer=tok)
+    text = free.texts[0]
+    stop = next(
+        c for i in range(len(text) // 3, len(text) - 3) if (c := text[i : i + 3]).strip() and c not in free.texts[1]
+    )
+    g = generate_full(model, ids, 30, attention_mask=mask, eos_token_id=None, tokenizer=tok, stop_strings=[stop])
+    assert g.stop_reasons == ["stop", "length"]
+    n = len(g.new_ids[0])
+    assert n < 30 and g.sequences[0, T : T + n].tolist() == g.new_ids[0] == free.new_ids[0][:n]
+    assert g.sequences[0, T + n :].tolist() == [0] * (30 - n)  # padding: no EOS id given, so 0
+    assert torch.equal(g.sequences[1], free.sequences[1])
+
+
 def test_context_limit_stops_exactly(model: GPT2) -> None:
     n = CHAOTIC.n_positions
     g = generate_full(model, torch.tensor([PROMPTS[0]]), n, eos_token_id=None)

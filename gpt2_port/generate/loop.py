@@ -30,6 +30,7 @@ from ..io.tokenizer import EOT_ID, Tokenizer
 from .cache import KVCache
 from .choose import NextToken, nonfinite_message
 from .protocol import CausalLM
+from .readback import Readback
 from .sampling import SamplingSettings, seen_tokens
 from .steps import ForwardSteps, PlanSteps, static_steps
 from .stopping import Rows, TextCallback
@@ -194,7 +195,9 @@ def generate_full(
     None of these shortcuts runs in train mode (generation then runs the forward, dropout included).
 
     The loop waits for the device once per token: the new ids and whether the logits were finite come back in one
-    transfer (streaming, EOS and stop strings need the ids; the finite check travels with them).
+    transfer (streaming, EOS and stop strings need the ids; the finite check travels with them). Without stop strings
+    that transfer is read one step late (readback.py): the next step is queued first, so the device does not idle
+    while the host takes the ids.
     """
     settings = SamplingSettings.from_options(sampling)
     stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
@@ -234,21 +237,21 @@ def generate_full(
     rows_idx = torch.arange(B, device=dev)
 
     captured0 = steps.capture_s  # a step kept from an earlier call was recorded then
+    reader = Readback(B + 1, dev)
+    # Without stop strings a row stops on the device (EOS), so step k + 1 can be queued before the host reads step
+    # k's ids: the host's work on them overlaps the device's on the next token. A stop string is found on the host,
+    # and the row's next token must already be padding: then each step is read before the next is queued.
+    ahead = not stops
     t0 = time.perf_counter()
     prefill_s, decode_tokens, made, S = 0.0, 0, 0, T  # S: tokens in the sequence so far
     nxt = None
-    for step in range(steps_max):
-        if step == 0:
-            h = steps.prefill(seq[:, :T], attention_mask)  # (B, 1, C)
-        else:
-            h = steps.next(nxt, S - 1)  # the token just chosen, at slot S - 1
-        choice, finite = choose(h)
-        nxt = torch.where(rows.unfinished, choice, pad)  # (B,): finished rows get padding
-        seq[:, S] = nxt
-        S += 1
-        if seen is not None:
-            seen[rows_idx, nxt] |= rows.unfinished
-        *toks, ok = torch.cat([nxt, finite.to(nxt.device, torch.long).view(1)]).tolist()  # the step's one wait
+    pending: tuple[object, int] | None = None  # a step queued but not read yet: (its readback handle, its index)
+
+    def finish(handle: object, step: int) -> bool:
+        """The host's side of step `step`: its ids and finite flag read (the one wait), the rows' tokens taken;
+        whether any row still runs."""
+        nonlocal prefill_s, decode_tokens, made, t0
+        *toks, ok = reader.read(handle)
         if not ok:
             raise UsageError(nonfinite_message(model, step))
         taken = rows.accept(toks)
@@ -260,8 +263,34 @@ def generate_full(
             t0 = time.perf_counter()
         else:
             decode_tokens += taken
-        if not rows.any_running:
+        return rows.any_running
+
+    for step in range(steps_max):
+        if step == 0:
+            h = steps.prefill(seq[:, :T], attention_mask)  # (B, 1, C)
+        else:
+            h = steps.next(nxt, S - 1)  # the token just chosen, at slot S - 1
+        choice, finite = choose(h)
+        nxt = torch.where(rows.unfinished, choice, pad)  # (B,): finished rows get padding
+        seq[:, S] = nxt
+        S += 1
+        if seen is not None:
+            seen[rows_idx, nxt] |= rows.unfinished
+        if eos_token_id is not None:  # the next step pads a row that ended here, whenever the host learns of it
+            rows.unfinished &= nxt != eos_token_id
+        handle = reader.send(torch.cat([nxt, finite.to(nxt.device, torch.long).view(1)]))
+        if pending is not None:
+            running = finish(*pending)
+            pending = None
+            if not running:  # every row had ended: the step just queued is not part of the result
+                S -= 1
+                break
+        if ahead and step > 0:  # the first token is read at once: the prefill's time, and the first text out
+            pending = (handle, step)
+        elif not finish(handle, step):
             break
+    if pending is not None:
+        finish(*pending)
     capture_s = steps.capture_s - captured0
     decode_s = time.perf_counter() - t0 - capture_s if S - T > 1 else 0.0
     rows.close(context_limited)

@@ -1,0 +1,40 @@
+"""A decode step's new ids (and its finite flag) on their way to the host without holding the device back.
+
+On CUDA, `send` queues an asynchronous copy into one of two pinned host buffers and records an event after it;
+`read` waits for that event alone, so the step queued after the copy (the loop launches the next step before it
+reads this one) runs on while the host waits, and the host's work on the ids (EOS, streaming, progress) overlaps the
+device's on the next token. Reading a device tensor with `tolist` would instead wait for everything queued. Two
+buffers: the loop reads step k before it sends step k + 2, the next use of step k's buffer. Elsewhere (the CPU) the
+work is done when it is queued: `read` is the tensor's `tolist`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Readback:
+    """send(t) -> a handle for (n,) int64 `t` on `device`; read(handle) -> its values as a list, waiting for them."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.buffers = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            self.events = [torch.cuda.Event() for _ in range(2)]
+        self.turn = 0
+
+    def send(self, t: torch.Tensor) -> object:
+        if not self.cuda:
+            return t
+        buf, event = self.buffers[self.turn], self.events[self.turn]
+        self.turn ^= 1
+        buf.copy_(t, non_blocking=True)
+        event.record()
+        return buf, event
+
+    def read(self, handle: object) -> list[int]:
+        if not self.cuda:
+            return handle.tolist()  # type: ignore[attr-defined]
+        buf, event = handle  # type: ignore[misc]
+        event.synchronize()  # the step's one wait: for this copy, not for the step queued after it
+        return buf.tolist()
