@@ -95,10 +95,11 @@ def torchrun(n: int, *argv: str) -> subprocess.CompletedProcess:
     return launch(n, "-m", "gpt2_port", "train", *argv)
 
 
-def one_process_accumulating_two(ck: Path, data: Path, out: Path, *extra: str) -> None:
-    """The run 2 processes must equal: 1 process, 4 steps, --grad-accum 2 (the same global batch)."""
-    argv = ["train", "--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "4", "--grad-accum", "2"]
-    assert main([*argv, *extra, *COMMON]) == 0
+def one_process_accumulating_two(ck: Path, data: Path, out: Path, *extra: str, accum: int = 2) -> None:
+    """The run 2 processes must equal: 1 process, 4 steps, --grad-accum 2 (the same global batch; `accum`: twice the
+    2 processes' accumulation)."""
+    argv = ["train", "--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "4"]
+    assert main([*argv, "--grad-accum", str(accum), *extra, *COMMON]) == 0
 
 
 def losses(out: Path) -> list[float]:
@@ -114,13 +115,14 @@ def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= LOSS_REL * abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize(("kernels", "compiled"), [("reference", False), ("fast", True)])
+@pytest.mark.parametrize(("kernels", "compiled", "accum"), [("reference", False, 1), ("fast", True, 2)])
 def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(
-    setup, tmp_path: Path, monkeypatch, kernels: str, compiled: bool
+    setup, tmp_path: Path, monkeypatch, kernels: str, compiled: bool, accum: int
 ) -> None:
     """The fast kernels' case runs the 2 processes with --compile (DDP's module compiled without fullgraph: its
-    bucketing splits the graph; aot_eager: the graphs inductor would get, run by eager kernels) against 1 eager
-    process."""
+    bucketing splits the graph; aot_eager: the graphs inductor would get, run by eager kernels) and --grad-accum 2
+    (the first micro-step under DDP's no_sync, its gradients summed across the processes only with the second's)
+    against 1 eager process accumulating 4."""
     ck, data = setup
     two, one = tmp_path / "two", tmp_path / "one"
     monkeypatch.setenv("GPT2_PORT_COMPILE_BACKEND", "aot_eager")
@@ -139,12 +141,14 @@ def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(
         "--kernels",
         kernels,
         *(["--compile"] if compiled else []),
+        "--grad-accum",
+        str(accum),
         *COMMON,
     )
     assert r.stdout.count("trained steps 0->4") == 1  # only rank 0 prints (and writes)
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["world_size"] == 2 and summary["compile"] is compiled
-    one_process_accumulating_two(ck, data, one, "--kernels", kernels)
+    one_process_accumulating_two(ck, data, one, "--kernels", kernels, accum=2 * accum)
     a, b = losses(two), losses(one)
     assert len(a) == 4 and close(a, b), (a, b)
     assert len(set(a)) == 4  # the steps did train
