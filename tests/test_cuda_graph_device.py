@@ -174,3 +174,29 @@ def test_running_out_of_memory_while_capturing_is_raised_not_run_eagerly(monkeyp
         captured()
     assert len(calls) == 2 and calls[1] is not caller  # it ran out inside the capture, on the capture stream
     assert not captured.eager and fake.stream is caller
+
+
+def test_a_steps_ids_are_awaited_on_the_stream_of_their_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode loop's read of a step's ids (generate/readback.py) waits for an event recorded after their copy:
+    on the current stream of the ids' GPU, which runs the copy, not of the current device's (on another GPU the
+    event would not follow the copy, and the read would take the buffer before the ids are in it). torch.cuda's
+    event and stream calls are stood in for; tests/test_cuda.py reads real ids on a GPU."""
+    from gpt2_port.generate import readback
+
+    recorded: list[object] = []
+
+    class Event:
+        def record(self, stream=None) -> None:  # noqa: ANN001
+            recorded.append(stream)
+
+    class Buffer:
+        def copy_(self, t, non_blocking: bool = False) -> None:  # noqa: ANN001
+            assert non_blocking
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+    monkeypatch.setattr(readback.torch, "empty", lambda *a, **k: Buffer())
+    r = readback.Readback(3, torch.device("cuda", 1))
+    ids = type("Ids", (), {"device": torch.device("cuda", 1)})()
+    r.send(ids)
+    assert recorded == [("stream of", torch.device("cuda", 1))]

@@ -391,10 +391,10 @@ def test_a_batch_whose_rows_all_end_drops_the_step_queued_after_them(static: boo
     eos = int(new[0, 4])  # row 0's fifth token: the first place it appears in row 0
     assert eos not in new[0, :4].tolist()
     ends = [row.tolist().index(eos) if eos in row.tolist() else None for row in new]
-    g = generate_full(m, ids, 12, eos_token_id=eos, static_cache=static)
+    g = generate_full(m, ids, 12, eos_token_id=eos, static_cache=static, output_scores=True)
     assert g.stop_reasons[0] == "eos"
     last = max(e if e is not None else 11 for e in ends)
-    assert g.sequences.shape == (rows, 3 + last + 1)
+    assert g.sequences.shape == (rows, 3 + last + 1) and len(g.scores) == last + 1  # a score per token kept
     for r, e in enumerate(ends):
         want = new[r, : (e + 1 if e is not None else last + 1)].tolist()
         assert g.sequences[r, 3 : 3 + len(want)].tolist() == want and g.new_ids[r] == want

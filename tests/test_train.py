@@ -561,14 +561,15 @@ def test_the_cuda_check_adds_adams_moments_only_where_the_optimizer_has_none(
     assert t.check_cuda_memory()["estimate_bytes"] == peak
 
 
-def _cuda_check_stand_ins(monkeypatch: pytest.MonkeyPatch, peak: int | None, free: int) -> None:
-    """Trainer.check_cuda_memory on a CPU model: the dry step's peak (None: it ran out of memory) and `free` bytes of
-    the device stood in for, the whole of it usable (no headroom)."""
+def _cuda_check_stand_ins(monkeypatch: pytest.MonkeyPatch, peak: int | None, free: int, allocated: int = 0) -> None:
+    """Trainer.check_cuda_memory on a CPU model: the dry step's peak (None: it ran out of memory), `free` bytes of
+    the device, the whole of it usable (no headroom), and `allocated` bytes held before the dry step, stood in for."""
     from gpt2_port.train import loop
 
     monkeypatch.setattr(loop, "dry_step_peak", lambda model, loss, device, micro_steps: peak)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * memory.GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a stand-in GPU")
     monkeypatch.setattr(memory, "MEMORY_HEADROOM", 1.0)
 
@@ -577,45 +578,40 @@ def _cuda_check_stand_ins(monkeypatch: pytest.MonkeyPatch, peak: int | None, fre
 def test_a_cuda_refusal_suggests_the_batch_the_measured_peak_allows(
     small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fits: int, hint: int
 ) -> None:
-    """The measured check's refusal is one line whose --batch-size comes from the measurement: the dry step's peak at
-    the run's batch (16), less what the activations and logits of the rows dropped take (the estimate's count of
-    what autograd keeps), and the largest divisor of the step's 16 rows at or below it, so that --grad-accum keeps
-    the batch. Here the device has exactly what `fits` rows would take; --grad-checkpointing fits where its
-    activations do."""
+    """The measured check's refusal is one line whose --batch-size comes from the measurement: what the dry step's
+    peak (at the run's 16 rows) holds beyond the weights held before it and the gradients, taken per row, and the
+    largest divisor of the step's 16 rows that fits, so that --grad-accum keeps the batch. Here the device has
+    exactly what `fits` rows take; --grad-checkpointing (which keeps less per row) fits at least as many."""
     model, _ = from_pretrained(small_ckpt)
     args = TrainArgs(steps=3, batch_size=16, block_size=16, eval_every=0, dropout=0.0)
     prepare_model(model, args, torch.device("cpu"))
-    moments, cfg = 8 * sum(p.numel() for p in model.parameters()), memory.run_config(model.config, args)
-    kept = {  # (rows, gradient checkpointing) -> bytes of activations and logits the estimate counts
-        (b, gc): (lambda e: e.activations + e.logits)(
-            memory.estimate(cfg, b, 16, False, gc, args.resolved_kernels, args.resolved_pad_vocab("cpu"))
-        )
-        for b in range(1, 17)
-        for gc in (False, True)
-    }
-    peak = 3 * memory.GiB
-    free = peak + moments + kept[fits, False] - kept[16, False]
-    _cuda_check_stand_ins(monkeypatch, peak, free)
+    params = list(model.parameters())
+    moments, grads = 8 * sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+    held, per_row = memory.GiB, 1_000_000
+    peak = held + grads + 16 * per_row
+    _cuda_check_stand_ins(monkeypatch, peak, held + grads + moments + fits * per_row, allocated=held)
     t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "o", "cpu")
     with pytest.raises(UsageError) as e:
         t.check_cuda_memory()
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("memory: this run needs 3.0 GiB (a dry step's peak 3.0, AdamW moments")
-    assert f"try --batch-size {hint} (with --grad-accum {16 // hint} for the same batch)" in msg, msg
-    gc = max(b for b in range(1, 17) if kept[b, True] <= kept[fits, False])
-    assert msg.endswith(f" or --grad-checkpointing (fits --batch-size {gc})"), msg
+    assert "\n" not in msg and msg.startswith("memory: this run needs 1.0 GiB (a dry step's peak 1.0, AdamW moments")
+    assert f"try --batch-size {hint} (with --grad-accum {16 // hint} for the same batch) or --grad-check" in msg, msg
+    gc = int(msg.rsplit("--grad-checkpointing (fits --batch-size ", 1)[1].rstrip(")"))
+    assert hint <= gc <= 16 and 16 % gc == 0, msg
 
 
+@pytest.mark.parametrize(("fits", "hint"), [(4, 4), (16, 8)])
 def test_a_dry_step_out_of_memory_is_one_line_with_a_smaller_batch(
-    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fits: int, hint: int
 ) -> None:
     """When the dry step itself runs out of memory there is no peak to scale: the refusal says so in one line and
-    suggests the batch the estimate's device bytes (no host allowances) fit into the free memory."""
+    suggests the batch the estimate's device bytes (no host allowances) fit into the free memory, always below the
+    batch that just ran out (where the estimate has room for all 16 rows, 8)."""
     model, _ = from_pretrained(small_ckpt)
     args = TrainArgs(steps=3, batch_size=16, block_size=16, eval_every=0, dropout=0.0)
     prepare_model(model, args, torch.device("cpu"))
     cfg = memory.run_config(model.config, args)
-    est = memory.estimate(cfg, 4, 16, False, False, args.resolved_kernels, args.resolved_pad_vocab("cpu"))
+    est = memory.estimate(cfg, fits, 16, False, False, args.resolved_kernels, args.resolved_pad_vocab("cpu"))
     _cuda_check_stand_ins(monkeypatch, None, est.total - est.slack - est.overhead)
     t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "o", "cpu")
     with pytest.raises(UsageError) as e:
@@ -623,7 +619,7 @@ def test_a_dry_step_out_of_memory_is_one_line_with_a_smaller_batch(
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith("memory: this run ran out of memory in a dry forward and backward at --batch-size 16 ")
-    assert "try --batch-size 4 (with --grad-accum 4 for the same batch)" in msg, msg
+    assert f"try --batch-size {hint} (with --grad-accum {16 // hint} for the same batch)" in msg, msg
 
 
 @pytest.mark.parametrize("grad_accum", [1, 3])

@@ -291,6 +291,8 @@ def generate_full(
             break
     if pending is not None:
         finish(*pending)
+    if scores is not None:
+        del scores[S - T :]  # a step queued after every row had ended chose from scores of its own: not in the result
     capture_s = steps.capture_s - captured0
     decode_s = time.perf_counter() - t0 - capture_s if S - T > 1 else 0.0
     rows.close(context_limited)

@@ -1,6 +1,7 @@
 """A decode step's new ids (and its finite flag) on their way to the host without holding the device back.
 
-On CUDA, `send` queues an asynchronous copy into one of two pinned host buffers and records an event after it;
+On CUDA, `send` queues an asynchronous copy into one of two pinned host buffers and records an event after it (on
+the stream the copy runs on: the current stream of the tensor's device);
 `read` waits for that event alone, so the step queued after the copy (the loop launches the next step before it
 reads this one) runs on while the host waits, and the host's work on the ids (EOS, streaming, progress) overlaps the
 device's on the next token. Reading a device tensor with `tolist` would instead wait for everything queued. Two
@@ -28,8 +29,8 @@ class Readback:
             return t
         buf, event = self.buffers[self.turn], self.events[self.turn]
         self.turn ^= 1
-        buf.copy_(t, non_blocking=True)
-        event.record()
+        buf.copy_(t, non_blocking=True)  # queued on the current stream of t's device
+        event.record(torch.cuda.current_stream(t.device))  # that stream: not the current device's, where they differ
         return buf, event
 
     def read(self, handle: object) -> list[int]:

@@ -160,14 +160,17 @@ def _hints(args: TrainArgs, need: Callable[[int, bool], int], budget: int) -> st
     """What to change so that the run fits `budget` bytes: a smaller --batch-size, with the --grad-accum that keeps
     the batch per optimizer step (the micro-batch a divisor of it), or gradient checkpointing, or else a smaller
     window or model. need(batch, grad_checkpointing): the bytes the run would take."""
-    hints = []
     rows = args.grad_accum * args.batch_size  # rows per optimizer step in this process
-    b = largest_batch_that_fits(lambda n: need(n, args.grad_checkpointing), budget, args.batch_size)
-    b = max((n for n in range(1, b + 1) if rows % n == 0), default=0)
+
+    def divisor(b: int) -> int:  # the largest micro-batch up to b that divides the step's rows (0: none)
+        return max((n for n in range(1, b + 1) if rows % n == 0), default=0)
+
+    hints = []
+    b = divisor(largest_batch_that_fits(lambda n: need(n, args.grad_checkpointing), budget, args.batch_size - 1))
     if b:
         hints.append(f"--batch-size {b} (with --grad-accum {rows // b} for the same batch)")
     if not args.grad_checkpointing:
-        bc = largest_batch_that_fits(lambda n: need(n, True), budget, args.batch_size)
+        bc = divisor(largest_batch_that_fits(lambda n: need(n, True), budget, args.batch_size))
         if bc:
             hints.append(f"--grad-checkpointing (fits --batch-size {bc})")
     if not hints:
@@ -233,11 +236,19 @@ def dry_step_peak(
 
 
 def check_measured(
-    cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, step_peak: int | None, moments: int
+    cfg: GPT2Config,
+    args: TrainArgs,
+    block_size: int,
+    device: torch.device,
+    step_peak: int | None,
+    moments: int,
+    fixed: int = 0,
 ) -> dict:
     """The CUDA check: the dry step's peak (None: it ran out of memory) plus the bytes of AdamW's moments that the
     first real step will allocate (`moments`: 8 per parameter without them; 0 on a resume, whose moments were on the
-    device during the dry step), against what this process can have (free memory plus its own allocations)."""
+    device during the dry step), against what this process can have (free memory plus its own allocations).
+    fixed: the bytes of the peak that do not grow with the batch (what was allocated before the dry step, and the
+    gradients), for the hint's batch when it does not fit."""
     free, total = torch.cuda.mem_get_info(device)
     have = free + torch.cuda.memory_reserved(device)
     source = f"{torch.cuda.get_device_name(device)}: {total / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
@@ -257,32 +268,45 @@ def check_measured(
     else:
         what = "ran out of memory in a dry forward and backward"
     budget = int(have * MEMORY_HEADROOM)
-    need = _measured_need(cfg, args, block_size, device, None if step_peak is None else step_peak + moments)
+    hints = _hints(args, _measured_need(cfg, args, block_size, device, step_peak, moments, fixed), budget)
     raise UsageError(
         f"memory: this run {what} at --batch-size {args.batch_size} --block-size {block_size}, but only "
-        f"{have / GiB:.1f} GiB is available ({source}); try {_hints(args, need, budget)}"
+        f"{have / GiB:.1f} GiB is available ({source}); try {hints}"
     )
 
 
 def _measured_need(
-    cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, measured: int | None
+    cfg: GPT2Config,
+    args: TrainArgs,
+    block_size: int,
+    device: torch.device,
+    step_peak: int | None,
+    moments: int,
+    fixed: int,
 ) -> Callable[[int, bool], int]:
-    """need(batch, grad_checkpointing) on CUDA, for the hints: the bytes measured at the run's batch, plus what the
-    estimate's activations and logits (their count of what autograd keeps, the part that grows with the batch) add
-    or take away at another batch or with gradient checkpointing. Without a measurement (the dry step ran out of
-    memory) the estimate's device bytes alone: without the host's glibc slack and runtime allowance."""
+    """need(batch, grad_checkpointing) on CUDA, for the hints, from the measurement: the part of the dry step's peak
+    that grows with the batch (the peak less `fixed`) taken as linear in the rows, on top of `fixed` and the moments.
+    Whatever in that part does not grow (autocast's weight copies, the fused head's gradient) is counted per row
+    too, so a smaller batch is never promised more room than it has. Gradient checkpointing scales that part by the
+    estimate's ratio of what autograd keeps with and without it. Without a measurement (the dry step ran out of
+    memory): the estimate's device bytes (without the host's glibc slack and runtime allowance)."""
     cfg = run_config(cfg, args)
     amp, kernels, pad = args.dtype != "float32", args.resolved_kernels, args.resolved_pad_vocab(device.type)
 
     def est(batch: int, grad_checkpointing: bool) -> MemoryEstimate:
         return estimate(cfg, batch, block_size, amp, grad_checkpointing, kernels, pad, device.type)
 
-    at = est(args.batch_size, args.grad_checkpointing)
+    def kept(grad_checkpointing: bool) -> int:  # activations and logits at the run's batch, as the estimate counts
+        e = est(args.batch_size, grad_checkpointing)
+        return e.activations + e.logits
+
+    per_row = max(step_peak - fixed, 0) / args.batch_size if step_peak is not None else 0.0
 
     def need(batch: int, grad_checkpointing: bool) -> int:
-        e = est(batch, grad_checkpointing)
-        if measured is None:
+        if step_peak is None:
+            e = est(batch, grad_checkpointing)
             return e.total - e.slack - e.overhead
-        return measured + e.activations + e.logits - at.activations - at.logits
+        scale = 1.0 if grad_checkpointing == args.grad_checkpointing else kept(True) / kept(False)
+        return int(fixed + moments + per_row * scale * batch)
 
     return need
