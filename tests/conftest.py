@@ -167,6 +167,22 @@ def greedy_heads() -> list:
 DRAW_ROUNDING = 1e-5
 
 
+def hf_greedy(hf_model, ids: torch.Tensor, mask: torch.Tensor | None, n: int, **kw):  # noqa: ANN001, ANN003, ANN201
+    """transformers' greedy generate of n new tokens (a mask of ones by default, pad id 50256), with each step's
+    scores (`output_scores`, `return_dict_in_generate`)."""
+    mask = torch.ones_like(ids) if mask is None else mask
+    kw = {"pad_token_id": 50256, **kw}
+    return hf_model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=n,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **kw,
+    )
+
+
 def same_tokens_where_decided(
     ref: torch.Tensor,
     ref_scores: list[torch.Tensor],

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import same_tokens_where_decided
+from conftest import hf_greedy, same_tokens_where_decided
 
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
@@ -388,15 +388,7 @@ def test_greedy_124m_on_cuda_gives_transformers_tokens_for_128(ckpt124: Path) ->
     hf.generation_config.eos_token_id = None
     ids = torch.tensor([[464, 2444, 4721, 511, 3835]], device="cuda")
     with torch.inference_mode():
-        ref = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=128,
-            do_sample=False,
-            pad_token_id=50256,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
+        ref = hf_greedy(hf, ids, None, 128)
     del hf
     want, want_scores = ref.sequences[:, 5:].cpu(), [x.float().cpu() for x in ref.scores]
     assert want.shape == (1, 128)

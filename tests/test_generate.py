@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chaotic_model, greedy_heads, same_tokens_where_decided
+from conftest import chaotic_model, greedy_heads, hf_greedy, same_tokens_where_decided
 
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
@@ -90,15 +90,7 @@ def test_greedy_124m_equals_transformers_128_tokens(ckpt124: Path) -> None:
     ours = GPT2.from_pretrained(str(ckpt124))
     ids = torch.tensor([PROMPTS[0]])
     with torch.inference_mode():
-        ref = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=128,
-            do_sample=False,
-            pad_token_id=50256,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
+        ref = hf_greedy(hf, ids, None, 128)
     del hf
     assert ref.sequences.shape == (1, 5 + 128), "transformers stopped early; the comparison needs 128 new tokens"
     _same_as_transformers(ours, ids, None, 128, ref)
@@ -128,21 +120,6 @@ def test_batched_last_logits_are_bit_identical_to_transformers(ckpt124: Path) ->
     assert torch.equal(full, ref_full)
 
 
-def _hf_generate(hf_model, ids: torch.Tensor, mask: torch.Tensor | None, n: int, **kw):  # noqa: ANN001, ANN003, ANN202
-    """transformers' greedy generate, with the scores of each step."""
-    mask = torch.ones_like(ids) if mask is None else mask
-    kw = {"pad_token_id": 50256, **kw}
-    return hf_model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=n,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        **kw,
-    )
-
-
 def _same_as_transformers(model: GPT2, ids: torch.Tensor, mask: torch.Tensor | None, n: int, ref, **kw) -> Generation:  # noqa: ANN001, ANN003
     """Our greedy generation against transformers' (`ref`, with its scores): the product's path (on this CPU the fast
     greedy head) makes the tokens of the run that keeps its scores, as the head proves; those scores lie within float32
@@ -160,7 +137,7 @@ def _same_as_transformers(model: GPT2, ids: torch.Tensor, mask: torch.Tensor | N
 
 def test_greedy_equals_transformers(model: GPT2, hf_model) -> None:
     ids = torch.tensor([PROMPTS[2]])
-    ref = _hf_generate(hf_model, ids, None, 60)
+    ref = hf_greedy(hf_model, ids, None, 60)
     got = _same_as_transformers(model, ids, None, 60, ref)
     assert len(set(got.sequences[0, 9:].tolist())) > 20  # the text keeps changing: a meaningful comparison
 
@@ -168,7 +145,7 @@ def test_greedy_equals_transformers(model: GPT2, hf_model) -> None:
 def test_padded_batch_greedy_equals_transformers(model: GPT2, hf_model) -> None:
     """transformers derives positions from the mask as we do (cumsum - 1, pads at 0), so a left-padded batch agrees."""
     ids, mask = _left_pad(PROMPTS)
-    _same_as_transformers(model, ids, mask, 40, _hf_generate(hf_model, ids, mask, 40))
+    _same_as_transformers(model, ids, mask, 40, hf_greedy(hf_model, ids, mask, 40))
 
 
 def test_eos_stops_rows_like_transformers(model: GPT2, hf_model) -> None:
@@ -177,7 +154,7 @@ def test_eos_stops_rows_like_transformers(model: GPT2, hf_model) -> None:
     free = model.generate(ids, max_new_tokens=30, attention_mask=mask, eos_token_id=None)
     T = ids.shape[1]
     eos = int(free[1, T + 6])  # a token row 1 makes at step 6: call it EOS
-    ref = _hf_generate(hf_model, ids, mask, 30, eos_token_id=eos, pad_token_id=0)
+    ref = hf_greedy(hf_model, ids, mask, 30, eos_token_id=eos, pad_token_id=0)
     g = _same_as_transformers(model, ids, mask, 30, ref, eos_token_id=eos, pad_token_id=0)
     assert g.sequences.shape == ref.sequences.shape  # the same steps: every row ended where transformers' did
     assert g.stop_reasons[1] == "eos" and g.new_ids[1][-1] == eos and len(g.new_ids[1]) <= 7
