@@ -16,7 +16,8 @@ of 64 (50304 rows, nanoGPT's; `train`'s default on CUDA) against GPT-2's 50257, 
 decode: greedy decoding at batch 1 (ours through `generate`: the fixed-shape step replayed as a CUDA graph, and the
 same step run eagerly; transformers' `generate` with its dynamic and its static cache, eager, and on a GPU the static
 cache compiled as generate compiles it: torch.compile, "reduce-overhead"), in bfloat16, float32 and float16
-(--dtypes; the larger sizes bfloat16 alone unless --xl-float32), runs interleaved; tokens/s, the tokens equal to
+(--dtypes; the larger sizes bfloat16 alone unless --xl-float32; float16 after the sampled batches, so that a run
+cut short keeps the goals' figures), runs interleaved; tokens/s, the tokens equal to
 transformers' in the same dtype before the first difference, the bandwidth cap (the GPU's measured read bandwidth /
 bytes of weights read per token), and ours in each low precision against ours in float32. Then sampled generation
 (top-k 50, seeded) of padded batches of prompts, ours against transformers: tokens/s of all rows (ours an error
@@ -429,8 +430,6 @@ DECODE_DTYPES = {"bfloat16", "float32", "float16"}
 
 
 def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], None]) -> dict:
-    from gpt2_port.model import from_pretrained
-
     bw = bandwidth_GBps(dev)
     results: dict = {"kind": "decode", "machine": machine(dev), "bandwidth_GBps": bw, "settings": _settings(a)}
     results["sizes"] = {}
@@ -438,39 +437,59 @@ def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], 
     for size in a.sizes.split(","):
         ck = checkpoint(size, Path(a.weights_dir))
         ids = torch.randint(0, 50257, (1, a.prompt_len), generator=torch.Generator().manual_seed(0)).to(dev)
-        N = a.new_tokens
         per_dtype: dict = {}
-        results["sizes"][size] = {"new_tokens": N, "batch1": per_dtype, "batched": {}}
-        for dname, dt in dtypes.items():
-            if size not in ("gpt2", "tiny") and dname != "bfloat16" and not a.xl_float32:
-                continue
-            free(dev)
-            ours, _ = from_pretrained(ck, dtype=dt, device=dev)
-            hf = _hf(ck, dev).to(dt).eval()
-            hf.generation_config.eos_token_id = None
-            fns = {
-                "ours": partial(greedy_ours, ours, ids, N),
-                "ours, no cuda graph": partial(greedy_ours, ours, ids, N, cuda_graph=False),
-                "transformers": partial(greedy_hf, hf, ids, N),
-                "transformers, static cache": partial(greedy_hf, hf, ids, N, static=True),
-            }
-            if dev.type == "cuda":  # generate compiles the static-cache forward by itself on a GPU only
-                fns["transformers, static cache, compiled"] = partial(greedy_hf, hf, ids, N, static=True, compiled=True)
-            param_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+        results["sizes"][size] = {"new_tokens": a.new_tokens, "batch1": per_dtype, "batched": {}}
 
-            def record(
-                runs: dict[str, dict], into: dict = per_dtype, key: str = dname, n: int = N, pb: int = param_bytes
-            ) -> None:
-                into[key] = _decode_rows(runs, n, bw, pb, peak_GB(dev))
-                save(results)
-
-            _interleaved(fns, dev, a.rounds, record)
-            del fns  # the partials hold the models: gone before the next dtype's peak is read
-            ours = hf = None
+        # the goals' dtypes, then the sampled batches (a goal too), then the rest: a run cut short keeps the goals
+        goals = [d for d in dtypes if d in ("bfloat16", "float32")]
+        for dname in goals:
+            _batch1(a, dev, size, ck, ids, dtypes[dname], bw, per_dtype, lambda: save(results))
         free(dev)
         results["sizes"][size]["batched"] = batched(a, ck, dev)
         save(results)
+        for dname in [d for d in dtypes if d not in goals]:
+            _batch1(a, dev, size, ck, ids, dtypes[dname], bw, per_dtype, lambda: save(results))
+        free(dev)
     return results
+
+
+def _batch1(
+    a: argparse.Namespace,
+    dev: torch.device,
+    size: str,
+    ck: Path,
+    ids: torch.Tensor,
+    dt: torch.dtype,
+    bw: float,
+    into: dict,
+    save: Callable[[], None],
+) -> None:
+    """Greedy batch-1 decode of one size in one dtype, every path interleaved: its record into[dtype name], saved
+    after every round (the larger sizes in bfloat16 alone unless --xl-float32)."""
+    from gpt2_port.model import from_pretrained
+
+    dname, N = str(dt).removeprefix("torch."), a.new_tokens
+    if size not in ("gpt2", "tiny") and dname != "bfloat16" and not a.xl_float32:
+        return
+    free(dev)
+    ours, _ = from_pretrained(ck, dtype=dt, device=dev)
+    hf = _hf(ck, dev).to(dt).eval()
+    hf.generation_config.eos_token_id = None
+    fns = {
+        "ours": partial(greedy_ours, ours, ids, N),
+        "ours, no cuda graph": partial(greedy_ours, ours, ids, N, cuda_graph=False),
+        "transformers": partial(greedy_hf, hf, ids, N),
+        "transformers, static cache": partial(greedy_hf, hf, ids, N, static=True),
+    }
+    if dev.type == "cuda":  # generate compiles the static-cache forward by itself on a GPU only
+        fns["transformers, static cache, compiled"] = partial(greedy_hf, hf, ids, N, static=True, compiled=True)
+    param_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+
+    def record(runs: dict[str, dict]) -> None:
+        into[dname] = _decode_rows(runs, N, bw, param_bytes, peak_GB(dev))
+        save()
+
+    _interleaved(fns, dev, a.rounds, record)
 
 
 def _decode_rows(runs: dict[str, dict], N: int, bw: float, param_bytes: int, peak: float | None) -> dict:

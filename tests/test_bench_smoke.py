@@ -224,7 +224,7 @@ def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytes
     saved: list[dict] = []
     real_write = gpu.write_output
     seen = lambda p, text, what: saved.append(json.loads(text)) if what == "--out" else real_write(p, text, what)  # noqa: E731
-    argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "3", "--batches", "", "--rounds", "2"]
+    argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "3", "--batches", "1", "--rounds", "2"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gpu, "write_output", seen)
         assert gpu.main([*argv, "--weights-dir", w, "--out", str(tmp_path / "d.json")]) == 0
@@ -232,6 +232,10 @@ def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytes
     first = saved[0]["sizes"]["tiny"]["batch1"]
     assert list(first) == ["bfloat16"] and first["bfloat16"]["rows"]["ours"]["tok_s"] is None
     assert len(saved[2]["sizes"]["tiny"]["batch1"]["bfloat16"]["rows"]["ours"]["times"]) == 2
+    # the goals' dtypes, then the sampled batches, then float16: a run cut short keeps the goals' figures
+    batched_first = next(x["sizes"]["tiny"] for x in saved if x["sizes"]["tiny"]["batched"])
+    assert list(batched_first["batch1"]) == ["bfloat16", "float32"]
+    assert list(saved[-1]["sizes"]["tiny"]["batch1"]) == ["bfloat16", "float32", "float16"]
     cut = tmp_path / "cut.json"
     cut.write_text(json.dumps(saved[0]))  # what a kill after bf16's warm-ups leaves
     md = tmp_path / "cut.md"
