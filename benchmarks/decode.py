@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gpt2_port.generate import generate_full
-from gpt2_port.generate.loop import Generation
+from gpt2_port.generate import Generation, generate_full
 from gpt2_port.model import GPT2
 
 

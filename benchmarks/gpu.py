@@ -16,7 +16,7 @@ of 64 (50304 rows, nanoGPT's; `train`'s default on CUDA) against GPT-2's 50257, 
 decode: greedy decoding at batch 1 (ours through `generate`: the fixed-shape step replayed as a CUDA graph, and the
 same step run eagerly; transformers' `generate` with its dynamic and its static cache, eager, and on a GPU the static
 cache compiled as generate compiles it: torch.compile, "reduce-overhead"), in bfloat16, float32 and float16
-(--dtypes; the larger sizes bfloat16 alone unless --xl-float32; float16 after the sampled batches, so that a run
+(--dtypes; the larger sizes bfloat16 alone unless --xl-all-dtypes; float16 after the sampled batches, so that a run
 cut short keeps the goals' figures), runs interleaved; tokens/s, the tokens equal to
 transformers' in the same dtype before the first difference, the bandwidth cap (the GPU's measured read bandwidth /
 bytes of weights read per token), and ours in each low precision against ours in float32. Then sampled generation
@@ -433,7 +433,7 @@ def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], 
     bw = bandwidth_GBps(dev)
     results: dict = {"kind": "decode", "machine": machine(dev), "bandwidth_GBps": bw, "settings": _settings(a)}
     results["sizes"] = {}
-    dtypes = {d: getattr(torch, d) for d in a.dtypes.split(",")}  # bf16 first by default: the goals' figure
+    dtypes = a.dtypes.split(",")  # bf16 first by default: the goals' figure
     for size in a.sizes.split(","):
         ck = checkpoint(size, Path(a.weights_dir))
         ids = torch.randint(0, 50257, (1, a.prompt_len), generator=torch.Generator().manual_seed(0)).to(dev)
@@ -443,12 +443,12 @@ def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], 
         # the goals' dtypes, then the sampled batches (a goal too), then the rest: a run cut short keeps the goals
         goals = [d for d in dtypes if d in ("bfloat16", "float32")]
         for dname in goals:
-            _batch1(a, dev, size, ck, ids, dtypes[dname], bw, per_dtype, lambda: save(results))
+            _batch1(a, dev, size, ck, ids, dname, bw, per_dtype, lambda: save(results))
         free(dev)
         results["sizes"][size]["batched"] = batched(a, ck, dev)
         save(results)
         for dname in [d for d in dtypes if d not in goals]:
-            _batch1(a, dev, size, ck, ids, dtypes[dname], bw, per_dtype, lambda: save(results))
+            _batch1(a, dev, size, ck, ids, dname, bw, per_dtype, lambda: save(results))
         free(dev)
     return results
 
@@ -459,17 +459,17 @@ def _batch1(
     size: str,
     ck: Path,
     ids: torch.Tensor,
-    dt: torch.dtype,
+    dname: str,
     bw: float,
     into: dict,
     save: Callable[[], None],
 ) -> None:
-    """Greedy batch-1 decode of one size in one dtype, every path interleaved: its record into[dtype name], saved
-    after every round (the larger sizes in bfloat16 alone unless --xl-float32)."""
+    """Greedy batch-1 decode of one size in dtype `dname`, every path interleaved: its record into[dname], saved
+    after every round (the larger sizes in bfloat16 alone unless --xl-all-dtypes)."""
     from gpt2_port.model import from_pretrained
 
-    dname, N = str(dt).removeprefix("torch."), a.new_tokens
-    if size not in ("gpt2", "tiny") and dname != "bfloat16" and not a.xl_float32:
+    dt, N = getattr(torch, dname), a.new_tokens
+    if size not in ("gpt2", "tiny") and dname != "bfloat16" and not a.xl_all_dtypes:
         return
     free(dev)
     ours, _ = from_pretrained(ck, dtype=dt, device=dev)
@@ -702,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode: the batch-1 dtypes, in order (comma-separated: bfloat16, float32, float16)",
     )
     p.add_argument(
-        "--xl-float32", action="store_true", help="decode: the larger sizes in every --dtypes (else bfloat16 only)"
+        "--xl-all-dtypes", action="store_true", help="decode: the larger sizes in every --dtypes (else bfloat16 only)"
     )
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--markdown", default=None, help="append the tables to this Markdown file (- for stdout)")

@@ -193,10 +193,9 @@ def test_a_steps_ids_are_awaited_on_the_stream_of_their_own_gpu(monkeypatch: pyt
         def copy_(self, t, non_blocking: bool = False) -> None:  # noqa: ANN001
             assert non_blocking
 
-    monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
-    monkeypatch.setattr(readback.torch, "empty", lambda *a, **k: Buffer())
-    r = readback.Readback(3, torch.device("cuda", 1))
+    r = readback.Readback(3, torch.device("cpu"))
+    r.cuda, r.buffers, r.events = True, [Buffer(), Buffer()], [Event(), Event()]  # as on a GPU
     ids = type("Ids", (), {"device": torch.device("cuda", 1)})()
     r.send(ids)
     assert recorded == [("stream of", torch.device("cuda", 1))]

@@ -95,9 +95,9 @@ def torchrun(n: int, *argv: str) -> subprocess.CompletedProcess:
     return launch(n, "-m", "gpt2_port", "train", *argv)
 
 
-def one_process_accumulating_two(ck: Path, data: Path, out: Path, *extra: str, accum: int = 2) -> None:
-    """The run 2 processes must equal: 1 process, 4 steps, --grad-accum 2 (the same global batch; `accum`: twice the
-    2 processes' accumulation)."""
+def one_process_accumulating(ck: Path, data: Path, out: Path, *extra: str, accum: int = 2) -> None:
+    """The run 2 processes must equal: 1 process, 4 steps, --grad-accum `accum`, twice the 2 processes' (the same
+    global batch)."""
     argv = ["train", "--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "4"]
     assert main([*argv, "--grad-accum", str(accum), *extra, *COMMON]) == 0
 
@@ -148,7 +148,7 @@ def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(
     assert r.stdout.count("trained steps 0->4") == 1  # only rank 0 prints (and writes)
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["world_size"] == 2 and summary["compile"] is compiled
-    one_process_accumulating_two(ck, data, one, "--kernels", kernels, accum=2 * accum)
+    one_process_accumulating(ck, data, one, "--kernels", kernels, accum=2 * accum)
     a, b = losses(two), losses(one)
     assert len(a) == 4 and close(a, b), (a, b)
     assert len(set(a)) == 4  # the steps did train
@@ -163,7 +163,7 @@ def test_resume_works_with_another_number_of_processes(setup, tmp_path: Path) ->
     torchrun(2, "--init", str(ck), "--data", str(data), "--out", str(run), "--steps", "4", "--stop-at", "2", *COMMON)
     assert trainer_state.load(run).world_size == 2
     assert main(["train", "--resume", str(run), "--data", str(data), "--steps", "4", "--grad-accum", "2", *COMMON]) == 0
-    one_process_accumulating_two(ck, data, ref)
+    one_process_accumulating(ck, data, ref)
     assert close(losses(run), losses(ref)), (losses(run), losses(ref))
 
 

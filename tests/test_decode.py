@@ -319,22 +319,22 @@ def test_each_token_costs_one_transfer_from_the_device(static: bool, monkeypatch
     (ids and the finite flag together), counted over every way a tensor reaches the host."""
     m = _chaotic()
     reads = []
-    for name in ("tolist", "item", "__bool__", "__float__", "__int__", "__index__"):
-        real = getattr(torch.Tensor, name)
-
-        def counted(self, *a, _real=real, _name=name, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-            reads.append(_name)
-            return _real(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
     m.register_forward_pre_hook(lambda *_: reads.append("prefill"))  # the prompt's forward; the steps run the plan
     import gpt2_port.model.gpt2 as gpt2_module
 
-    monkeypatch.setattr(gpt2_module, "host_readable", lambda t: False)  # as on a GPU: the forward reads no id back
     ids = torch.tensor([[5, 17, 42]])
     opts = dict(eos_token_id=None, do_sample=True, seed=1, repetition_penalty=1.2, static_cache=static)
-    g = generate_full(m, ids, 12, **opts)
-    monkeypatch.undo()
+    with monkeypatch.context() as mp:  # the counters only (the autouse fixtures' patches stay after it)
+        for name in ("tolist", "item", "__bool__", "__float__", "__int__", "__index__"):
+            real = getattr(torch.Tensor, name)
+
+            def counted(self, *a, _real=real, _name=name, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+                reads.append(_name)
+                return _real(self, *a, **k)
+
+            mp.setattr(torch.Tensor, name, counted)
+        mp.setattr(gpt2_module, "host_readable", lambda t: False)  # as on a GPU: the forward reads no id back
+        g = generate_full(m, ids, 12, **opts)
     assert g.sequences.shape[1] == 3 + 12
     first = reads.index("prefill")  # before it: the prompt's checks, on the caller's tensor, before the loop
     assert reads[first:] == ["prefill"] + ["tolist"] * 12, reads
@@ -360,16 +360,16 @@ def test_the_next_step_is_queued_before_the_host_reads_this_ones_ids(stop: str |
         events.append("read")
         return real_read(self, h)
 
-    monkeypatch.setattr(readback.Readback, "send", send)
-    monkeypatch.setattr(readback.Readback, "read", read)
     m, ids = _chaotic(), torch.tensor([[5, 17, 42]])
     tok = load_tokenizer(tokenizer_dir)
-    g = generate_full(m, ids, 5, eos_token_id=None, stop_strings=stop, tokenizer=tok, do_sample=True, seed=4)
+    with monkeypatch.context() as mp:
+        mp.setattr(readback.Readback, "send", send)
+        mp.setattr(readback.Readback, "read", read)
+        g = generate_full(m, ids, 5, eos_token_id=None, stop_strings=stop, tokenizer=tok, do_sample=True, seed=4)
     if stop is None:
         assert events == ["send", "read"] + ["send", "send", "read"] + ["send", "read"] * 2 + ["read"], events
     else:
         assert events == ["send", "read"] * 5, events
-    monkeypatch.undo()
     # the other way of reading ("zzz" never appears: the stop string only changes when the ids are read)
     other = generate_full(
         m, ids, 5, eos_token_id=None, stop_strings=None if stop else "zzz", tokenizer=tok, do_sample=True, seed=4

@@ -561,43 +561,84 @@ def test_the_cuda_check_adds_adams_moments_only_where_the_optimizer_has_none(
     assert t.check_cuda_memory()["estimate_bytes"] == peak
 
 
-def _cuda_check_stand_ins(monkeypatch: pytest.MonkeyPatch, peak: int | None, free: int, allocated: int = 0) -> None:
-    """Trainer.check_cuda_memory on a CPU model: the dry step's peak (None: it ran out of memory), `free` bytes of
-    the device, the whole of it usable (no headroom), and `allocated` bytes held before the dry step, stood in for."""
+def _cuda_check_stand_ins(monkeypatch: pytest.MonkeyPatch, peak: int | None, free: int) -> None:
+    """Trainer.check_cuda_memory on a CPU model: the dry step's peak (None: it ran out of memory) and `free` bytes of
+    the device, the whole of it usable (no headroom), stood in for."""
     from gpt2_port.train import loop
 
     monkeypatch.setattr(loop, "dry_step_peak", lambda model, loss, device, micro_steps: peak)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * memory.GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a stand-in GPU")
     monkeypatch.setattr(memory, "MEMORY_HEADROOM", 1.0)
 
 
-@pytest.mark.parametrize(("fits", "hint"), [(8, 8), (6, 4)])
+@pytest.mark.parametrize(("fits", "hint"), [(5, 5), (9, 6)])
 def test_a_cuda_refusal_suggests_the_batch_the_measured_peak_allows(
     small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fits: int, hint: int
 ) -> None:
-    """The measured check's refusal is one line whose --batch-size comes from the measurement: what the dry step's
-    peak (at the run's 16 rows) holds beyond the weights held before it and the gradients, taken per row, and the
-    largest divisor of the step's 16 rows that fits, so that --grad-accum keeps the batch. Here the device has
-    exactly what `fits` rows take; --grad-checkpointing (which keeps less per row) fits at least as many."""
+    """The measured check's refusal is one line whose --batch-size comes from the measurement: the dry step's peak at
+    the run's 12 rows less what the rows dropped keep for backward, and the largest divisor of the step's 60 rows
+    (--grad-accum 5) that fits, so that --grad-accum keeps the batch. Here the device has exactly what `fits`
+    rows take; --grad-checkpointing (which keeps less per row) fits at least as many."""
+    import dataclasses
+
     model, _ = from_pretrained(small_ckpt)
-    args = TrainArgs(steps=3, batch_size=16, block_size=16, eval_every=0, dropout=0.0)
+    args = TrainArgs(steps=3, batch_size=12, grad_accum=5, block_size=16, eval_every=0, dropout=0.0)
     prepare_model(model, args, torch.device("cpu"))
-    params = list(model.parameters())
-    moments, grads = 8 * sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
-    held, per_row = memory.GiB, 1_000_000
-    peak = held + grads + 16 * per_row
-    _cuda_check_stand_ins(monkeypatch, peak, held + grads + moments + fits * per_row, allocated=held)
+    moments = 8 * sum(p.numel() for p in model.parameters())
+    cfg = dataclasses.replace(memory.run_config(model.config, args), attn_pdrop=0.0)
+
+    def kept(b: int) -> int:  # what b rows keep for backward, with the measured counts
+        e = memory.estimate(
+            cfg,
+            b,
+            16,
+            False,
+            False,
+            args.resolved_kernels,
+            args.resolved_pad_vocab("cpu"),
+            "cpu",
+            False,
+            memory.BLOCK_ACTIVATIONS_MEASURED,
+        )
+        return e.activations + e.logits
+
+    peak = 3 * memory.GiB
+    _cuda_check_stand_ins(monkeypatch, peak, peak + moments - kept(12) + kept(fits))
     t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "o", "cpu")
     with pytest.raises(UsageError) as e:
         t.check_cuda_memory()
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith("memory: this run needs 1.0 GiB (a dry step's peak 1.0, AdamW moments")
-    assert f"try --batch-size {hint} (with --grad-accum {16 // hint} for the same batch) or --grad-check" in msg, msg
+    assert "\n" not in msg and msg.startswith("memory: this run needs 3.0 GiB (a dry step's peak 3.0, AdamW moments")
+    assert f"try --batch-size {hint} (with --grad-accum {60 // hint} for the same batch) or --grad-check" in msg, msg
     gc = int(msg.rsplit("--grad-checkpointing (fits --batch-size ", 1)[1].rstrip(")"))
-    assert hint <= gc <= 16 and 16 % gc == 0, msg
+    assert hint <= gc <= 12 and 60 % gc == 0, msg
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_what_a_smaller_batch_saves_is_counted_with_the_measured_activations(
+    monkeypatch: pytest.MonkeyPatch, dropout: float
+) -> None:
+    """The saving from dropping rows is what autograd keeps per token as measured (22.7 units with the reference
+    kernels), not the estimate's rounded-up count (26), which would overstate it: on a wide model with a small
+    vocabulary (activations dominate), a device with room for 3 of 12 rows gets --batch-size 3, where the rounded-up
+    count would promise 4. Attention dropout adds no (T, T) scores to it (they would promise 4 too): SDPA's CUDA
+    kernels keep none."""
+    import dataclasses
+
+    cfg = GPT2Config(n_layer=2, n_embd=256, n_head=8, n_positions=64, vocab_size=64)
+    args = TrainArgs(batch_size=12, grad_accum=5, block_size=64, dropout=dropout)
+    flat = dataclasses.replace(cfg.with_dropout(0.0), attn_pdrop=0.0)
+
+    def kept(b: int) -> int:
+        e = memory.estimate(flat, b, 64, per_token=memory.BLOCK_ACTIVATIONS_MEASURED)
+        return e.activations + e.logits
+
+    peak, moments = 2 * memory.GiB, 8 * cfg.num_params()
+    _cuda_check_stand_ins(monkeypatch, peak, peak + moments - kept(12) + kept(3))
+    with pytest.raises(UsageError, match=r"try --batch-size 3 \(with --grad-accum 20 for the same batch\)"):
+        memory.check_measured(cfg, args, 64, torch.device("cpu"), peak, moments)
 
 
 @pytest.mark.parametrize(("fits", "hint"), [(4, 4), (16, 8)])

@@ -376,14 +376,11 @@ class Trainer:
         real ones' shapes, strides and divisor, so the steps reuse its graph)."""
         dev, a = self.device, self.args
         blank = lambda: self._micro_loss(*self.batches.blank(a.batch_size))  # noqa: E731
-        trained = [p for p in self.model.parameters() if p.requires_grad]
-        # what the peak holds whatever the batch: the weights (and a resumed run's moments) and the gradients
-        fixed = torch.cuda.memory_allocated(dev) + sum(p.numel() * p.element_size() for p in trained)
         peak = dry_step_peak(self.model, blank, dev, micro_steps=min(a.grad_accum, 2))
         # AdamW's two float32 moments, for the parameters that have none yet (a resumed run's are in the peak)
         state = self.optimizer.state
-        moments = 8 * sum(p.numel() for p in trained if "exp_avg" not in state.get(p, {}))
-        return check_measured(self.model.config, a, self.block_size, dev, peak, moments, fixed)
+        fresh = [p for p in self.model.parameters() if p.requires_grad and "exp_avg" not in state.get(p, {})]
+        return check_measured(self.model.config, a, self.block_size, dev, peak, 8 * sum(p.numel() for p in fresh))
 
     def describe(self) -> dict[str, Any]:
         """What the run is, for the caller's first lines: sizes, kernels, the attention kernel SDPA picks for this

@@ -13,6 +13,7 @@ out-of-memory kill.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -32,7 +33,9 @@ RUNTIME_OVERHEAD = 0.75 * GiB  # torch, numpy, the tokenizer: `train` on a 2-lay
 # Bytes autograd keeps per token per block, in units of n_embd x the activation's size, with sdpa attention. Measured
 # with saved_tensors_hooks (`python -m benchmarks.train_step`): 22.7 with the reference kernels (ln_1, q/k/v, merged
 # heads, c_proj, ln_2, c_fc, gelu_new's five intermediates, the MLP's c_proj), 10.7 with the fast ones (one GELU
-# input kept instead of five); rounded up.
+# input kept instead of five). The estimate rounds them up (it is meant to err high); what a smaller batch saves from a
+# measured peak is counted with the measured ones (`_measured_need`: it must not be overstated).
+BLOCK_ACTIVATIONS_MEASURED = {"reference": 22.7, "fast": 10.7}
 BLOCK_ACTIVATIONS_PER_TOKEN = {"reference": 26, "fast": 14}
 ATTN_SCORES_PER_HEAD = 3  # scores, probabilities, dropout mask: (T, T) per head when attention dropout is on
 # Bytes per token per n_embd that attention on float32 copies adds in each block (lowp.attention: autocast on a CPU
@@ -81,6 +84,7 @@ def estimate(
     pad_multiple: int = 1,
     device_type: str = "cpu",
     upcast: bool = False,
+    per_token: dict[str, float] = BLOCK_ACTIVATIONS_PER_TOKEN,
 ) -> MemoryEstimate:
     """Peak bytes of one process training `cfg` at this micro-batch (weights and AdamW state in float32).
 
@@ -90,12 +94,14 @@ def estimate(
     head's chunk rows, fused.chunk_rows); upcast: under autocast, the matmuls run as float32 products of the cast
     operands (a CPU whose bf16/fp16 GEMM is slow: `upcasts_under_autocast`), which holds float32 copies of the head
     and of one product's operands and result at a time, and attention runs on float32 copies kept for backward.
+    per_token: the bytes autograd keeps per token per block, in units of n_embd x the activation's size, per kernel
+    set (by default the rounded-up counts).
     """
     P = cfg.num_params()
     act = 2 if amp else 4  # bytes per activation: bf16/fp16 under autocast, else float32
     BT, C, V = batch_size * block_size, cfg.n_embd, cfg.vocab_size
     scores = ATTN_SCORES_PER_HEAD * cfg.n_head * block_size if cfg.attn_pdrop > 0 else 0
-    per_block = BT * act * BLOCK_ACTIVATIONS_PER_TOKEN[kernels] * C
+    per_block = int(BT * act * per_token[kernels] * C)
     if amp and upcast:  # attention on float32 copies: its inputs, output and (T, T) scores kept in float32
         per_block += BT * (ATTN_UPCAST_BYTES_PER_TOKEN * C + 4 * scores)
     else:
@@ -242,13 +248,10 @@ def check_measured(
     device: torch.device,
     step_peak: int | None,
     moments: int,
-    fixed: int = 0,
 ) -> dict:
     """The CUDA check: the dry step's peak (None: it ran out of memory) plus the bytes of AdamW's moments that the
     first real step will allocate (`moments`: 8 per parameter without them; 0 on a resume, whose moments were on the
-    device during the dry step), against what this process can have (free memory plus its own allocations).
-    fixed: the bytes of the peak that do not grow with the batch (what was allocated before the dry step, and the
-    gradients), for the hint's batch when it does not fit."""
+    device during the dry step), against what this process can have (free memory plus its own allocations)."""
     free, total = torch.cuda.mem_get_info(device)
     have = free + torch.cuda.memory_reserved(device)
     source = f"{torch.cuda.get_device_name(device)}: {total / GiB:.1f} GiB, {free / GiB:.1f} GiB free"
@@ -268,7 +271,8 @@ def check_measured(
     else:
         what = "ran out of memory in a dry forward and backward"
     budget = int(have * MEMORY_HEADROOM)
-    hints = _hints(args, _measured_need(cfg, args, block_size, device, step_peak, moments, fixed), budget)
+    need = _measured_need(cfg, args, block_size, device, None if step_peak is None else step_peak + moments)
+    hints = _hints(args, need, budget)
     raise UsageError(
         f"memory: this run {what} at --batch-size {args.batch_size} --block-size {block_size}, but only "
         f"{have / GiB:.1f} GiB is available ({source}); try {hints}"
@@ -276,37 +280,28 @@ def check_measured(
 
 
 def _measured_need(
-    cfg: GPT2Config,
-    args: TrainArgs,
-    block_size: int,
-    device: torch.device,
-    step_peak: int | None,
-    moments: int,
-    fixed: int,
+    cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, measured: int | None
 ) -> Callable[[int, bool], int]:
-    """need(batch, grad_checkpointing) on CUDA, for the hints, from the measurement: the part of the dry step's peak
-    that grows with the batch (the peak less `fixed`) taken as linear in the rows, on top of `fixed` and the moments.
-    Whatever in that part does not grow (autocast's weight copies, the fused head's gradient) is counted per row
-    too, so a smaller batch is never promised more room than it has. Gradient checkpointing scales that part by the
-    estimate's ratio of what autograd keeps with and without it. Without a measurement (the dry step ran out of
-    memory): the estimate's device bytes (without the host's glibc slack and runtime allowance)."""
+    """need(batch, grad_checkpointing) on CUDA, for the hints: the bytes `measured` at the run's batch less what the
+    rows dropped keep for backward (the estimate's activations and logits, with the measured per-token counts, not
+    its rounded-up ones, so that the saving is not overstated; the peak's parts that do not grow with the batch stay
+    whole), or what gradient checkpointing's kept activations save. The attention keeps no (T, T) scores: SDPA's
+    CUDA kernels apply attention dropout inside. Without a measurement (the dry step ran out of memory): the
+    estimate's device bytes (its rounded-up counts, without the host's glibc slack and runtime allowance)."""
     cfg = run_config(cfg, args)
     amp, kernels, pad = args.dtype != "float32", args.resolved_kernels, args.resolved_pad_vocab(device.type)
+    if measured is None:
 
-    def est(batch: int, grad_checkpointing: bool) -> MemoryEstimate:
-        return estimate(cfg, batch, block_size, amp, grad_checkpointing, kernels, pad, device.type)
+        def estimated(batch: int, grad_checkpointing: bool) -> int:
+            e = estimate(cfg, batch, block_size, amp, grad_checkpointing, kernels, pad, device.type)
+            return e.total - e.slack - e.overhead
 
-    def kept(grad_checkpointing: bool) -> int:  # activations and logits at the run's batch, as the estimate counts
-        e = est(args.batch_size, grad_checkpointing)
+        return estimated
+    cfg, measured_counts = dataclasses.replace(cfg, attn_pdrop=0.0), BLOCK_ACTIVATIONS_MEASURED
+
+    def kept(batch: int, grad_checkpointing: bool) -> int:
+        e = estimate(cfg, batch, block_size, amp, grad_checkpointing, kernels, pad, device.type, False, measured_counts)
         return e.activations + e.logits
 
-    per_row = max(step_peak - fixed, 0) / args.batch_size if step_peak is not None else 0.0
-
-    def need(batch: int, grad_checkpointing: bool) -> int:
-        if step_peak is None:
-            e = est(batch, grad_checkpointing)
-            return e.total - e.slack - e.overhead
-        scale = 1.0 if grad_checkpointing == args.grad_checkpointing else kept(True) / kept(False)
-        return int(fixed + moments + per_row * scale * batch)
-
-    return need
+    at_run = kept(args.batch_size, args.grad_checkpointing)
+    return lambda batch, grad_checkpointing: measured - at_run + kept(batch, grad_checkpointing)
