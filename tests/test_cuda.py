@@ -316,16 +316,13 @@ def test_reading_a_steps_ids_waits_for_their_copy_not_for_the_work_queued_after_
     torch.cuda.synchronize()
 
 
-def test_a_token_and_a_training_step_each_wait_for_the_gpu_once(small: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_token_waits_for_the_gpu_once(small: tuple[Path, Path]) -> None:
     """Sampled decode with the captured step: one wait per token (the new ids and the finite flag, read together, one
-    step late; multinomial's own checks would be two more). A training step: one wait (the loss and the gradient
-    norm), its batch from pinned memory."""
+    step late; multinomial's own checks would be two more)."""
     from gpt2_port import GPT2
     from gpt2_port.generate import generate_full
-    from gpt2_port.io.tokens import TokenFile
-    from gpt2_port.train import TrainArgs, Trainer, prepare_model
 
-    ck, data = small
+    ck, _ = small
     m = GPT2.from_pretrained(str(ck), device="cuda")
     ids = torch.tensor([[5, 17, 42]], device="cuda")
     opts = dict(eos_token_id=None, do_sample=True, top_k=50, seed=1)
@@ -341,6 +338,22 @@ def test_a_token_and_a_training_step_each_wait_for_the_gpu_once(small: tuple[Pat
     n = _syncs(lambda: generate_full(m, ids, 24, **opts))
     one = _syncs(lambda: generate_full(m, ids, 1, **opts))  # the prompt's checks (ids and mask on the GPU) + 1
     assert made >= 2 and n - one == made - 1, (made, n, one)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kernels", "accum"), [("bf16", "fast", 1), ("fp16", "reference", 2)], ids=["bf16-fast", "fp16-accum"]
+)
+def test_a_training_step_waits_for_the_gpu_once(
+    small: tuple[Path, Path], tmp_path: Path, dtype: str, kernels: str, accum: int
+) -> None:
+    """A training step: one wait (the loss and the gradient norm), in bf16 and in fp16 under the grad scaler (its
+    unscale, inf check and fused AdamW step on the device), with gradient accumulation too; every micro-batch leaves
+    from pinned memory."""
+    from gpt2_port import GPT2
+    from gpt2_port.io.tokens import TokenFile
+    from gpt2_port.train import TrainArgs, Trainer, prepare_model
+
+    ck, data = small
     pinned: list[bool] = []
     real_pin = torch.Tensor.pin_memory
 
@@ -349,7 +362,9 @@ def test_a_token_and_a_training_step_each_wait_for_the_gpu_once(small: tuple[Pat
         pinned.append(out.is_pinned())
         return out
 
-    args = TrainArgs(steps=6, batch_size=4, block_size=64, dtype="bf16", eval_every=0, dropout=0.0)
+    args = TrainArgs(
+        steps=6, batch_size=4, block_size=64, dtype=dtype, kernels=kernels, grad_accum=accum, eval_every=0, dropout=0.0
+    )
     model = GPT2.from_pretrained(str(ck))
     prepare_model(model, args, torch.device("cuda"))
     t = Trainer(model, args, TokenFile(data / "train.bin", SMALL.vocab_size), None, tmp_path / "o", "cuda")
@@ -358,7 +373,7 @@ def test_a_token_and_a_training_step_each_wait_for_the_gpu_once(small: tuple[Pat
         mp.setattr(torch.Tensor, "pin_memory", pin)
         waits = [_syncs(lambda s=s: t.step(s)) for s in range(1, 5)]
     assert max(waits) <= 1 and sum(waits) >= 1, waits  # at most one a step (none at all: the count did not work)
-    assert len(pinned) == 4 and all(pinned)  # each step's prefetched batch left from pinned memory
+    assert len(pinned) == 4 * accum and all(pinned)  # each micro-batch left from pinned memory
 
 
 def test_a_model_moved_to_cuda_after_the_load_keeps_c_attn_one_tensor(tiny_official: Path) -> None:
