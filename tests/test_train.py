@@ -537,30 +537,6 @@ def test_a_run_that_cannot_fit_stops_with_the_estimate_and_what_to_change(
     assert not out.exists()
 
 
-def test_the_cuda_check_adds_adams_moments_only_where_the_optimizer_has_none(
-    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Trainer.check_cuda_memory: the dry step's peak, plus 8 bytes a parameter for the moments the first step makes;
-    after a step (or on a resume, whose moments are on the device before the dry step), the peak already holds them.
-    The CUDA calls are stood in for here (a CPU model); tests/test_cuda.py runs the check on a GPU."""
-    from gpt2_port.train import loop
-
-    peak = 3 * memory.GiB
-    monkeypatch.setattr(loop, "dry_step_peak", lambda model, loss, device, micro_steps: peak)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * memory.GiB, 80 * memory.GiB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a stand-in GPU")
-    model, _ = from_pretrained(small_ckpt)
-    args = TrainArgs(steps=3, batch_size=2, block_size=16, eval_every=0, dropout=0.0)
-    prepare_model(model, args, torch.device("cpu"))
-    t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "o", "cpu")
-    params = sum(p.numel() for p in model.parameters())
-    fresh = t.check_cuda_memory()
-    assert fresh["estimate_bytes"] == peak + 8 * params and "AdamW moments" in fresh["detail"]
-    t.step(0)
-    assert t.check_cuda_memory()["estimate_bytes"] == peak
-
-
 def _cuda_check_stand_ins(monkeypatch: pytest.MonkeyPatch, peak: int | None, free: int) -> None:
     """Trainer.check_cuda_memory on a CPU model: the dry step's peak (None: it ran out of memory) and `free` bytes of
     the device, the whole of it usable (no headroom), stood in for."""
@@ -571,6 +547,25 @@ def _cuda_check_stand_ins(monkeypatch: pytest.MonkeyPatch, peak: int | None, fre
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a stand-in GPU")
     monkeypatch.setattr(memory, "MEMORY_HEADROOM", 1.0)
+
+
+def test_the_cuda_check_adds_adams_moments_only_where_the_optimizer_has_none(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trainer.check_cuda_memory: the dry step's peak, plus 8 bytes a parameter for the moments the first step makes;
+    after a step (or on a resume, whose moments are on the device before the dry step), the peak already holds them.
+    The CUDA calls are stood in for here (a CPU model); tests/test_cuda.py runs the check on a GPU."""
+    peak = 3 * memory.GiB
+    _cuda_check_stand_ins(monkeypatch, peak, 70 * memory.GiB)
+    model, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=3, batch_size=2, block_size=16, eval_every=0, dropout=0.0)
+    prepare_model(model, args, torch.device("cpu"))
+    t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "o", "cpu")
+    params = sum(p.numel() for p in model.parameters())
+    fresh = t.check_cuda_memory()
+    assert fresh["estimate_bytes"] == peak + 8 * params and "AdamW moments" in fresh["detail"]
+    t.step(0)
+    assert t.check_cuda_memory()["estimate_bytes"] == peak
 
 
 @pytest.mark.parametrize(("fits", "hint"), [(5, 5), (9, 6)])

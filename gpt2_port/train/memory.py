@@ -187,15 +187,8 @@ def _hints(args: TrainArgs, need: Callable[[int, bool], int], budget: int) -> st
 def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torch.device, d: Dist) -> dict:
     """Stop before the run starts if its estimated peak does not fit the free memory (one line: what to change).
     The host's check (CPU): on CUDA the trainer measures instead (`check_measured`)."""
-    cfg = run_config(cfg, args)
-    amp, kernels = args.dtype != "float32", args.resolved_kernels
-    pad = args.resolved_pad_vocab(device.type)
-    up = upcasts_under_autocast(args, device)
-
-    def need(batch: int, grad_checkpointing: bool) -> int:
-        return estimate(cfg, batch, block_size, amp, grad_checkpointing, kernels, pad, device.type, up).total
-
-    est = estimate(cfg, args.batch_size, block_size, amp, args.grad_checkpointing, kernels, pad, device.type, up)
+    at = estimator(run_config(cfg, args), args, block_size, device, upcasts_under_autocast(args, device))
+    est = at(args.batch_size, args.grad_checkpointing)
     avail, source = devices.available_memory(device)
     share = d.local_world_size if device.type == "cpu" else 1  # processes on one host share its memory
     budget = int(avail * MEMORY_HEADROOM) // share
@@ -212,8 +205,22 @@ def check_memory(cfg: GPT2Config, args: TrainArgs, block_size: int, device: torc
     raise UsageError(
         f"memory: this run needs about {est.describe()}{per} at --batch-size {args.batch_size} --block-size "
         f"{block_size}, but only {avail / GiB:.1f} GiB is available ({source}); "
-        f"try {_hints(args, need, budget)}"
+        f"try {_hints(args, lambda b, gc: at(b, gc).total, budget)}"
     )
+
+
+def estimator(
+    cfg: GPT2Config,
+    args: TrainArgs,
+    block_size: int,
+    device: torch.device,
+    upcast: bool = False,
+    per_token: dict[str, float] = BLOCK_ACTIVATIONS_PER_TOKEN,
+) -> Callable[[int, bool], MemoryEstimate]:
+    """(batch, grad_checkpointing) -> the run's `estimate` at that micro-batch: its dtype, kernels, vocabulary padding
+    and device as `args` resolve them."""
+    amp, kernels, pad = args.dtype != "float32", args.resolved_kernels, args.resolved_pad_vocab(device.type)
+    return lambda batch, gc: estimate(cfg, batch, block_size, amp, gc, kernels, pad, device.type, upcast, per_token)
 
 
 def dry_step_peak(
@@ -289,19 +296,21 @@ def _measured_need(
     CUDA kernels apply attention dropout inside. Without a measurement (the dry step ran out of memory): the
     estimate's device bytes (its rounded-up counts, without the host's glibc slack and runtime allowance)."""
     cfg = run_config(cfg, args)
-    amp, kernels, pad = args.dtype != "float32", args.resolved_kernels, args.resolved_pad_vocab(device.type)
     if measured is None:
+        estimated = estimator(cfg, args, block_size, device)
 
-        def estimated(batch: int, grad_checkpointing: bool) -> int:
-            e = estimate(cfg, batch, block_size, amp, grad_checkpointing, kernels, pad, device.type)
+        def device_bytes(batch: int, grad_checkpointing: bool) -> int:
+            e = estimated(batch, grad_checkpointing)
             return e.total - e.slack - e.overhead
 
-        return estimated
-    cfg, measured_counts = dataclasses.replace(cfg, attn_pdrop=0.0), BLOCK_ACTIVATIONS_MEASURED
+        return device_bytes
+    at = estimator(
+        dataclasses.replace(cfg, attn_pdrop=0.0), args, block_size, device, False, BLOCK_ACTIVATIONS_MEASURED
+    )
 
     def kept(batch: int, grad_checkpointing: bool) -> int:
-        e = estimate(cfg, batch, block_size, amp, grad_checkpointing, kernels, pad, device.type, False, measured_counts)
+        e = at(batch, grad_checkpointing)
         return e.activations + e.logits
 
     at_run = kept(args.batch_size, args.grad_checkpointing)
-    return lambda batch, grad_checkpointing: measured - at_run + kept(batch, grad_checkpointing)
+    return lambda batch, gc: measured - at_run + kept(batch, gc)
