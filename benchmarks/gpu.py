@@ -255,8 +255,11 @@ def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> tuple[Sid
     return key, rest
 
 
-def trainer_loop(ck: Path, dev: torch.device, a: argparse.Namespace, batch: int, tmp: Path) -> dict:
-    """`gpt2-port train`'s loop itself (gpt2_port.train.Trainer) on random uint16 tokens, compiled, its own timing."""
+def trainer_loop(
+    ck: Path, dev: torch.device, a: argparse.Namespace, batch: int, tmp: Path, overlap: bool | None = None
+) -> dict:
+    """`gpt2-port train`'s loop itself (gpt2_port.train.Trainer) on random uint16 tokens, compiled, its own timing;
+    `overlap` as `--overlap` (None: train's default, on CUDA)."""
     import numpy as np
 
     from gpt2_port.model import from_pretrained
@@ -267,7 +270,7 @@ def trainer_loop(ck: Path, dev: torch.device, a: argparse.Namespace, batch: int,
     np.random.default_rng(0).integers(0, 50257, 4_000_000, dtype=np.uint16).tofile(data)
     args = TrainArgs(
         data=str(tmp), steps=a.warmup + a.steps, batch_size=batch, block_size=a.block, dtype=a.dtype,
-        kernels="auto", dropout=0.0, eval_every=0, compile=not a.no_compile, schedule="constant",
+        kernels="auto", dropout=0.0, eval_every=0, compile=not a.no_compile, schedule="constant", overlap=overlap,
     )  # fmt: skip
     m, _ = from_pretrained(ck, device=dev)
     prepare_model(m, args, dev)
@@ -276,7 +279,8 @@ def trainer_loop(ck: Path, dev: torch.device, a: argparse.Namespace, batch: int,
     os.environ.setdefault("GPT2_PORT_COMPILE_BACKEND", a.compile_backend)
     t = Trainer(m, args, TokenFile(data, m.config.vocab_size), None, tmp / "out", device=dev)
     res = t.run()
-    return {"tokens_per_s": res.tokens_per_s, "mfu": res.mfu, "peak_GB": peak_GB(dev), "kernels": args.resolved_kernels}
+    out = {"tokens_per_s": res.tokens_per_s, "mfu": res.mfu, "peak_GB": peak_GB(dev), "kernels": args.resolved_kernels}
+    return out | {"overlap": t.overlap}
 
 
 def head_gemm(dev: torch.device, dtype: str, rows: int, C: int, iters: int = 20) -> dict:
@@ -363,13 +367,19 @@ def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], N
             rows[name] = side(name, make)
             save(results)  # each side's row written as it lands: a run cut short keeps what it measured
         free(dev)
-        with tempfile.TemporaryDirectory() as tmp:
-            print(f"[{size}] gpt2-port train loop ...", file=sys.stderr)
-            try:
-                rows["gpt2-port train loop"] = trainer_loop(ck, dev, a, batch, Path(tmp))
-            except Exception as e:  # noqa: BLE001
-                rows["gpt2-port train loop"] = failure(e)
-        save(results)
+        # train's loop as it runs by default, then (but with --key-only) without overlapped steps: what reading each
+        # step before queueing the next costs
+        loops = {"gpt2-port train loop": None, "gpt2-port train loop, --no-overlap": False}
+        for name, overlap in loops.items():
+            if overlap is False and a.key_only:
+                break
+            with tempfile.TemporaryDirectory() as tmp:
+                print(f"[{size}] {name} ...", file=sys.stderr)
+                try:
+                    rows[name] = trainer_loop(ck, dev, a, batch, Path(tmp), overlap)
+                except Exception as e:  # noqa: BLE001
+                    rows[name] = failure(e)
+            save(results)
         if a.key_only:
             continue
         for name, make in rest.items():

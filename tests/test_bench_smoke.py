@@ -192,9 +192,12 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     assert gpu.main([*argv, "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png")]) == 0
     t = json.loads((tmp_path / "t.json").read_text())
     rows = t["sizes"]["tiny"]["rows"]
-    # the goals' sides first (a run cut short at the device's time limit keeps them), `train`'s loop after them
+    # the goals' sides first (a run cut short at the device's time limit keeps them), `train`'s loop after them (as
+    # it runs by default: not overlapped on the CPU; then with --no-overlap)
     key = ["ours fast compiled", "transformers compiled", "transformers eager", "ours fast eager"]
-    assert list(rows)[:5] == [*key, "gpt2-port train loop"] and len(rows) == 10
+    loops = ["gpt2-port train loop", "gpt2-port train loop, --no-overlap"]
+    assert list(rows)[:6] == [*key, *loops] and len(rows) == 11
+    assert [rows[n].get("overlap", rows[n]) for n in loops] == [False, False]  # a failed row shows its error
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG" and "ours fast eager" in (tmp_path / "t.md").read_text()
     argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "4", "--batches", "2", "--rounds", "1"]

@@ -376,6 +376,35 @@ def test_a_training_step_waits_for_the_gpu_once(
     assert len(pinned) == 4 * accum and all(pinned)  # each micro-batch left from pinned memory
 
 
+def test_an_overlapped_run_waits_once_a_step_and_trains_as_the_loop_that_reads_first(
+    small: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """On the GPU the loop queues step k + 1 before it reads step k (overlap, the default there), its AdamW step
+    queued too: over a whole run, one wait a step (8 steps against 4: the setup and the save wait alike), and the
+    losses and weights bit for bit those of the loop that reads each step first (float32, deterministic kernels)."""
+    from gpt2_port import GPT2
+    from gpt2_port.io.tokens import TokenFile
+    from gpt2_port.train import TrainArgs, Trainer, prepare_model
+    from gpt2_port.train.setup import deterministic_kernels
+
+    ck, data = small
+    dev = torch.device("cuda")
+
+    def run(steps: int, overlap: bool | None, out: str) -> tuple[Trainer, int]:
+        args = TrainArgs(steps=steps, batch_size=4, block_size=64, eval_every=0, dropout=0.0, overlap=overlap)
+        model = GPT2.from_pretrained(str(ck))
+        prepare_model(model, args, dev)
+        t = Trainer(model, args, TokenFile(data / "train.bin", SMALL.vocab_size), None, tmp_path / out, dev)
+        with deterministic_kernels(dev, True):
+            return t, _syncs(t.run)
+
+    (_, w4), (t8, w8), (ref, _) = run(4, None, "4"), run(8, None, "8"), run(8, False, "ref")
+    assert t8.overlap and not ref.overlap
+    assert w8 - w4 == 4, (w4, w8)
+    assert [r["train_loss"] for r in t8.records] == [r["train_loss"] for r in ref.records]
+    assert all(torch.equal(p, q) for p, q in zip(t8.model.parameters(), ref.model.parameters(), strict=True))
+
+
 def test_a_model_moved_to_cuda_after_the_load_keeps_c_attn_one_tensor(tiny_official: Path) -> None:
     """`.to("cuda")` after a CPU load: q, k and v stay views of one c_attn, so the forward is bit for bit the one a
     load straight onto the GPU gives (three matmuls instead of one were not bit-exact at 124M on an H100)."""

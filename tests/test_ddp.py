@@ -120,9 +120,10 @@ def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(
     setup, tmp_path: Path, monkeypatch, kernels: str, compiled: bool, accum: int
 ) -> None:
     """The fast kernels' case runs the 2 processes with --compile (DDP's module compiled without fullgraph: its
-    bucketing splits the graph; aot_eager: the graphs inductor would get, run by eager kernels) and --grad-accum 2
+    bucketing splits the graph; aot_eager: the graphs inductor would get, run by eager kernels), --grad-accum 2
     (the first micro-step under DDP's no_sync, its gradients summed across the processes only with the second's)
-    against 1 eager process accumulating 4."""
+    and --overlap (each process queues step k + 1 before it reads step k, as on CUDA) against 1 eager process
+    accumulating 4."""
     ck, data = setup
     two, one = tmp_path / "two", tmp_path / "one"
     monkeypatch.setenv("GPT2_PORT_COMPILE_BACKEND", "aot_eager")
@@ -140,7 +141,7 @@ def test_two_gloo_processes_equal_one_process_with_twice_the_accumulation(
         str(tmp_path / "s.json"),
         "--kernels",
         kernels,
-        *(["--compile"] if compiled else []),
+        *(["--compile", "--overlap"] if compiled else []),
         "--grad-accum",
         str(accum),
         *COMMON,
@@ -372,12 +373,12 @@ def test_more_processes_than_gpus_is_refused_in_one_line(monkeypatch, tmp_path: 
 
 _OOM_ON_RANK_1 = """import os, sys, torch
 from gpt2_port.train.loop import Trainer
-real = Trainer.step
+real = Trainer._queue_step
 def step(self, s):
     if s == 2 and os.environ["RANK"] == "1":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 1 has 0.2 GiB free.")
     return real(self, s)
-Trainer.step = step
+Trainer._queue_step = step
 from gpt2_port.cli.main import run
 sys.argv = ["gpt2-port", *sys.argv[1:]]
 run()

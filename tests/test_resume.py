@@ -170,13 +170,13 @@ def test_deterministic_is_on_while_the_run_trains_saved_kept_by_a_resume_and_off
     from gpt2_port.train.loop import Trainer
 
     seen: list[bool] = []
-    step = Trainer.step
+    step = Trainer._queue_step
 
     def spy(self, i: int):  # noqa: ANN001, ANN202
         seen.append(torch.are_deterministic_algorithms_enabled())
         return step(self, i)
 
-    monkeypatch.setattr(Trainer, "step", spy)
+    monkeypatch.setattr(Trainer, "_queue_step", spy)
     full, part = tmp_path / "full", tmp_path / "part"
     base = ["--init", str(ck), "--data", str(data), "--steps", "4", *SETTINGS[:4], "--dtype", "bf16"]
     base += ["--kernels", kernels, "--deterministic"]
@@ -205,7 +205,7 @@ def test_an_op_without_a_deterministic_kernel_is_one_line(ck: Path, data: Path, 
             "'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation..."
         )
 
-    monkeypatch.setattr(Trainer, "step", refuses)
+    monkeypatch.setattr(Trainer, "_queue_step", refuses)
     rc, _, err = train(capsys, "--init", str(ck), "--data", str(data), "--out", str(tmp_path / "r"), "--steps", "2",
                        *SETTINGS[:4], "--deterministic")  # fmt: skip
     assert rc == 2 and err.strip().splitlines()[-1] == (

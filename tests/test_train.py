@@ -36,6 +36,9 @@ PLOT = ["--batch-size", "2", "--block-size", "16", "--eval-batches", "2", "--dev
 FAST = [*PLOT, "--no-plot"]
 
 
+QUEUE = {"step": "_queue_step"}  # the loop queues each step (Trainer._queue_step), then reads it
+
+
 def write_bin(path: Path, ids) -> Path:  # noqa: ANN001
     path.parent.mkdir(parents=True, exist_ok=True)
     np.array(ids, dtype="<u2").tofile(path)
@@ -170,9 +173,9 @@ def test_gradients_are_clipped_to_clip_and_the_norm_before_clipping_is_logged(sm
     args = TrainArgs(steps=1, batch_size=2, block_size=16, clip=0.01, eval_every=0, dropout=0.0)
     prepare_model(m, args, torch.device("cpu"))
     t = Trainer(m, args, TokenFile(small_data / "train.bin", 512), None, "/nonexistent")
-    _, norm, finite = t._train_step(0)
+    _, norm = t.readback.read(t._queue_step(0).values)  # the clipped gradients, before the AdamW step
     after = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()]))
-    assert finite and norm > 0.05 and math.isclose(float(after), 0.01, rel_tol=1e-4)
+    assert math.isfinite(norm) and norm > 0.05 and math.isclose(float(after), 0.01, rel_tol=1e-4)
 
 
 @pytest.mark.parametrize("when", ["on_step", "on_save"])
@@ -246,16 +249,18 @@ def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
     assert not torch.equal(weights(out)["h.0.mlp.c_fc.weight"], weights(small_ckpt)["h.0.mlp.c_fc.weight"])
 
 
-@pytest.mark.parametrize("where", ["step", "evaluate", "sample"])
+@pytest.mark.parametrize("where", ["step", "apply_step", "evaluate", "sample"])
 def test_running_out_of_device_memory_names_the_step_the_last_checkpoint_and_what_to_change(
     small_ckpt: Path, small_data: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch, capsys, where: str
 ) -> None:
-    """torch's OutOfMemoryError in step 3, or in the evaluation or the sample after step 3 (a stand-in here; on a GPU
-    a longer batch or fragmentation after the measured check), is one line naming the step, the last checkpoint
-    (step 2, kept whole) and train's hint, exit 2: not an internal error."""
-    from gpt2_port.train.loop import Trainer
+    """torch's OutOfMemoryError in step 3 (its forward and backward, or its AdamW step: the first allocates AdamW's
+    moments), or in the evaluation or the sample after step 3 (a stand-in here; on a GPU a longer batch or
+    fragmentation after the measured check), is one line naming the step, the last checkpoint (step 2, kept whole)
+    and train's hint, exit 2: not an internal error."""
+    from gpt2_port.train import loop
 
-    real = getattr(Trainer, where)
+    owner, name = (loop, where) if where == "apply_step" else (loop.Trainer, QUEUE.get(where, where))
+    real = getattr(owner, name)
     calls = []
 
     def oom_at_the_third(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -264,7 +269,7 @@ def test_running_out_of_device_memory_names_the_step_the_last_checkpoint_and_wha
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has 0.2 GiB free.")
         return real(self, *a, **k)
 
-    monkeypatch.setattr(Trainer, where, oom_at_the_third)
+    monkeypatch.setattr(owner, name, oom_at_the_third)
     out = tmp_path / "run"
     argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "4", *FAST]
     capsys.readouterr()
@@ -273,7 +278,7 @@ def test_running_out_of_device_memory_names_the_step_the_last_checkpoint_and_wha
         argv += ["--sample-every", "1", "--tokenizer", str(tokenizer_dir)]
     assert train(*argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    during = {"step": "in step 3", "evaluate": "evaluating after step 3", "sample": "sampling after step 3"}[where]
+    during = {"evaluate": "evaluating after step 3", "sample": "sampling after step 3"}.get(where, "in step 3")
     assert err.startswith(f"gpt2-port train: error: CUDA out of memory. Tried to allocate 1.50 GiB {during} (")
     assert f"the last checkpoint in {out} is from step 2): a smaller --batch-size" in err, err
     assert trainer_state.load(out).step == 2
@@ -823,12 +828,14 @@ def test_bf16_autocast_trains_on_the_cpu_with_either_kernel_set(
         assert abs(a - b) / a < 2e-2
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["read-then-step", "overlapped"])
 @pytest.mark.parametrize("kernels", ["reference", "fast"])
 def test_a_step_reads_the_device_once(
-    small_ckpt: Path, small_data: Path, tmp_path: Path, kernels: str, monkeypatch: pytest.MonkeyPatch
+    small_ckpt: Path, small_data: Path, tmp_path: Path, kernels: str, overlap: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every read of a tensor's value by gpt2_port's own code during a step with 2 micro-batches, counted over every
-    way a value reaches the host: one (the step's loss and gradient norm together, for the non-finite stop). The
+    way a value reaches the host: one (the step's loss and gradient norm together, through readback.Readback), with
+    the AdamW step after the read or queued before it (`overlap`: skipped on the device when not finite). The
     forward's id checks are off as for a device tensor (they run only on CPU tensors); reads from inside torch are
     not counted. The fused loss's check for an incoming gradient of exactly 1 is off too (it reads a CPU tensor
     only)."""
@@ -839,6 +846,7 @@ def test_a_step_reads_the_device_once(
 
     model, _ = from_pretrained(small_ckpt)
     args = TrainArgs(steps=3, batch_size=2, block_size=16, grad_accum=2, dropout=0.1, kernels=kernels, eval_every=0)
+    args.overlap = overlap
     prepare_model(model, args, torch.device("cpu"))
     split = open_split(small_data, "train", SMALL.vocab_size, 16)
     t = Trainer(model, args, split, None, tmp_path / "out", "cpu", distributed.from_env())
@@ -861,7 +869,7 @@ def test_a_step_reads_the_device_once(
         monkeypatch.setattr(torch.Tensor, name, counted)
     record = t.step(1)
     monkeypatch.undo()
-    assert len(reads) == 1 and reads[0].startswith("tolist at loop.py"), reads
+    assert len(reads) == 1 and reads[0].startswith("tolist at readback.py"), reads
     assert math.isfinite(record["train_loss"]) and record["grad_norm"] > 0
 
 
@@ -1070,7 +1078,7 @@ def _interrupt_at(
 ) -> None:
     """Ctrl-C pressed `times` times (a real SIGINT each, or `signum`, delivered to this process's handler) inside the
     Trainer's `where` ("step" or "evaluate") on its `at`-th call (1-based)."""
-    real = getattr(Trainer, where)
+    real = getattr(Trainer, QUEUE.get(where, where))
     calls = []
 
     def pressed(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -1080,7 +1088,7 @@ def _interrupt_at(
                 signal.raise_signal(signum)  # the handler runs before the next line
         return real(self, *a, **k)
 
-    monkeypatch.setattr(Trainer, where, pressed)
+    monkeypatch.setattr(Trainer, QUEUE.get(where, where), pressed)
 
 
 def test_ctrl_c_is_acknowledged_at_once_and_a_second_stops_without_saving(
@@ -1197,8 +1205,8 @@ def test_tokenizer_named_is_checked_before_the_first_step(
     """--tokenizer is read before training (a missing file would otherwise end the run at its first save), and a
     good one is copied beside the saved model."""
     steps: list[int] = []
-    real_step = Trainer.step
-    monkeypatch.setattr(Trainer, "step", lambda self, i: steps.append(i) or real_step(self, i))
+    real_step = Trainer._queue_step
+    monkeypatch.setattr(Trainer, "_queue_step", lambda self, i: steps.append(i) or real_step(self, i))
     argv = ["--init", str(small_ckpt), "--data", str(small_data), "--steps", "2", *FAST]
     assert train(*argv, "--out", str(tmp_path / "bad"), "--tokenizer", str(tmp_path / "nonexist")) == 2
     assert steps == [] and not (tmp_path / "bad").exists()

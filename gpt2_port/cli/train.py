@@ -156,6 +156,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "atomics, so a run and its resume give the same bits; slower (off; on the CPU the default kernels already are)",
     )
     g.add_argument(
+        "--overlap",
+        action=bool_flag,
+        help="queue the next step before reading this one's loss, so the device does not wait for the host between "
+        "steps; the same weights, a Ctrl-C taken a step later (default: on CUDA, except fp16; --no-overlap: read "
+        "each step first)",
+    )
+    g.add_argument(
         "--skip-nonfinite", action=bool_flag, help="skip a step whose loss or gradients are NaN/Inf (default: stop)"
     )
     g.add_argument("--json", metavar="PATH", help="write the run's summary as JSON")
@@ -352,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(
                 f"run: {info['params'] / 1e6:.1f}M parameters on {device}, {info['dtype']}, kernels "
                 f"{info['kernels']}{info['head']}, attention {info['attention']}, "
-                f"compile {'on' if info['compile'] else 'off'}; "
+                f"compile {'on' if info['compile'] else 'off'}, overlap {'on' if info['overlap'] else 'off'}; "
                 f"global batch {info['global_batch']} x {info['block_size']} tokens on {info['world_size']} "
                 f"process(es); MFU against {info['peak']}\n"
             )

@@ -70,6 +70,9 @@ class TrainArgs:
     # a fixed workspace, so the same run (and a resume) gives the same bits; slower (setup.deterministic_kernels)
     deterministic: bool = False
     stop_at: int | None = None  # this invocation only: stop after this step with a resumable state
+    # this invocation only: queue step k + 1 before reading step k's loss (the AdamW step skipped on the device when
+    # a step is not finite); None: on CUDA unless fp16 (Trainer._resolve_overlap). The same weights either way.
+    overlap: bool | None = None
 
     def validate(self, source: str | None = None) -> None:
         """UsageError naming the setting when one has the wrong type or range. `source`: the trainer_state.json the
@@ -95,6 +98,13 @@ class TrainArgs:
         for name in ("grad_checkpointing", "skip_nonfinite", "compile", "tf32", "deterministic"):
             if not isinstance(v := getattr(self, name), bool):
                 raise bad(name, "true or false", v)
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise bad("overlap", "true, false or unset", self.overlap)
+        if self.overlap and self.dtype == "fp16":  # the grad scaler reads each step's gradients on the host
+            raise UsageError(
+                "--overlap: --dtype fp16 judges each step's loss on the host before the grad scaler's "
+                "step; use bf16 with it"
+            )
         for name in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "clip", "dropout"):
             if (v := getattr(self, name)) is not None and not is_number(v):
                 raise bad(name, "a number", v)
@@ -163,7 +173,7 @@ class TrainArgs:
         return cls(**{k: v for k, v in saved.items() if k in known})
 
 
-PER_INVOCATION = {"stop_at"}
+PER_INVOCATION = {"stop_at", "overlap"}
 
 # What a changed setting does to a resumed run, by setting (the rest change the trained weights).
 _LOG_ONLY = {"eval_every", "eval_batches", "save_every", "sample_every"}  # what is evaluated, saved and logged

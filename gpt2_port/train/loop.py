@@ -8,12 +8,21 @@ from (seed, step, global micro-batch index), so its masks do not depend on how t
 processes and micro-steps, or on where a run was resumed.
 
 On an accelerator a step waits for the device once: the step's loss and gradient norm (and a DDP run's stop vote,
-which rides on the loss's all-reduce) come back together, after the backward pass and before the optimizer step, so
-the non-finite stop is exact (a bad step is never applied). The loss accumulates on the device, batches come from
+which rides on the loss's all-reduce) come back together. The loss accumulates on the device, batches come from
 pinned memory without waiting, and the next micro-batch is gathered and queued while the device works on the current
 one; the next step's first batch is drawn and sent before the step's wait (the data position saved with a checkpoint
 is that of the steps taken, so a resume draws the same batch again). With `compile`, torch.compile runs the forward
 and backward (one graph, no break) and the evaluation forward.
+
+Overlapped steps (`overlap`: the default on CUDA, but for fp16): the loop queues step k + 1 before it reads step k's
+values, so the device does not wait for the host's logging, progress and launches between steps. The AdamW step is then
+queued with the step, and torch's fused kernel skips it on the device when the step is not finite (its `found_inf`),
+and every later step too until the run stops at the read (with `skip_nonfinite`, that step alone): the non-finite stop
+stays exact, no bad step is ever applied. A step whose weights the loop uses (it evaluates, samples, saves or stops
+after it) is read before the next is queued, and so is the step before the last; a stop request is taken after the
+step already queued (under DDP, whose vote rides on a step's all-reduce and is read with it, up to three steps after
+the request). Without `overlap` (fp16: the loop judges a step's loss on the host before the grad scaler's step) the
+values are read after the backward pass and the AdamW step follows the read.
 
 Outputs go through run_dir.RunDir (the process of rank 0 writes); progress reaches the caller through `Callbacks`.
 """
@@ -36,6 +45,7 @@ from torch import nn
 from ..devices import memory_errors
 from ..errors import GPT2PortError, UsageError
 from ..generate import generate
+from ..generate.readback import Readback
 from ..model import GPT2
 from ..model.attention_kernel import attention_kernels
 from . import state as trainer_state
@@ -67,6 +77,15 @@ def apply_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | 
 
 class NonFiniteError(GPT2PortError):
     """The loss or the gradients became NaN or Inf: the run stops instead of training on."""
+
+
+@dataclass
+class QueuedStep:
+    """A step queued on the device whose values the host has not read yet (Trainer._finish_step reads them)."""
+
+    step: int  # 0-based
+    lr: float
+    values: object  # the Readback handle of (loss sum, grad norm[, stop votes])
 
 
 @dataclass
@@ -143,6 +162,10 @@ class Trainer:
             model, args.lr, args.weight_decay, (args.beta1, args.beta2), args.eps, self.device.type
         )
         self.scaler = torch.amp.GradScaler("cuda") if args.dtype == "fp16" else None
+        self.overlap = self._resolve_overlap()
+        # 1 once an overlapped step was not finite: no later one applies (the fused kernel's found_inf is float32)
+        self._halted = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.readback = Readback(3 if self.dist.enabled else 2, self.device, torch.float32)
         self.start_step, self.best_val, self.best_step, self.elapsed0, self.tokens0 = 0, None, None, 0.0, 0
         self.last_saved: int | None = None
         self.records: list[dict] = []
@@ -166,6 +189,17 @@ class Trainer:
             backend = os.environ.get("GPT2_PORT_COMPILE_BACKEND", "inductor")
             self.train_forward = torch.compile(self.net, fullgraph=not d.enabled, backend=backend)
             self.eval_forward = torch.compile(model, fullgraph=True, backend=backend)
+
+    def _resolve_overlap(self) -> bool:
+        """Whether the loop queues the next step before it reads this one (`TrainArgs.overlap`; None: on CUDA). It
+        needs torch's fused AdamW, which skips a step on the device, and no grad scaler (fp16: the loop judges the
+        loss on the host before the scaler's step; TrainArgs.validate refuses the pair)."""
+        fused = bool(self.optimizer.defaults.get("fused"))
+        if self.args.overlap is None:
+            return self.device.type == "cuda" and fused and self.scaler is None
+        if self.args.overlap and not fused:
+            raise UsageError(f"--overlap needs torch's fused AdamW, which {self.device.type} lacks; leave it out")
+        return self.args.overlap
 
     # control
     def request_stop(self) -> None:
@@ -218,10 +252,14 @@ class Trainer:
         with self._autocast():
             return self.train_forward(x, targets=y, num_items_in_batch=n_items).loss
 
-    def _train_step(self, step: int) -> tuple[float, float, bool]:
-        """Forward and backward over this process's micro-batches, then the clip; returns (global mean loss, grad
-        norm, finite), read back from the device in one transfer."""
+    def _queue_step(self, step: int) -> QueuedStep:
+        """Optimizer step `step` (0-based) queued on the device: the schedule's learning rate, this process's
+        micro-batches (forward and backward), the clip, and with `overlap` the AdamW step (`_apply_queued`); its
+        loss, gradient norm (and the DDP stop vote) sent to the host, where `_finish_step` reads them."""
         a, d = self.args, self.dist
+        lr = a.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr  # a number: each queued AdamW step keeps its own
         offsets = self.sampler.next_step(d.rank)  # (A, B)
         acc = torch.float32 if self.device.type == "mps" else torch.float64
         total = torch.zeros((), dtype=acc, device=self.device)
@@ -246,45 +284,67 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         max_norm = a.clip if a.clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        back = [total, norm] + ([stops] if stops is not None else [])
+        values = torch.stack([v.float() for v in back])  # (2 or 3,): loss sum, grad norm[, stop votes]
+        if self.overlap:
+            self._apply_queued(values[:2])
         # the next step's first batch is gathered and sent now, so it is on the device before that step's forward
         self._next_batch = self.batches.get(self.sampler.prefetch(d.rank)[0])
-        back = [total.to(norm.dtype), norm] + ([stops.to(norm.dtype)] if stops is not None else [])
-        loss_sum, grad_norm, *votes = torch.stack(back).tolist()  # the step's one wait
+        return QueuedStep(step, lr, self.readback.send(values))
+
+    def _apply_queued(self, loss_and_norm: torch.Tensor) -> None:
+        """The AdamW step queued behind the backward pass, taken or skipped on the device: the fused kernel's
+        `found_inf` (set as torch's grad scaler sets it) is 1 when the loss or the norm is not finite (the values the
+        host reads, so both judge alike), and stays 1 for every later step unless `skip_nonfinite` (the run stops
+        when the host reads the bad step)."""
+        bad = (~torch.isfinite(loss_and_norm)).any().float()  # () on the device: no wait
+        if not self.args.skip_nonfinite:
+            bad = self._halted = torch.maximum(self._halted, bad)
+        try:
+            self.optimizer.found_inf = bad  # type: ignore[attr-defined]
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _finish_step(self, q: QueuedStep) -> dict[str, Any]:
+        """Step `q.step`'s values read back (the step's one wait) and its log record begun; without `overlap`, the
+        AdamW step taken (or skipped) here. A non-finite step stops the run (NonFiniteError) without having been
+        applied, unless `skip_nonfinite`."""
+        a, d = self.args, self.dist
+        loss_sum, grad_norm, *votes = self.readback.read(q.values)  # the step's one wait
         self._stop_voted = bool(votes) and votes[0] > 0
         train_loss = loss_sum / d.world_size
         finite = math.isfinite(train_loss) and (math.isfinite(grad_norm) or self.scaler is not None)
-        return train_loss, grad_norm, finite
-
-    def step(self, step: int) -> dict[str, Any]:
-        """Optimizer step `step` (0-based): schedule, micro-batches, clip, AdamW; the start of its log record."""
-        a = self.args
-        lr = a.lr_at(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        train_loss, grad_norm, finite = self._train_step(step)
         if not finite and not a.skip_nonfinite:
             self.optimizer.zero_grad(set_to_none=True)
             what = "loss" if not math.isfinite(train_loss) else "gradient norm"
             value = train_loss if what == "loss" else grad_norm
             raise NonFiniteError(
-                f"step {step + 1}: the {what} is {value} (non-finite); stopped without applying it; lower --lr, "
+                f"step {q.step + 1}: the {what} is {value} (non-finite); stopped without applying it; lower --lr, "
                 f"keep --clip, use --dtype bf16 rather than fp16, or pass --skip-nonfinite"
             )
         record: dict[str, Any] = {
-            "step": step + 1,
+            "step": q.step + 1,
             "train_loss": train_loss if math.isfinite(train_loss) else None,
-            "lr": lr,
+            "lr": q.lr,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no Infinity: null
         }
-        apply_step(self.optimizer, self.scaler, finite)
+        if not self.overlap:
+            apply_step(self.optimizer, self.scaler, finite)
+            self.optimizer.zero_grad(set_to_none=True)
         if not finite:
             record["skipped"] = True
-            log.warning("step %d: non-finite loss or gradients, step skipped (--skip-nonfinite)", step + 1)
+            log.warning("step %d: non-finite loss or gradients, step skipped (--skip-nonfinite)", q.step + 1)
         elif not math.isfinite(grad_norm):  # a grad scaler's overflow: it skipped the step and backed its scale off
             record["skipped"] = True
-            log.info("step %d: the scaled gradients overflowed; the grad scaler skipped the step", step + 1)
-        self.optimizer.zero_grad(set_to_none=True)
+            log.info("step %d: the scaled gradients overflowed; the grad scaler skipped the step", q.step + 1)
         return record
+
+    def step(self, step: int) -> dict[str, Any]:
+        """Optimizer step `step` (0-based), queued and read: schedule, micro-batches, clip, AdamW; the start of its
+        log record."""
+        return self._finish_step(self._queue_step(step))
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -403,10 +463,30 @@ class Trainer:
             "head": "" if head == self.model.config.vocab_size else f" (head padded to {head})",
             "attention": ", ".join(kernels) if kernels else "hand-written (the reference's eager arithmetic)",
             "compile": self.args.compile,
+            "overlap": self.overlap,
             "dtype": self.args.dtype,
             "flops_per_token": self.flops_per_token,
             "peak": self.peak_source,
         }
+
+    # what the loop does after step n (1-based) with the weights of that step
+    def _evaluates(self, n: int) -> bool:
+        a = self.args
+        return self.val_data is not None and ((a.eval_every > 0 and n % a.eval_every == 0) or n == a.steps)
+
+    def _samples(self, n: int) -> bool:
+        return self.args.sample_every > 0 and n % self.args.sample_every == 0
+
+    def _saves(self, n: int) -> bool:
+        return self.args.save_every > 0 and n % self.args.save_every == 0
+
+    def _stops_at(self, n: int) -> bool:
+        return self.args.stop_at is not None and n >= self.args.stop_at
+
+    def _acts_after(self, n: int) -> bool:
+        """Whether the loop uses step n's weights (evaluates, samples, saves or stops): step n + 1 waits for its
+        read then. Every process decides alike (a sample is rank 0's, but the others wait for it at the save)."""
+        return n == self.args.steps or self._evaluates(n) or self._samples(n) or self._saves(n) or self._stops_at(n)
 
     def run(self) -> TrainResult:
         a, d = self.args, self.dist
@@ -418,17 +498,30 @@ class Trainer:
         interrupted = stopped_at = eval_skipped = False
         step_times: list[float] = []
         last_saved = self.start_step if self.start_step else -1
+        queued: QueuedStep | None = None  # the step the loop reads next
         while step < a.steps:
-            t0 = time.perf_counter()
             saved = "nothing was saved"
             if last_saved >= 0:
                 saved = f"the last checkpoint in {self.out} is from step {last_saved}"
             try:
-                with memory_errors(f"in step {step + 1} ({saved})"):
-                    record = self.step(step)
+                if queued is None:
+                    t_mark = time.perf_counter()  # a step's time: from its queueing or the last read, the later
+                    with memory_errors(f"in step {step + 1} ({saved})"):
+                        queued = self._queue_step(step)
+                # the next step, queued before this one is read when the loop does not use this one's weights; never
+                # the last (a stop request while the one before it runs leaves the last, and its evaluation, to a
+                # resume)
+                ahead, n = None, step + 1
+                if self.overlap and n + 1 < a.steps and not self._acts_after(n) and not self._stop_requested():
+                    with memory_errors(f"in step {step + 2} ({saved})"):
+                        ahead = self._queue_step(step + 1)
+                with memory_errors(f"in step {step + 1} ({saved})"):  # without overlap, the AdamW step is here
+                    record = self._finish_step(queued)
             except NonFiniteError as e:
                 raise NonFiniteError(f"{e} ({saved})") from None
-            dt = time.perf_counter() - t0  # the step's device work is done: its one wait came after backward
+            queued = ahead
+            now = time.perf_counter()
+            dt, t_mark = now - t_mark, now
             step_times.append(dt)
             if record.get("skipped"):
                 skipped.append(step + 1)
@@ -436,8 +529,8 @@ class Trainer:
                 train_loss = record["train_loss"]
             step += 1
             last = step == a.steps
-            interrupted = self._stop_requested()
-            if self.val_data is not None and ((a.eval_every and step % a.eval_every == 0) or last):
+            interrupted = self._stop_requested() and queued is None  # else taken after the step queued
+            if self._evaluates(step):
                 if interrupted:
                     eval_skipped = True
                 else:
@@ -449,7 +542,7 @@ class Trainer:
                         val_loss = record["val_loss"] = v if math.isfinite(v) else None
                         if val_loss is None:
                             log.warning("step %d: the validation loss is %s (non-finite): written as null", step, v)
-            if a.sample_every and step % a.sample_every == 0 and d.is_main and not interrupted:
+            if self._samples(step) and d.is_main and not interrupted:
                 with memory_errors(f"sampling after step {step} ({saved})"):
                     text = self.sample(step)
                 if text is not None:
@@ -466,9 +559,9 @@ class Trainer:
             self.records.append(record)
             if self.cb.on_step and d.is_main:
                 self.cb.on_step(record)
-            if a.stop_at is not None and step >= a.stop_at and not last and not interrupted:
+            if self._stops_at(step) and not last and not interrupted:
                 stopped_at = True
-            if last or interrupted or stopped_at or (a.save_every and step % a.save_every == 0):
+            if last or interrupted or stopped_at or self._saves(step):
                 self.save(step, elapsed, tokens)
                 last_saved = step
             if interrupted or stopped_at:
