@@ -1557,12 +1557,6 @@ def c_backward_clip_without_train_steps(tmp: Path, base: Path) -> dict:
 
 
 @case
-def c_train_overlap_with_fp16(tmp: Path, base: Path) -> dict:
-    argv = train_argv(base, _train_data(tmp), tmp / "out", "--overlap", "--dtype", "fp16")
-    return {"argv": argv, "expect": ["--overlap", "--dtype fp16", "grad scaler", "bf16"]}
-
-
-@case
 def c_train_stop_at_after_steps(tmp: Path, base: Path) -> dict:
     argv = train_argv(base, _train_data(tmp), tmp / "out", "--stop-at", "5")
     return {"argv": argv, "expect": ["--stop-at", "at most --steps 1", "got 5"]}

@@ -73,12 +73,18 @@ def test_the_detector_sees_the_assignments_that_wait_and_not_the_ones_that_do_no
 
 
 @pytest.mark.parametrize("kernels", ["reference", "fast"])
-@pytest.mark.parametrize("dtype", ["float32", "bf16"])
-def test_a_training_step_puts_no_python_number_through_an_index(tmp_path: Path, kernels: str, dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "overlap"), [("float32", False), ("bf16", False), ("bf16", True), ("scaler", True)]
+)  # "scaler": float32 under torch's CPU grad scaler, standing in for fp16's (overlapped: a gradient poisoned)
+def test_a_training_step_puts_no_python_number_through_an_index(
+    tmp_path: Path, kernels: str, dtype: str, overlap: bool
+) -> None:
     np.random.default_rng(0).integers(0, CFG.vocab_size, 3000).astype("<u2").tofile(tmp_path / "train.bin")
     model = GPT2(CFG).init_weights(0).set_kernels(kernels).set_dropout(0.1).train().requires_grad_(True)
-    args = TrainArgs(steps=3, batch_size=2, block_size=16, grad_accum=2, eval_every=0, kernels=kernels, dtype=dtype)
+    args = TrainArgs(steps=3, batch_size=2, block_size=16, grad_accum=2, eval_every=0, kernels=kernels)
+    args.dtype, args.overlap = ("float32" if dtype == "scaler" else dtype), overlap
     t = Trainer(model, args, TokenFile(tmp_path / "train.bin", CFG.vocab_size), None, tmp_path / "out", "cpu")
+    t.scaler = torch.amp.GradScaler("cpu") if dtype == "scaler" else None
     with IndexedHostScalars() as seen:
         t.step(0)
         t.step(1)

@@ -159,20 +159,23 @@ def _nonfinite_at(monkeypatch: pytest.MonkeyPatch, at: int, what: str) -> None:
         monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
 
 
+@pytest.mark.exactness  # torch's fused AdamW skipping on `found_inf`: run on pyproject's floor torch too (./dev test)
 @pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip-nonfinite"])
-@pytest.mark.parametrize("what", ["loss", "gradient norm"])
+@pytest.mark.parametrize(("what", "scaler"), [("loss", False), ("gradient norm", False), ("loss", True)])
 def test_a_non_finite_step_is_never_applied_though_the_next_was_queued(
-    ck: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: bool, what: str
+    ck: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: bool, what: str, scaler: bool
 ) -> None:
     """Step 3's loss is NaN, or one of its gradients Inf. Overlapped, step 4 was queued (its AdamW step too) before
     step 3 was read: the run still stops at step 3 with the weights and AdamW state of step 2, as the loop that reads
     first leaves them (the fused kernel skipped step 3, and step 4 after it). With --skip-nonfinite both loops skip
-    step 3 alone and train on to the same weights."""
+    step 3 alone and train on to the same weights. `scaler`: under fp16's grad scaler (torch's CPU one standing in),
+    which skips on its own inf check; with --skip-nonfinite its scale is also the same."""
     runs = []
     for overlap in (True, False):
         with monkeypatch.context() as mp:
             _nonfinite_at(mp, 3, what)
             t = trainer(ck, data, tmp_path / str(overlap), overlap, steps=6, eval_every=0, skip_nonfinite=skip)
+            t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaler else None
             if skip:
                 assert t.run().skipped_steps == [3]
             else:
@@ -185,6 +188,24 @@ def test_a_non_finite_step_is_never_applied_though_the_next_was_queued(
         sa, sb = a.optimizer.state[p], b.optimizer.state[q]
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert int(a.optimizer.state[next(a.model.parameters())]["step"]) == (5 if skip else 2)
+    if scaler and skip:
+        assert a.scaler.state_dict() == b.scaler.state_dict() and a.scaler.get_scale() < 2.0**10
+
+
+def test_fp16s_grad_scaler_skips_and_backs_off_alike_overlapped(ck: Path, data: Path, tmp_path: Path) -> None:
+    """Under the grad scaler (torch's CPU one standing in for fp16's), starting at a scale whose first steps overflow:
+    overlapped, the same steps are skipped, the same scale is reached and the same weights trained as by the loop
+    that reads each step first."""
+    runs = []
+    for overlap in (True, False):
+        t = trainer(ck, data, tmp_path / str(overlap), overlap, steps=6, eval_every=0)
+        t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=2)
+        res = t.run()
+        runs.append((t, res, records(tmp_path / str(overlap))))
+    (a, ra, la), (b, rb, lb) = runs
+    assert ra.skipped_steps == rb.skipped_steps and ra.skipped_steps[:1] == [1] and len(ra.skipped_steps) < 6
+    assert la == lb and a.scaler.state_dict() == b.scaler.state_dict()
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("where", ["save-every", "stop-at"])
@@ -238,10 +259,7 @@ def test_overlap_is_on_by_default_on_cuda_only_and_needs_the_fused_adamw(ck: Pat
     assert t.overlap is False  # the CPU: the work is done when it is queued, nothing to overlap
     stand_in = SimpleNamespace(args=TrainArgs(), optimizer=t.optimizer, scaler=None, device=torch.device("cuda"))
     assert Trainer._resolve_overlap(stand_in) is True
-    stand_in.scaler = torch.amp.GradScaler("cpu")  # fp16's grad scaler reads each step on the host
-    assert Trainer._resolve_overlap(stand_in) is False
     stand_in.args.overlap = False
-    stand_in.scaler = None
     assert Trainer._resolve_overlap(stand_in) is False
     stand_in.args.overlap = True
     stand_in.optimizer = torch.optim.AdamW(t.model.parameters(), foreach=True)  # no `found_inf`: cannot skip

@@ -159,8 +159,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--overlap",
         action=bool_flag,
         help="queue the next step before reading this one's loss, so the device does not wait for the host between "
-        "steps; the same weights, a Ctrl-C taken a step later (default: on CUDA, except fp16; --no-overlap: read "
-        "each step first)",
+        "steps; the same weights, a Ctrl-C taken a step later (default: on CUDA; --no-overlap: read each step "
+        "first)",
     )
     g.add_argument(
         "--skip-nonfinite", action=bool_flag, help="skip a step whose loss or gradients are NaN/Inf (default: stop)"

@@ -71,7 +71,7 @@ class TrainArgs:
     deterministic: bool = False
     stop_at: int | None = None  # this invocation only: stop after this step with a resumable state
     # this invocation only: queue step k + 1 before reading step k's loss (the AdamW step skipped on the device when
-    # a step is not finite); None: on CUDA unless fp16 (Trainer._resolve_overlap). The same weights either way.
+    # a step is not finite); None: on CUDA (Trainer._resolve_overlap). The same weights either way.
     overlap: bool | None = None
 
     def validate(self, source: str | None = None) -> None:
@@ -100,11 +100,6 @@ class TrainArgs:
                 raise bad(name, "true or false", v)
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise bad("overlap", "true, false or unset", self.overlap)
-        if self.overlap and self.dtype == "fp16":  # the grad scaler reads each step's gradients on the host
-            raise UsageError(
-                "--overlap: --dtype fp16 judges each step's loss on the host before the grad scaler's "
-                "step; use bf16 with it"
-            )
         for name in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "clip", "dropout"):
             if (v := getattr(self, name)) is not None and not is_number(v):
                 raise bad(name, "a number", v)

@@ -14,15 +14,15 @@ one; the next step's first batch is drawn and sent before the step's wait (the d
 is that of the steps taken, so a resume draws the same batch again). With `compile`, torch.compile runs the forward
 and backward (one graph, no break) and the evaluation forward.
 
-Overlapped steps (`overlap`: the default on CUDA, but for fp16): the loop queues step k + 1 before it reads step k's
-values, so the device does not wait for the host's logging, progress and launches between steps. The AdamW step is then
-queued with the step, and torch's fused kernel skips it on the device when the step is not finite (its `found_inf`),
-and every later step too until the run stops at the read (with `skip_nonfinite`, that step alone): the non-finite stop
-stays exact, no bad step is ever applied. A step whose weights the loop uses (it evaluates, samples, saves or stops
+Overlapped steps (`overlap`, the default on CUDA): the loop queues step k + 1 before it reads step k's values, so the
+device does not wait for the host's logging, progress and launches between steps. The AdamW step is then queued with
+the step, and torch's fused kernel skips it on the device when the step is not finite (its `found_inf`; under fp16's
+grad scaler, the scaler's own inf check, which a non-finite loss makes fire), and every later step too until the run
+stops at the read (with `skip_nonfinite`, that step alone): the non-finite stop stays exact, no bad step is ever
+applied. A step whose weights the loop uses (it evaluates, samples, saves or stops
 after it) is read before the next is queued, and so is the step before the last; a stop request is taken after the
 step already queued (under DDP, whose vote rides on a step's all-reduce and is read with it, up to three steps after
-the request). Without `overlap` (fp16: the loop judges a step's loss on the host before the grad scaler's step) the
-values are read after the backward pass and the AdamW step follows the read.
+the request). Without `overlap` the values are read after the backward pass and the AdamW step follows the read.
 
 Outputs go through run_dir.RunDir (the process of rank 0 writes); progress reaches the caller through `Callbacks`.
 """
@@ -192,11 +192,10 @@ class Trainer:
 
     def _resolve_overlap(self) -> bool:
         """Whether the loop queues the next step before it reads this one (`TrainArgs.overlap`; None: on CUDA). It
-        needs torch's fused AdamW, which skips a step on the device, and no grad scaler (fp16: the loop judges the
-        loss on the host before the scaler's step; TrainArgs.validate refuses the pair)."""
+        needs torch's fused AdamW, which skips a step on the device (given the grad scaler's inf check or a flag)."""
         fused = bool(self.optimizer.defaults.get("fused"))
         if self.args.overlap is None:
-            return self.device.type == "cuda" and fused and self.scaler is None
+            return self.device.type == "cuda" and fused
         if self.args.overlap and not fused:
             raise UsageError(f"--overlap needs torch's fused AdamW, which {self.device.type} lacks; leave it out")
         return self.args.overlap
@@ -281,6 +280,8 @@ class Trainer:
         else:
             stops = None
         if self.scaler is not None:
+            if self.overlap:  # a non-finite loss (and every step after it) poisons a gradient: the scaler skips it
+                self._poison(self._halt((~torch.isfinite(total.float())).float()))
             self.scaler.unscale_(self.optimizer)
         max_norm = a.clip if a.clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -292,19 +293,33 @@ class Trainer:
         self._next_batch = self.batches.get(self.sampler.prefetch(d.rank)[0])
         return QueuedStep(step, lr, self.readback.send(values))
 
-    def _apply_queued(self, loss_and_norm: torch.Tensor) -> None:
-        """The AdamW step queued behind the backward pass, taken or skipped on the device: the fused kernel's
-        `found_inf` (set as torch's grad scaler sets it) is 1 when the loss or the norm is not finite (the values the
-        host reads, so both judge alike), and stays 1 for every later step unless `skip_nonfinite` (the run stops
-        when the host reads the bad step)."""
-        bad = (~torch.isfinite(loss_and_norm)).any().float()  # () on the device: no wait
+    def _halt(self, bad: torch.Tensor) -> torch.Tensor:
+        """() float32 0/1 on the device: 1 when this step must not be applied, `bad` (this step is not finite) or,
+        unless `skip_nonfinite`, an earlier step was not (the run stops when the host reads that one)."""
         if not self.args.skip_nonfinite:
             bad = self._halted = torch.maximum(self._halted, bad)
-        try:
-            self.optimizer.found_inf = bad  # type: ignore[attr-defined]
-            self.optimizer.step()
-        finally:
-            del self.optimizer.found_inf  # type: ignore[attr-defined]
+        return bad
+
+    def _poison(self, flag: torch.Tensor) -> None:
+        """Before the grad scaler's unscale_: one gradient element times NaN where `flag` is 1 (times 1 otherwise,
+        which is exact), so the scaler's own inf check skips the step on the device."""
+        g = next(p.grad for p in self.model.parameters() if p.grad is not None)
+        g[(0,) * g.dim()].mul_(torch.where(flag > 0, float("nan"), 1.0))  # a 0-d view: no index from the host
+
+    def _apply_queued(self, loss_and_norm: torch.Tensor) -> None:
+        """The AdamW step queued behind the backward pass, taken or skipped on the device. With a grad scaler, its
+        step and update (the fused kernel gets the scaler's inf check: `_poison` made it see a step to skip). Else
+        the fused kernel's `found_inf` (set as the scaler sets it) is `_halt` of whether the loss or the norm is not
+        finite (the values the host reads, so both judge alike)."""
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            try:
+                self.optimizer.found_inf = self._halt((~torch.isfinite(loss_and_norm)).any().float())  # type: ignore[attr-defined]
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
         self.optimizer.zero_grad(set_to_none=True)
 
     def _finish_step(self, q: QueuedStep) -> dict[str, Any]:
