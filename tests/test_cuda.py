@@ -346,9 +346,9 @@ def test_a_token_waits_for_the_gpu_once(small: tuple[Path, Path]) -> None:
 def test_a_training_step_waits_for_the_gpu_once(
     small: tuple[Path, Path], tmp_path: Path, dtype: str, kernels: str, accum: int
 ) -> None:
-    """A training step: one wait (the loss and the gradient norm), in bf16 and in fp16 under the grad scaler (its
-    unscale, inf check and fused AdamW step on the device), with gradient accumulation too; every micro-batch leaves
-    from pinned memory."""
+    """A training step (overlapped, the default on CUDA: the AdamW step queued before the read): one wait (the loss
+    and the gradient norm), in bf16 and in fp16 under the grad scaler (its unscale, inf check and fused AdamW step on
+    the device), with gradient accumulation too; every micro-batch leaves from pinned memory."""
     from gpt2_port import GPT2
     from gpt2_port.io.tokens import TokenFile
     from gpt2_port.train import TrainArgs, Trainer, prepare_model
@@ -376,12 +376,14 @@ def test_a_training_step_waits_for_the_gpu_once(
     assert len(pinned) == 4 * accum and all(pinned)  # each micro-batch left from pinned memory
 
 
+@pytest.mark.parametrize("dtype", ["float32", "fp16"])
 def test_an_overlapped_run_waits_once_a_step_and_trains_as_the_loop_that_reads_first(
-    small: tuple[Path, Path], tmp_path: Path
+    small: tuple[Path, Path], tmp_path: Path, dtype: str
 ) -> None:
     """On the GPU the loop queues step k + 1 before it reads step k (overlap, the default there), its AdamW step
-    queued too: over a whole run, one wait a step (8 steps against 4: the setup and the save wait alike), and the
-    losses and weights bit for bit those of the loop that reads each step first (float32, deterministic kernels)."""
+    queued too (in fp16 with the grad scaler's unscale, inf check and update): over a whole run, one wait a step (8
+    steps against 4: the setup and the save wait alike), and the losses and weights bit for bit those of the loop
+    that reads each step first (deterministic kernels)."""
     from gpt2_port import GPT2
     from gpt2_port.io.tokens import TokenFile
     from gpt2_port.train import TrainArgs, Trainer, prepare_model
@@ -392,6 +394,7 @@ def test_an_overlapped_run_waits_once_a_step_and_trains_as_the_loop_that_reads_f
 
     def run(steps: int, overlap: bool | None, out: str) -> tuple[Trainer, int]:
         args = TrainArgs(steps=steps, batch_size=4, block_size=64, eval_every=0, dropout=0.0, overlap=overlap)
+        args.dtype = dtype
         model = GPT2.from_pretrained(str(ck))
         prepare_model(model, args, dev)
         t = Trainer(model, args, TokenFile(data / "train.bin", SMALL.vocab_size), None, tmp_path / out, dev)

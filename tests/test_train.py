@@ -249,14 +249,14 @@ def test_the_out_directory_loads_in_transformers_and_holds_log_best_and_plot(
     assert not torch.equal(weights(out)["h.0.mlp.c_fc.weight"], weights(small_ckpt)["h.0.mlp.c_fc.weight"])
 
 
-@pytest.mark.parametrize("where", ["step", "apply_step", "evaluate", "sample"])
+@pytest.mark.parametrize("where", ["step", "apply_step", "_apply_queued", "evaluate", "sample"])
 def test_running_out_of_device_memory_names_the_step_the_last_checkpoint_and_what_to_change(
     small_ckpt: Path, small_data: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch, capsys, where: str
 ) -> None:
     """torch's OutOfMemoryError in step 3 (its forward and backward, or its AdamW step: the first allocates AdamW's
-    moments), or in the evaluation or the sample after step 3 (a stand-in here; on a GPU a longer batch or
-    fragmentation after the measured check), is one line naming the step, the last checkpoint (step 2, kept whole)
-    and train's hint, exit 2: not an internal error."""
+    moments; overlapped, queued with the step), or in the evaluation or the sample after step 3 (a stand-in here; on
+    a GPU a longer batch or fragmentation after the measured check), is one line naming the step, the last checkpoint
+    (step 2, kept whole) and train's hint, exit 2: not an internal error."""
     from gpt2_port.train import loop
 
     owner, name = (loop, where) if where == "apply_step" else (loop.Trainer, QUEUE.get(where, where))
@@ -274,6 +274,7 @@ def test_running_out_of_device_memory_names_the_step_the_last_checkpoint_and_wha
     argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "4", *FAST]
     capsys.readouterr()
     argv += ["--eval-every", "1" if where == "evaluate" else "0", "--save-every", "2", "--no-progress"]
+    argv += ["--overlap"] if where == "_apply_queued" else []  # the AdamW step queued with the step
     if where == "sample":
         argv += ["--sample-every", "1", "--tokenizer", str(tokenizer_dir)]
     assert train(*argv) == 2

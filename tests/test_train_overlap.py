@@ -60,7 +60,7 @@ def same_run(a: Path, b: Path) -> None:
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     sa, sb = trainer_state.load(a), trainer_state.load(b)
-    assert sa.step == sb.step and sa.batches_drawn == sb.batches_drawn
+    assert sa.step == sb.step and sa.batches_drawn == sb.batches_drawn and sa.tensors.keys() == sb.tensors.keys()
     assert all(torch.equal(sa.tensors[k], sb.tensors[k]) for k in sa.tensors)
 
 
@@ -134,16 +134,19 @@ def test_step_k_plus_1_is_queued_before_step_k_is_read_except_where_the_loop_use
 
 
 def _nonfinite_at(monkeypatch: pytest.MonkeyPatch, at: int, what: str) -> None:
-    """Step `at` (1-based; one micro-batch a step) goes non-finite: its loss is NaN (so are its gradients), or one
-    gradient is Inf with the loss finite."""
+    """Step `at` (1-based; one micro-batch a step) goes non-finite: its loss is NaN, its gradients too ("loss") or
+    finite ("loss alone": a NaN added to it, as when an fp16 logit overflows), or one gradient is Inf with the loss
+    finite ("gradient norm")."""
     calls = []
-    if what == "loss":
+    if what.startswith("loss"):
         real = Trainer._micro_loss
 
         def loss(self: Trainer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             calls.append(1)
             out = real(self, x, y)
-            return out * float("nan") if len(calls) == at else out
+            if len(calls) != at:
+                return out
+            return out + torch.tensor(float("nan")) if what == "loss alone" else out * float("nan")
 
         monkeypatch.setattr(Trainer, "_micro_loss", loss)
     else:
@@ -161,7 +164,9 @@ def _nonfinite_at(monkeypatch: pytest.MonkeyPatch, at: int, what: str) -> None:
 
 @pytest.mark.exactness  # torch's fused AdamW skipping on `found_inf`: run on pyproject's floor torch too (./dev test)
 @pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip-nonfinite"])
-@pytest.mark.parametrize(("what", "scaler"), [("loss", False), ("gradient norm", False), ("loss", True)])
+@pytest.mark.parametrize(
+    ("what", "scaler"), [("loss", False), ("gradient norm", False), ("loss", True), ("loss alone", True)]
+)
 def test_a_non_finite_step_is_never_applied_though_the_next_was_queued(
     ck: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skip: bool, what: str, scaler: bool
 ) -> None:
@@ -169,7 +174,8 @@ def test_a_non_finite_step_is_never_applied_though_the_next_was_queued(
     step 3 was read: the run still stops at step 3 with the weights and AdamW state of step 2, as the loop that reads
     first leaves them (the fused kernel skipped step 3, and step 4 after it). With --skip-nonfinite both loops skip
     step 3 alone and train on to the same weights. `scaler`: under fp16's grad scaler (torch's CPU one standing in),
-    which skips on its own inf check; with --skip-nonfinite its scale is also the same."""
+    which skips on its own inf check, also where only the loss is NaN; with --skip-nonfinite its scale is the same
+    too."""
     runs = []
     for overlap in (True, False):
         with monkeypatch.context() as mp:
@@ -179,7 +185,8 @@ def test_a_non_finite_step_is_never_applied_though_the_next_was_queued(
             if skip:
                 assert t.run().skipped_steps == [3]
             else:
-                with pytest.raises(NonFiniteError, match=rf"^step 3: the {what} is (nan|inf) .*nothing was saved\)$"):
+                said = what.removesuffix(" alone")
+                with pytest.raises(NonFiniteError, match=rf"^step 3: the {said} is (nan|inf) .*nothing was saved\)$"):
                     t.run()
         runs.append(t)
     (a, b) = runs
@@ -247,7 +254,9 @@ def test_a_stop_request_is_taken_after_the_step_already_queued_and_the_run_resum
     part, full = tmp_path / "part", tmp_path / "full"
     with monkeypatch.context() as mp:
         mp.setattr(Trainer, "_queue_step", pressed)
+        capsys.readouterr()
         assert main(["train", "--init", str(ck), "--out", str(part), *common]) == 130
+    assert "stopping after the steps already queued (a resumable state is saved)" in capsys.readouterr().err
     assert trainer_state.load(part).step == 3 and [r["step"] for r in records(part)] == [1, 2, 3]
     assert main(["train", "--resume", str(part), *common]) == 0
     assert main(["train", "--init", str(ck), "--out", str(full), *common]) == 0
@@ -265,3 +274,18 @@ def test_overlap_is_on_by_default_on_cuda_only_and_needs_the_fused_adamw(ck: Pat
     stand_in.optimizer = torch.optim.AdamW(t.model.parameters(), foreach=True)  # no `found_inf`: cannot skip
     with pytest.raises(UsageError, match=r"^--overlap needs torch's fused AdamW, which cuda lacks; leave it out$"):
         Trainer._resolve_overlap(stand_in)
+
+
+def test_a_caller_that_steps_on_after_a_non_finite_stop_has_its_steps_applied(
+    ck: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Library use: the device's flag that holds overlapped steps back after a non-finite one is cleared with the
+    NonFiniteError, so a caller that catches it and calls `step` again trains on (not silently skipped steps)."""
+    with monkeypatch.context() as mp:
+        _nonfinite_at(mp, 1, "loss")
+        t = trainer(ck, data, tmp_path / "o", True, steps=3, eval_every=0)
+        with pytest.raises(NonFiniteError, match="^step 1: the loss is nan"):
+            t.step(0)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    assert "skipped" not in t.step(1)
+    assert not any(torch.equal(b, p) for b, p in zip(before, t.model.parameters(), strict=True))

@@ -413,8 +413,9 @@ def run(args: argparse.Namespace) -> int:
             if dist.is_main:
                 if bar is not None:
                     bar.abandon()
+                when = "the steps already queued" if trainer.overlap else "this step"  # type: ignore[union-attr]
                 sys.stderr.write(
-                    "stopping after this step (a resumable state is saved); Ctrl-C again to stop now without saving\n"
+                    f"stopping after {when} (a resumable state is saved); Ctrl-C again to stop now without saving\n"
                 )
                 sys.stderr.flush()
 

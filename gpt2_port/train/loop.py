@@ -202,8 +202,8 @@ class Trainer:
 
     # control
     def request_stop(self) -> None:
-        """Ask the loop to save a resumable state after the current step (an evaluation in progress is cut short)
-        and return (the CLI's Ctrl-C handler)."""
+        """Ask the loop to save a resumable state after the current step (with `overlap`, the one queued after it
+        too; an evaluation in progress is cut short) and return (the CLI's Ctrl-C handler)."""
         self._stop = True
 
     def _stop_requested(self) -> bool:
@@ -279,24 +279,25 @@ class Trainer:
             total, stops = d.all_reduce_sum(torch.stack([total, flag])).unbind()
         else:
             stops = None
-        if self.scaler is not None:
-            if self.overlap:  # a non-finite loss (and every step after it) poisons a gradient: the scaler skips it
-                self._poison(self._halt((~torch.isfinite(total.float())).float()))
+        if self.scaler is not None:  # a non-finite loss (overlapped: and every step after it) poisons a gradient:
+            # the scaler's inf check skips the step and backs off, read first or not (its gradients may be finite)
+            self._poison(self._halt((~torch.isfinite(total.float())).float()))
             self.scaler.unscale_(self.optimizer)
         max_norm = a.clip if a.clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         back = [total, norm] + ([stops] if stops is not None else [])
         values = torch.stack([v.float() for v in back])  # (2 or 3,): loss sum, grad norm[, stop votes]
+        sent = self.readback.send(values)  # before the AdamW step: the read need not wait for it
         if self.overlap:
             self._apply_queued(values[:2])
         # the next step's first batch is gathered and sent now, so it is on the device before that step's forward
         self._next_batch = self.batches.get(self.sampler.prefetch(d.rank)[0])
-        return QueuedStep(step, lr, self.readback.send(values))
+        return QueuedStep(step, lr, sent)
 
     def _halt(self, bad: torch.Tensor) -> torch.Tensor:
         """() float32 0/1 on the device: 1 when this step must not be applied, `bad` (this step is not finite) or,
-        unless `skip_nonfinite`, an earlier step was not (the run stops when the host reads that one)."""
-        if not self.args.skip_nonfinite:
+        unless `skip_nonfinite`, an earlier overlapped step was not (the run stops when the host reads that one)."""
+        if self.overlap and not self.args.skip_nonfinite:
             bad = self._halted = torch.maximum(self._halted, bad)
         return bad
 
@@ -315,8 +316,8 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
+            self.optimizer.found_inf = self._halt((~torch.isfinite(loss_and_norm)).any().float())  # type: ignore[attr-defined]
             try:
-                self.optimizer.found_inf = self._halt((~torch.isfinite(loss_and_norm)).any().float())  # type: ignore[attr-defined]
                 self.optimizer.step()
             finally:
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
@@ -333,6 +334,7 @@ class Trainer:
         finite = math.isfinite(train_loss) and (math.isfinite(grad_norm) or self.scaler is not None)
         if not finite and not a.skip_nonfinite:
             self.optimizer.zero_grad(set_to_none=True)
+            self._halted = torch.zeros_like(self._halted)  # a caller that steps on applies its steps again
             what = "loss" if not math.isfinite(train_loss) else "gradient norm"
             value = train_loss if what == "loss" else grad_norm
             raise NonFiniteError(
@@ -500,7 +502,8 @@ class Trainer:
 
     def _acts_after(self, n: int) -> bool:
         """Whether the loop uses step n's weights (evaluates, samples, saves or stops): step n + 1 waits for its
-        read then. Every process decides alike (a sample is rank 0's, but the others wait for it at the save)."""
+        read then. Every process decides alike (a sample is rank 0's, but the others wait for it at their next
+        collective)."""
         return n == self.args.steps or self._evaluates(n) or self._samples(n) or self._saves(n) or self._stops_at(n)
 
     def run(self) -> TrainResult:
