@@ -19,10 +19,10 @@ device does not wait for the host's logging, progress and launches between steps
 the step, and torch's fused kernel skips it on the device when the step is not finite (its `found_inf`; under fp16's
 grad scaler, the scaler's own inf check, which a non-finite loss makes fire), and every later step too until the run
 stops at the read (with `skip_nonfinite`, that step alone): the non-finite stop stays exact, no bad step is ever
-applied. A step whose weights the loop uses (it evaluates, samples, saves or stops
-after it) is read before the next is queued, and so is the step before the last; a stop request is taken after the
-step already queued (under DDP, whose vote rides on a step's all-reduce and is read with it, up to three steps after
-the request). Without `overlap` the values are read after the backward pass and the AdamW step follows the read.
+applied. A step whose weights the loop uses (it evaluates, samples, saves or stops after it) is read before the next
+is queued, and so is the step before the last; a stop request is taken after the step already queued (under DDP,
+whose vote rides on a step's all-reduce and is read with it, up to three steps after the request). Without
+`overlap` the values are read after the backward pass and the AdamW step follows the read.
 
 Outputs go through run_dir.RunDir (the process of rank 0 writes); progress reaches the caller through `Callbacks`.
 """
