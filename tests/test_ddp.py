@@ -291,6 +291,40 @@ def test_a_ddp_step_waits_once_and_carries_the_stop_vote_in_its_one_all_reduce(s
         assert [s["stop"] for s in x["steps"]] == [False, True, True], x
 
 
+_OVERLAPPED_STOP_SCRIPT = _trainer_script(
+    10,
+    1,
+    """
+t.overlap = True  # as on CUDA: step k + 1 queued before step k is read
+order = []
+queue, finish = Trainer._queue_step, Trainer._finish_step
+
+def queued(self, step):
+    if step == 2 and d.rank == 1:
+        self.request_stop()  # process 1's Ctrl-C while it queues step 3: its vote rides on step 3's all-reduce
+    order.append(f"q{step + 1}")
+    return queue(self, step)
+
+def finished(self, q):
+    order.append(f"r{q.step + 1}")
+    return finish(self, q)
+
+Trainer._queue_step, Trainer._finish_step = queued, finished
+res = t.run()
+result = {"step": res.step, "interrupted": res.interrupted, "order": order}
+""",
+)
+
+
+def test_overlapped_processes_take_a_stop_vote_after_the_same_step(setup, tmp_path: Path) -> None:
+    """Overlapped steps under DDP: process 1 asks to stop while it queues step 3; the vote rides on step 3's
+    all-reduce and is read with step 3, when step 4 is already queued on both, so both finish step 4, queue nothing
+    more and stop there together (the same queueing and reading on each: no collective left waiting)."""
+    ranks = _run_workers(_OVERLAPPED_STOP_SCRIPT, setup, tmp_path)
+    want = "q1 q2 r1 q3 r2 q4 r3 r4"
+    assert [(x["step"], x["interrupted"], " ".join(x["order"])) for x in ranks] == [(4, True, want)] * 2, ranks
+
+
 @dataclass(frozen=True)
 class _OneOf(Dist):
     """Process `rank` of `world_size` seen alone: its all-reduce returns its own share (no process group)."""
