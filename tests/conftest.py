@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2_port.config import GPT2Config
 from gpt2_port.io.demo import write_demo_checkpoint
+from gpt2_port.io.safetensors_io import SafetensorsFile
 from gpt2_port.model import GPT2
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,6 +77,12 @@ def tiny_official(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path)
     """A tiny random checkpoint in the exact official layout (no prefix, mask buffers, no lm_head), with tokenizer."""
     d = tmp_path_factory.mktemp("tiny_official")
     return write_demo_checkpoint(d, config=TINY, seed=1, tokenizer_dir=tokenizer_dir)
+
+
+def weights(d: Path) -> dict[str, torch.Tensor]:
+    """The tensors of d/model.safetensors, copied out of the file (a run may overwrite it)."""
+    st = SafetensorsFile(d / "model.safetensors")
+    return {k: st.get(k).clone() for k in st.keys()}
 
 
 def save_hf(d: Path, cfg: GPT2Config, seed: int = 0, randomize: bool = True) -> Path:

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import weights
 
 from gpt2_port.cli import main
 from gpt2_port.cli.train_settings import load_checkpoint
 from gpt2_port.config import GPT2Config
 from gpt2_port.errors import UsageError
 from gpt2_port.io.demo import write_demo_checkpoint
-from gpt2_port.io.safetensors_io import SafetensorsFile
 from gpt2_port.train import TrainArgs, Trainer, prepare_model
 from gpt2_port.train import state as trainer_state
 from gpt2_port.train.data import open_split
@@ -104,11 +104,6 @@ def one_process_accumulating(ck: Path, data: Path, out: Path, *extra: str, accum
 
 def losses(out: Path) -> list[float]:
     return [json.loads(line)["train_loss"] for line in (out / "log.jsonl").read_text().splitlines()]
-
-
-def weights(d: Path) -> dict[str, torch.Tensor]:
-    st = SafetensorsFile(d / "model.safetensors")
-    return {k: st.get(k).clone() for k in st.keys()}
 
 
 def close(a: list[float], b: list[float]) -> bool:

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import weights
 
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
 from gpt2_port.io.demo import write_demo_checkpoint
-from gpt2_port.io.safetensors_io import SafetensorsFile
 from gpt2_port.train import state as trainer_state
 
 pytestmark = pytest.mark.exactness  # bit-for-bit resume: run again under a second arithmetic configuration
@@ -44,11 +44,6 @@ def data(tmp_path: Path) -> Path:
 
 def log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-
-
-def weights(d: Path) -> dict[str, torch.Tensor]:
-    st = SafetensorsFile(d / "model.safetensors")
-    return {k: st.get(k).clone() for k in st.keys()}
 
 
 def train(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import weights
 
 from gpt2_port import devices
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config, preset
 from gpt2_port.errors import UsageError
 from gpt2_port.io.demo import write_demo_checkpoint
-from gpt2_port.io.safetensors_io import SafetensorsFile
 from gpt2_port.io.tokenizer import load_tokenizer
 from gpt2_port.model import GPT2, from_pretrained, lowp
 from gpt2_port.train import NonFiniteError, TrainArgs, Trainer, memory, prepare_model
@@ -78,11 +78,6 @@ def train(*argv: str) -> int:
 
 def log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-
-
-def weights(d: Path) -> dict[str, torch.Tensor]:
-    st = SafetensorsFile(d / "model.safetensors")
-    return {k: st.get(k).clone() for k in st.keys()}
 
 
 # -- data ------------------------------------------------------------------------------------------------------------

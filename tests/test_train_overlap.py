@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import weights
 
 from gpt2_port.cli.main import main
 from gpt2_port.config import GPT2Config
 from gpt2_port.errors import UsageError
 from gpt2_port.generate.readback import Readback
 from gpt2_port.io.demo import write_demo_checkpoint
-from gpt2_port.io.safetensors_io import SafetensorsFile
 from gpt2_port.model import from_pretrained
 from gpt2_port.train import NonFiniteError, TrainArgs, Trainer, prepare_model
 from gpt2_port.train import state as trainer_state
@@ -47,11 +47,6 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def records(out: Path) -> list[dict]:
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
-
-
-def weights(d: Path) -> dict[str, torch.Tensor]:
-    st = SafetensorsFile(d / "model.safetensors")
-    return {k: st.get(k).clone() for k in st.keys()}
 
 
 def same_run(a: Path, b: Path) -> None:
