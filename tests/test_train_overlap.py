@@ -59,12 +59,13 @@ def same_run(a: Path, b: Path) -> None:
     assert all(torch.equal(sa.tensors[k], sb.tensors[k]) for k in sa.tensors)
 
 
-def trainer(ck: Path, data: Path, out: Path, overlap: bool, **kw) -> Trainer:  # noqa: ANN003
+def trainer(ck: Path, data: Path, out: Path, overlap: bool, resume: object = None, **kw) -> Trainer:  # noqa: ANN003
+    """A Trainer on the CPU (`resume`: a trainer_state.TrainerState saved in `out`)."""
     m, _ = from_pretrained(ck)
     args = TrainArgs(batch_size=2, block_size=16, eval_batches=2, dropout=0.0, overlap=overlap, **kw)
     prepare_model(m, args, torch.device("cpu"))
     val = TokenFile(data / "val.bin", SMALL.vocab_size) if args.eval_every else None
-    return Trainer(m, args, TokenFile(data / "train.bin", SMALL.vocab_size), val, out, "cpu")
+    return Trainer(m, args, TokenFile(data / "train.bin", SMALL.vocab_size), val, out, "cpu", resume=resume)
 
 
 def test_overlapped_steps_train_the_same_run_bit_for_bit(
@@ -192,6 +193,36 @@ def test_a_non_finite_step_is_never_applied_though_the_next_was_queued(
     assert int(a.optimizer.state[next(a.model.parameters())]["step"]) == (5 if skip else 2)
     if scaler and skip:
         assert a.scaler.state_dict() == b.scaler.state_dict() and a.scaler.get_scale() < 2.0**10
+
+
+def test_a_run_saved_after_a_skipped_first_step_resumes_to_the_uninterrupted_run(
+    ck: Path, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 1 not finite under --skip-nonfinite, the run saved right after it: overlapped, the fused kernel skipped
+    that step but made AdamW's state (zero moments, step 0), which the save holds; without overlap there is none yet.
+    Either way the run resumed to step 4 is the run that was never stopped, bit for bit (a zero state is the state
+    AdamW's first step starts from), and the two loops train the same weights."""
+    final = []
+    for overlap in (True, False):
+        for stops in ([4], [1, 4]):
+            out = tmp_path / f"{overlap}-{len(stops)}"
+            st = None
+            with monkeypatch.context() as mp:
+                _nonfinite_at(mp, 1, "loss")
+                for steps in stops:
+                    t = trainer(ck, data, out, overlap, resume=st, steps=steps, eval_every=0, skip_nonfinite=True)
+                    assert t.run().skipped_steps == ([1] if st is None else [])
+                    st = trainer_state.load(out)
+                    if steps == 1:  # the state saved after the skipped step
+                        saved = {k: float(v.abs().max()) for k, v in st.tensors.items() if k.startswith("optim.")}
+                        assert (set(saved.values()) == {0.0} and len(saved) > 0) if overlap else saved == {}
+            final.append((weights(out), st))
+    (w0, s0) = final[0]
+    for w, s in final[1:]:
+        assert all(torch.equal(w0[k], w[k]) for k in w0)
+        assert s0.tensors.keys() == s.tensors.keys() and all(
+            torch.equal(s0.tensors[k], s.tensors[k]) for k in s0.tensors
+        )
 
 
 def test_fp16s_grad_scaler_skips_and_backs_off_alike_overlapped(ck: Path, data: Path, tmp_path: Path) -> None:
