@@ -126,12 +126,14 @@ def _table_lines(text: str) -> list[str]:
 
 
 def test_one_renderer_plain_when_piped(tiny_official: Path, capsys):
-    """The default table and the detailed one share one layout; piped, no box characters and no wrapping."""
+    """The default table and the detailed one share one layout (the noise floor's columns in both, by default);
+    piped, no box characters and no wrapping."""
     assert main(["parity", str(tiny_official), "--device", "cpu"]) == 0
     block = capsys.readouterr().out
-    assert main(["parity", str(tiny_official), "--device", "cpu", "--detail", "sublayer", "--no-noise-floor"]) == 0
+    assert main(["parity", str(tiny_official), "--device", "cpu", "--detail", "sublayer"]) == 0
     sub = capsys.readouterr().out
     assert _table_lines(block) == _table_lines(sub) and len(_table_lines(block)) == 1
+    assert _table_lines(block)[0][5:8] == ["noise", "floor", "vs"]
     for text in (block, sub):
         assert not BOX.search(text) and "\x1b" not in text
         title = next(ln for ln in text.splitlines() if ln.startswith("float32/cpu: scratch"))

@@ -75,9 +75,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--noise-floor",
         action=argparse.BooleanOptionalAction,
-        default=None,
+        default=True,
         help="also measure transformers against itself (eager vs sdpa; in a sweep, itself in each dtype) "
-        "and mark every figure within or above that floor (default: on with --detail sublayer or a sweep)",
+        "and mark every figure within or above that floor (default: on; one more transformers forward a "
+        "configuration, on the reference already loaded)",
     )
     p.add_argument(
         "--logit-lens",
@@ -160,10 +161,6 @@ def run(args: argparse.Namespace) -> int:
         return parity_backward.run(args, outs)
     inputs = read_inputs(args)
     detail = "sublayer" if args.per_head else args.detail
-    is_sweep = "," in str(args.dtype) or "," in str(args.device)
-    floor = args.noise_floor
-    if floor is None:  # default: measured whenever the report is meant to explain (sub-layers or a sweep)
-        floor = detail == "sublayer" or is_sweep
     sweep = run_detailed(
         args.model,
         inputs,
@@ -171,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         devices=args.device,
         detail=detail,
         per_head=args.per_head,
-        noise_floor=floor,
+        noise_floor=args.noise_floor,
         logit_lens=args.logit_lens,
         reference_attn=args.reference_attn,
         attn=args.attn,

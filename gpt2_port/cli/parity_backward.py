@@ -46,7 +46,6 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]]) -> int:
             raise UsageError(f"{opt} is a forward-report option: not with --backward/--train-steps")
     tc = train_config(args)
     inputs = read_inputs(args)
-    floor = getattr(args, "noise_floor", None)
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:  # phases on stderr, only on a terminal
@@ -61,7 +60,7 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]]) -> int:
         reference_attn=args.reference_attn,
         attn=args.attn,
         kernels=args.kernels or "reference",
-        noise_floor=True if floor is None else floor,
+        noise_floor=getattr(args, "noise_floor", True),
         train=tc,
         revision=args.revision,
         tokenizer=args.tokenizer,
