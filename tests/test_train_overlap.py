@@ -223,6 +223,7 @@ def test_a_run_saved_after_a_skipped_first_step_resumes_to_the_uninterrupted_run
         assert s0.tensors.keys() == s.tensors.keys() and all(
             torch.equal(s0.tensors[k], s.tensors[k]) for k in s0.tensors
         )
+        assert s.step == s0.step == 4 and s.batches_drawn == s0.batches_drawn
 
 
 def test_fp16s_grad_scaler_skips_and_backs_off_alike_overlapped(ck: Path, data: Path, tmp_path: Path) -> None:

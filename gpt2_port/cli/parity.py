@@ -14,7 +14,7 @@ from . import parity_backward
 from .common import add_device_arg, add_model_arg, add_revision_arg, add_tokenizer_arg, human_stream
 from .parity_io import checked_outputs, read_inputs, write_outputs
 
-OOM_HINT = "fewer or shorter prompts (--prompt, --prompt-file), another --device or a smaller model"
+OOM_HINT = "fewer or shorter prompts (--prompt, --prompt-file), --no-noise-floor, another --device or a smaller model"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -77,8 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also measure transformers against itself (eager vs sdpa; in a sweep, itself in each dtype) "
-        "and mark every figure within or above that floor (default: on; one more transformers forward a "
-        "configuration, on the reference already loaded)",
+        "and mark every figure within or above that floor (default: on; one more transformers forward on the "
+        "reference already loaded, and in a sweep a copy of it per other dtype or device)",
     )
     p.add_argument(
         "--logit-lens",
