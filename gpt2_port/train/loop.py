@@ -313,8 +313,7 @@ class Trainer:
         the fused kernel's `found_inf` (set as the scaler sets it) is `_halt` of whether the loss or the norm is not
         finite (the values the host reads, so both judge alike)."""
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            apply_step(self.optimizer, self.scaler, finite=True)  # the scaler's inf check decides on the device
         else:
             self.optimizer.found_inf = self._halt((~torch.isfinite(loss_and_norm)).any().float())  # type: ignore[attr-defined]
             try:
