@@ -968,6 +968,12 @@ def c_eval_stride_without_text(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_eval_no_noise_floor_without_check(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    return {"argv": ev(base, tmp, "--text", str(f), "--no-noise-floor"), "expect": ["--no-noise-floor", "--check"]}
+
+
+@case
 def c_eval_json_dir_missing(tmp: Path, base: Path) -> dict:
     f = _text(tmp)
     return {

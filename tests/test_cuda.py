@@ -467,3 +467,20 @@ def test_generate_and_eval_commands_run_on_cuda(tiny_official: Path, tmp_path: P
         res[dev] = json.loads(out.read_text())
     assert res["cuda"]["device"].startswith("cuda") and res["cuda"]["tokens"] == res["cpu"]["tokens"]
     assert res["cuda"]["nll"] == pytest.approx(res["cpu"]["nll"], rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eval_check_on_cuda_lies_within_its_tolerance_beside_the_floor(
+    tiny_official: Path, tmp_path: Path, dtype: str
+) -> None:
+    """`eval --check` on the GPU: the port's NLLs against sdpa transformers in the same dtype, each within its
+    tolerance, beside transformers' eager-against-sdpa floor (in float32 also within that floor)."""
+    text = tmp_path / "t.txt"
+    text.write_text("The students opened their books and began to read. " * 40)
+    out = tmp_path / "e.json"
+    argv = ["eval", str(tiny_official), "--text", str(text), "--device", "cuda", "--dtype", dtype, "--check"]
+    assert main([*argv, "--max-length", "64", "--json", str(out)]) == 0
+    c = json.loads(out.read_text())["check"]
+    assert c["passed"] and c["noise_floor"] is not None and all(r["floor"] is not None for r in c["rows"]), c
+    if dtype == "float32":
+        assert c["as_close_as_reference"] is True, c

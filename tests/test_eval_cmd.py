@@ -96,6 +96,13 @@ def test_check_reports_parity_and_fails_with_exit_1(tiny_official: Path, text: P
     rc, out, _ = run(capsys, str(tiny_official), "--text", str(text), "--check")
     assert rc == 0, out
     assert "parity against transformers (float32" in out and "PASS" in out
+    # the reference's own noise floor beside each difference, by default: eager against sdpa transformers
+    assert "floor  vs floor" in out and "noise floor: transformers' own eager attention against its sdpa" in out
+    assert "as close to sdpa transformers (float32) as transformers' own eager attention is: YES" in out
+    rc, out, _ = run(capsys, str(tiny_official), "--text", str(text), "--check", "--no-noise-floor", "--json", "-")
+    d = json.loads(out)
+    assert rc == 0 and d["check"]["noise_floor"] is None and d["check"]["as_close_as_reference"] is None
+    assert all(r["floor"] is None and r["within_noise"] is None for r in d["check"]["rows"])
     rc, out, _ = run(capsys, str(tiny_official), "--choices", str(text.parent / "missing.jsonl"))
     assert rc == 2
 
@@ -113,7 +120,11 @@ def test_check_reports_parity_and_fails_with_exit_1(tiny_official: Path, text: P
     rc, out, _ = run(capsys, str(tiny_official), "--text", str(text), "--check", "--json", "-")
     d = json.loads(out)
     assert rc == 1 and d["check"]["passed"] is False
-    assert any(r["quantity"] == "total nll" and not r["passed"] for r in d["check"]["rows"])
+    rows = {r["quantity"]: r for r in d["check"]["rows"]}
+    assert not rows["total nll"]["passed"]
+    # both transformers scorers are off by the same factor: their floor stays small, the port's difference is above it
+    assert rows["total nll"]["within_noise"] is False and rows["total nll"]["floor"] < 1e-6
+    assert d["check"]["as_close_as_reference"] is False
 
 
 def test_check_on_lambada_and_choices(tiny_official: Path, lambada: Path, choices: Path, capsys) -> None:
@@ -121,8 +132,10 @@ def test_check_on_lambada_and_choices(tiny_official: Path, lambada: Path, choice
         rc, out, _ = run(capsys, str(tiny_official), flag, str(f), "--check", "--json", "-")
         d = json.loads(out)
         assert rc == 0 and d["check"]["passed"] is True, d["check"]
+        assert d["check"]["as_close_as_reference"] is True and d["check"]["noise_floor"].startswith("transformers'")
         rows = {r["quantity"].split(" (")[0]: r for r in d["check"]["rows"]}
         assert rows[acc]["diff"] == 0 and rows["total nll"]["diff"] <= 1e-6
+        assert rows["total nll"]["within_noise"] is True and rows["total nll"]["floor"] >= 0
         assert any(q.startswith("worst ") for q in rows)
 
 

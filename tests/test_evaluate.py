@@ -250,14 +250,27 @@ def test_check_scores_with_transformers_in_the_same_batches(tiny_official: Path,
     f.write_text(SHAKESPEARE.read_text()[:2500])
     _, report = read_checkpoint(tiny_official)
     ref = reference_scorer(report.checkpoint, report.config, torch.float32, torch.device("cpu"))
-    res = evaluate_text([model_scorer(ours), ref], tok.encode, f, 128, tok.eot_id)
+    eager = reference_scorer(report.checkpoint, report.config, torch.float32, torch.device("cpu"), attn="eager")
+    res = evaluate_text([model_scorer(ours), ref, eager], tok.encode, f, 128, tok.eot_id)
     parity = compare_text(res["gpt2_port"], res["transformers"], "float32")
     assert parity.passed, parity.format()
+    assert parity.noise_floor is None and parity.as_close_as_reference is None and "vs floor" not in parity.format()
     assert len(res["transformers"].window_nll) == len(res["gpt2_port"].window_nll) > 1
     assert rel(res["transformers"].nll, res["gpt2_port"].nll) <= NLL_RTOL
-    # the gate can fail: a reference 1e-5 away is caught
+    # the floor: each row beside the same row for eager transformers against sdpa transformers
+    floored = compare_text(res["gpt2_port"], res["transformers"], "float32", res["transformers (eager)"])
+    total, worst = floored.rows[:2]
+    per_window = [abs(a - b) for a, b in zip(res["transformers (eager)"].window_nll, res["transformers"].window_nll)]
+    assert total.quantity == "total nll" and total.floor == sum(per_window) / res["transformers"].nll
+    assert worst.floor == max(d / b for d, b in zip(per_window, res["transformers"].window_nll))
+    assert floored.as_close_as_reference is True and all(r.within_noise for r in floored.rows), floored.format()
+    # the gate can fail: a reference 1e-5 away is caught, and is above the floor (the floor is far below 1e-5 here)
+    assert total.floor < 1e-6
     res["transformers"].nll *= 1 + 1e-5
     assert not compare_text(res["gpt2_port"], res["transformers"], "float32").passed
+    moved = compare_text(res["gpt2_port"], res["transformers"], "float32", res["transformers (eager)"])
+    assert moved.rows[0].within_noise is False and moved.as_close_as_reference is False
+    assert "eager attention is: NO (" in moved.format()
 
 
 # -- LAMBADA -------------------------------------------------------------------------------------------------------

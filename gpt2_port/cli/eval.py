@@ -43,7 +43,8 @@ split, the <|endoftext|> prepare put there is scored as a token). bytes and word
 records them), so bits_per_byte and word_perplexity need no text; a meta.json without them leaves those keys null.
 
 --check: score the same windows with transformers' GPT2LMHeadModel in the same run and report the differences
-(exit 1 if any is over its tolerance).
+(exit 1 if any is over its tolerance), each beside the reference's own noise floor: the same difference between
+transformers' eager and sdpa attention, which score the windows too (--no-noise-floor: sdpa only).
 """
 
 
@@ -76,6 +77,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON (- for stdout)")
     p.add_argument("--markdown", metavar="PATH", default=None, help="write the results as a Markdown table")
     p.add_argument("--check", action="store_true", help="also score with transformers and report the differences")
+    p.add_argument(
+        "--noise-floor",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --check: also score with transformers' eager attention and mark each difference within or above "
+        "the distance between its eager and sdpa kernels (default: on with --check)",
+    )
     add_progress_arg(p, "scored tokens")
     p.set_defaults(func=run, oom_hint=OOM_HINT)
 
@@ -176,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--split {args.split} applies to --data only (it picks the prepared .bin to score)")
     args.split = args.split or "val"
     check_batch_size(args.batch_size)
+    if args.noise_floor is not None and not args.check:
+        flag = "--noise-floor" if args.noise_floor else "--no-noise-floor"
+        raise UsageError(f"{flag}: only with --check (the floor is transformers' own, measured beside it)")
     dtype, device = parse_dtype(args.dtype), parse_device(args.device)
     check_outputs([(o, p) for o, p in (("--json", args.json), ("--markdown", args.markdown)) if p], _inputs(args))
     docs = None
@@ -213,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
         if dt not in NLL_RTOL:
             raise UsageError(f"--check: no tolerance for dtype {dt} (expected one of {', '.join(NLL_RTOL)})")
         scorers.append(reference_scorer(report.checkpoint, report.config, dtype, device))
+        if args.noise_floor is not False:
+            scorers.append(reference_scorer(report.checkpoint, report.config, dtype, device, attn="eager"))
 
     # the work to count: the tokens scored (known before scoring: a text is encoded once more to count them)
     reqs = qs = None
@@ -272,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
         from gpt2_port_checks import evaluation as ev
 
         compare = {"text": ev.compare_text, "data": ev.compare_text, "lambada": ev.compare_lambada}
-        parity = compare.get(task, ev.compare_choices)(results["gpt2_port"], results["transformers"], dt)
+        floor = results.get(ev.FLOOR)
+        parity = compare.get(task, ev.compare_choices)(results["gpt2_port"], results[ev.REFERENCE], dt, floor)
 
     header = f"{args.model} | {task}: {method} | max-length {max_length} | {device} {dt}"
     lines = [header] + [f"  {k:<20} {v}" for k, v in _rows(task, res)]
