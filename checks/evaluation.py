@@ -14,6 +14,7 @@ tolerances'.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -24,8 +25,10 @@ from gpt2_port.eval.score import Scorer
 from gpt2_port.eval.tasks import ChoiceResult, LambadaResult
 from gpt2_port.io.load import Checkpoint
 
-from .noise import NOISE_MARGIN, verdict
+from .noise import NOISE_MARGIN, Verdict, closeness, verdict
 from .reference import load_reference
+from .render import Table, markdown_tables, num, ok, plain_document, tol
+from .results import all_within_noise
 
 # Relative difference of NLL sums (per window, per document, per ending, and the total) against transformers in the
 # same dtype, both with sdpa attention. Worst cases seen (CPU, torch 2.13, transformers 5.23), float32: 0.0 -- the same
@@ -36,8 +39,8 @@ from .reference import load_reference
 # independent reference), worst 7e-8. Reduced dtypes: the gates are set from the parity command's measured logit error
 # (norm-relative 1.1e-2 bfloat16, 1.4e-3 float16). Worst seen on this AVX2 CPU, where the port's bf16/fp16 matmuls
 # run from float32 copies (model/lowp.py), transformers 5.24, random 124M, 700 tokens of tiny shakespeare in windows
-# of 128 (`eval --check --dtype D`): 1.0e-4 bfloat16, 8.2e-6 float16 (a window's NLL), each within transformers'
-# own eager-to-sdpa distance. Not yet measured on a GPU.
+# of 128 (`eval --check --dtype D`): 1.0e-4 bfloat16, 8.2e-6 float16 (a window's NLL), each within NOISE_MARGIN of
+# transformers' own eager-to-sdpa distance (worst x1.2). Not yet measured on a GPU.
 NLL_RTOL: dict[str, float] = {
     "float32": 1e-6,  # the target: float32 NLL equal to 1e-6 relative
     "bfloat16": 3e-2,
@@ -47,16 +50,17 @@ NLL_RTOL: dict[str, float] = {
 
 REFERENCE = "transformers"  # the scorer the port is compared with: sdpa attention, as the port runs
 FLOOR = "transformers (eager)"  # the scorer the reference's own noise is measured with
+SCORER_NAMES = {"sdpa": REFERENCE, "eager": FLOOR}
 FLOOR_DESC = "transformers' own eager attention against its sdpa attention, same windows and batches"
 
 
 def reference_scorer(
     ckpt: Checkpoint, cfg: GPT2Config, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"
 ) -> Scorer:
-    """transformers as the evaluator asks a model; named REFERENCE with sdpa attention, FLOOR with eager."""
+    """transformers as the evaluator asks a model, named by its attention (SCORER_NAMES)."""
     ref = load_reference(ckpt, cfg, dtype, device, attn=attn)
     return Scorer(
-        REFERENCE if attn == "sdpa" else FLOOR,
+        SCORER_NAMES[attn],
         lambda ids: ref.transformer(input_ids=ids).last_hidden_state,
         ref.lm_head,
         device,
@@ -72,8 +76,11 @@ class Row:
     diff: float  # relative for NLLs; absolute (count of disagreements) for predictions
     tolerance: float
     passed: bool
-    floor: float | None = None  # the same difference between transformers' eager and sdpa scorers
-    within_noise: bool | None = None  # diff within NOISE_MARGIN x floor; None without a floor
+    # The noise floor: the same difference between transformers' eager and sdpa scorers; None when not measured.
+    floor: float | None = None
+    noise_ratio: float | None = None  # diff / floor; None when the floor is 0 and the diff is not
+    within_noise: bool | None = None  # diff within NOISE_MARGIN x floor
+    noise_verdict: str | None = None  # "within noise", "above x4.8", "above (reference exact here)"
 
 
 @dataclass
@@ -89,9 +96,7 @@ class EvalParity:
     @property
     def as_close_as_reference(self) -> bool | None:
         """Every difference within the reference's own noise (None without a floor)."""
-        if self.noise_floor is None:
-            return None
-        return all(r.within_noise for r in self.rows)
+        return all_within_noise(self.rows)
 
     def to_json(self) -> dict:
         return {
@@ -106,38 +111,47 @@ class EvalParity:
         """One sentence: is the port as close to transformers (sdpa) as transformers' eager attention is?"""
         if self.noise_floor is None:
             return None
+        judged = [(r.quantity, r.diff, Verdict(bool(r.within_noise), r.noise_ratio)) for r in self.rows]
         head = f"as close to sdpa transformers ({self.dtype}) as transformers' own eager attention is"
-        if self.as_close_as_reference:
-            if all(r.diff == 0 for r in self.rows):
-                return f"{head}: YES (bit-exact on every quantity)"
-            return f"{head}: YES (every difference within {NOISE_MARGIN:g}x the floor)"
-        above = [r.quantity for r in self.rows if not r.within_noise]
-        return f"{head}: NO ({len(above)} of {len(self.rows)} above the floor: {', '.join(above)})"
+        return closeness(head, judged, "figure")
+
+    def table(self) -> Table:
+        floor = self.noise_floor is not None
+        cols = ["quantity", "gpt2_port", "transformers", "diff", "tol"] + (["floor", "vs floor"] if floor else [])
+        t = Table(f"parity against transformers ({self.dtype}, same windows, same batches)", cols + ["result"])
+        for i, r in enumerate(self.rows):
+            row = [r.quantity, f"{r.ours:.8g}", f"{r.reference:.8g}", num(r.diff), tol(r.tolerance)]
+            t.rows.append(row + ([num(r.floor), r.noise_verdict or "-"] if floor else []) + [ok(r.passed)])
+            if not r.passed:
+                t.bad.add(i)
+        if floor:
+            t.notes.append(
+                f"noise floor: {self.noise_floor} (a total's: the sum of the items' distances); a difference within "
+                f"{NOISE_MARGIN:g}x its floor counts as within"
+            )
+        return t
+
+    def verdicts(self) -> list[str]:
+        """The noise sentence (with a floor), then PASS or FAIL and the rows over their tolerances."""
+        failed = [r.quantity for r in self.rows if not r.passed]
+        return [x for x in (self.noise_summary(),) if x] + ["PASS" if self.passed else "FAIL: " + ", ".join(failed)]
 
     def format(self) -> str:
-        floor = self.noise_floor is not None
-        lines = [f"parity against transformers ({self.dtype}, same windows, same batches):"]
-        head = f"  {'quantity':<34} {'gpt2_port':>16} {'transformers':>16} {'diff':>10} {'tol':>8}"
-        lines.append(head + (f" {'floor':>10}  {'vs floor':<14}" if floor else ""))
-        for r in self.rows:
-            row = f"  {r.quantity:<34} {r.ours:>16.8g} {r.reference:>16.8g} {r.diff:>10.2e} {r.tolerance:>8.0e}"
-            if floor:
-                row += f" {r.floor:>10.2e}  {verdict(r.diff, r.floor).text:<14}"  # type: ignore[arg-type]
-            lines.append(f"{row}  {'OK' if r.passed else 'FAIL'}")
-        if floor:
-            lines.append(f"noise floor: {self.noise_floor} (a total's: the sum of the items' distances)")
-            lines.append(f"a difference within {NOISE_MARGIN:g}x its floor counts as within")
-            lines.append(self.noise_summary())  # type: ignore[arg-type]
-        lines.append("PASS" if self.passed else "FAIL: " + ", ".join(r.quantity for r in self.rows if not r.passed))
-        return "\n".join(lines)
+        """Plain text, as checks/render.py writes every parity table."""
+        return plain_document([], [self.table()], self.verdicts()).strip("\n")
+
+    def markdown(self) -> list[str]:
+        """The table as a Markdown section, then the verdicts."""
+        return markdown_tables([self.table()]) + [""] + [f"- {x}" for x in self.verdicts()]
 
 
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-def _flips(a: list[bool], b: list[bool]) -> int:
-    return sum(x != y for x, y in zip(a, b))
+def _flips(a: Sequence[bool | int], b: Sequence[bool | int]) -> int:
+    """How many verdicts (or picks) differ."""
+    return sum(x != y for x, y in zip(a, b, strict=True))
 
 
 def _nll_rows(
@@ -160,9 +174,9 @@ def _nll_rows(
         return rows, None
     # A total's floor is the sum of the per-item distances (how far the reference's own noise can move it: the
     # signed sum of one sample cancels by chance); the worst item's is the floor's own worst item.
-    spread = sum(abs(f - r) for f, r in zip(floor, ref))
+    spread = sum(abs(f - r) for f, r in zip(floor, ref, strict=True))
     rows[0].floor = spread / max(abs(total_r), 1e-30)
-    rows[1].floor = max(_rel(f, r) for f, r in zip(floor, ref))
+    rows[1].floor = max(_rel(f, r) for f, r in zip(floor, ref, strict=True))
     return rows, spread
 
 
@@ -170,7 +184,8 @@ def _parity(dtype: str, rows: list[Row], floor: bool) -> EvalParity:
     if not floor:
         return EvalParity(dtype, rows)
     for r in rows:
-        r.within_noise = verdict(r.diff, r.floor).within  # type: ignore[arg-type]
+        v = verdict(r.diff, r.floor)  # type: ignore[arg-type]
+        r.noise_ratio, r.within_noise, r.noise_verdict = v.ratio, v.within, v.text
     return EvalParity(dtype, rows, FLOOR_DESC)
 
 
@@ -178,7 +193,7 @@ def compare_text(ours: TextResult, ref: TextResult, dtype: str, floor: TextResul
     """Texts and prepared splits: the NLL per window, the token count, the perplexity; beside `floor` (transformers'
     eager scorer) when given."""
     tol = NLL_RTOL[dtype]
-    fl = floor and floor.window_nll
+    fl = None if floor is None else floor.window_nll
     rows, spread = _nll_rows("window", ours.window_nll, ref.window_nll, ours.nll, ref.nll, tol, fl)
     same = ours.tokens == ref.tokens and len(ours.window_nll) == len(ref.window_nll)
     rows.append(Row("tokens scored", ours.tokens, ref.tokens, abs(ours.tokens - ref.tokens), 0, same))
@@ -194,8 +209,8 @@ def compare_lambada(
     ours: LambadaResult, ref: LambadaResult, dtype: str, floor: LambadaResult | None = None
 ) -> EvalParity:
     """LAMBADA: the target word's NLL per document and the accuracy (documents whose verdict differs)."""
-    so, sr = sum(ours.word_nll), sum(ref.word_nll)
-    rows, _ = _nll_rows("document", ours.word_nll, ref.word_nll, so, sr, NLL_RTOL[dtype], floor and floor.word_nll)
+    so, sr, fl = sum(ours.word_nll), sum(ref.word_nll), None if floor is None else floor.word_nll
+    rows, _ = _nll_rows("document", ours.word_nll, ref.word_nll, so, sr, NLL_RTOL[dtype], fl)
     n = len(ours.correct)
     flips = _flips(ours.correct, ref.correct)
     rows.append(Row("accuracy", sum(ours.correct) / n, sum(ref.correct) / n, flips, 0, flips == 0))
@@ -206,8 +221,8 @@ def compare_lambada(
 
 def compare_choices(ours: ChoiceResult, ref: ChoiceResult, dtype: str, floor: ChoiceResult | None = None) -> EvalParity:
     """Multiple choice: the NLL per ending, and acc and acc_norm (questions whose pick differs)."""
-    so, sr = sum(ours.ending_nll), sum(ref.ending_nll)
-    rows, _ = _nll_rows("ending", ours.ending_nll, ref.ending_nll, so, sr, NLL_RTOL[dtype], floor and floor.ending_nll)
+    so, sr, fl = sum(ours.ending_nll), sum(ref.ending_nll), None if floor is None else floor.ending_nll
+    rows, _ = _nll_rows("ending", ours.ending_nll, ref.ending_nll, so, sr, NLL_RTOL[dtype], fl)
     oj, rj = ours.to_json(), ref.to_json()
     for key in ("acc", "acc_norm"):
         pick = "pred" if key == "acc" else "pred_norm"

@@ -9,6 +9,7 @@ when it is no more than NOISE_MARGIN times the floor; otherwise it is "above it 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # The floor is one sample of the reference's own spread, not a bound, so a figure up to twice it still counts as
@@ -40,3 +41,18 @@ def verdict(norm_rel: float, floor_norm_rel: float) -> Verdict:
         return Verdict(True, 0.0) if norm_rel == 0.0 else Verdict(False, None)
     ratio = norm_rel / floor_norm_rel
     return Verdict(ratio <= NOISE_MARGIN, ratio)
+
+
+def closeness(head: str, judged: Sequence[tuple[str, float, Verdict]], noun: str) -> str:
+    """'{head}: YES (why)' or '{head}: NO (...)': whether every figure, (name, error, its verdict), is within the
+    reference's own noise; the worst ratio when it is, the first figure above when it is not."""
+    if all(v.within for _, _, v in judged):
+        if all(e == 0 for _, e, _ in judged):
+            return f"{head}: YES (bit-exact at every {noun})"
+        name, _, worst = max(judged, key=lambda j: -1.0 if j[2].ratio is None else j[2].ratio)
+        return f"{head}: YES (every {noun} within {NOISE_MARGIN:g}x the floor; worst x{worst.ratio:.2g} at {name})"
+    above = [(name, v) for name, _, v in judged if not v.within]
+    return (
+        f"{head}: NO ({len(above)} of {len(judged)} {noun}s above the floor; first at {above[0][0]}, "
+        f"{above[0][1].text})"
+    )

@@ -15,7 +15,7 @@ import io
 import math
 from dataclasses import dataclass, field
 
-from .noise import NOISE_MARGIN
+from .noise import NOISE_MARGIN, Verdict, closeness
 from .results import Report, Sweep, label
 
 
@@ -72,20 +72,8 @@ def noise_summary(r: Report) -> str | None:
     if r.as_close_as_reference is None:
         return None
     ref = f"{r.reference.split('(')[-1].rstrip(')')} transformers ({r.reference_dtype}, {r.reference_device})"
-    what = _floor_text(r)
-    worst = max(r.points, key=lambda p: -1.0 if p.noise_ratio is None else p.noise_ratio)
-    if r.as_close_as_reference:
-        if all(p.norm_rel == 0 for p in r.points):
-            why = "bit-exact at every point"
-        else:
-            why = f"every point within {NOISE_MARGIN:g}x the floor; worst x{worst.noise_ratio:.2g} at {worst.name}"
-        return f"{label(r)}: as close to {ref} as {what} is: YES ({why})"
-    n_above = sum(1 for p in r.points if p.within_noise is False)
-    first = next(p for p in r.points if p.within_noise is False)
-    return (
-        f"{label(r)}: as close to {ref} as {what} is: NO ({n_above} of {len(r.points)} points above the floor; "
-        f"first at {first.name}, {first.noise_verdict})"
-    )
+    judged = [(p.name, p.norm_rel, Verdict(bool(p.within_noise), p.noise_ratio)) for p in r.points]
+    return closeness(f"{label(r)}: as close to {ref} as {_floor_text(r)} is", judged, "point")
 
 
 def _why(r: Report) -> str:

@@ -8,6 +8,7 @@ listed in docs (README, "Parity JSON").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 
@@ -28,8 +29,9 @@ class PointResult:
     noise_verdict: str | None = None  # "within noise", "above x12.5", "above (reference exact here)"
 
 
-def all_within_noise(points: list[PointResult]) -> bool | None:
-    """Whether every point is within transformers' own noise; None when the floor was not measured."""
+def all_within_noise(points: Sequence) -> bool | None:
+    """Whether every point (anything with `within_noise`: a PointResult, an eval row) is within transformers' own
+    noise; None when the floor was not measured."""
     if not points or points[0].within_noise is None:
         return None
     return all(p.within_noise for p in points)

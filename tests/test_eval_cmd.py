@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -92,12 +93,19 @@ def test_lambada_and_choices_json_keys(tiny_official: Path, lambada: Path, choic
     assert d["acc"] in (0, 0.5, 1) and d["acc_norm"] in (0, 0.5, 1)
 
 
-def test_check_reports_parity_and_fails_with_exit_1(tiny_official: Path, text: Path, capsys, monkeypatch) -> None:
-    rc, out, _ = run(capsys, str(tiny_official), "--text", str(text), "--check")
+def test_check_reports_parity_and_fails_with_exit_1(
+    tiny_official: Path, text: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    md = tmp_path / "r.md"
+    rc, out, _ = run(capsys, str(tiny_official), "--text", str(text), "--check", "--markdown", str(md))
     assert rc == 0, out
+    lines = md.read_text().splitlines()  # the check's table and verdicts in the Markdown too
+    assert "## parity against transformers (float32, same windows, same batches)" in lines
+    assert "| quantity | gpt2_port | transformers | diff | tol | floor | vs floor | result |" in lines
+    assert any(ln.startswith("- as close to sdpa transformers (float32)") for ln in lines) and lines[-1] == "- PASS"
     assert "parity against transformers (float32" in out and "PASS" in out
     # the reference's own noise floor beside each difference, by default: eager against sdpa transformers
-    assert "floor  vs floor" in out and "noise floor: transformers' own eager attention against its sdpa" in out
+    assert re.search(r"\bfloor +vs floor +result\n", out) and "noise floor: transformers' own eager attention" in out
     assert "as close to sdpa transformers (float32) as transformers' own eager attention is: YES" in out
     rc, out, _ = run(capsys, str(tiny_official), "--text", str(text), "--check", "--no-noise-floor", "--json", "-")
     d = json.loads(out)

@@ -273,6 +273,52 @@ def test_check_scores_with_transformers_in_the_same_batches(tiny_official: Path,
     assert "eager attention is: NO (" in moved.format()
 
 
+def test_the_check_floors_by_hand() -> None:
+    """Each row's floor on hand-made results: a total's is the sum of the items' distances (not the distance of the
+    sums, which cancel), the worst item's the floor's own worst, the perplexity's exp of the spread per token, and a
+    count's the floor's own disagreements; the verdicts at NOISE_MARGIN, and the sentence the parity report says."""
+    from gpt2_port.eval.perplexity import TextResult
+    from gpt2_port.eval.tasks import ChoiceResult, LambadaResult
+    from gpt2_port_checks.evaluation import compare_choices, compare_lambada, compare_text
+
+    ref = TextResult(tokens=10, nll=30.0, window_nll=[10.0, 20.0])
+    eager = TextResult(tokens=10, nll=30.0, window_nll=[10.001, 19.999])  # signed total 0: a floor of 0 would be wrong
+    ours = TextResult(tokens=10, nll=30.0015, window_nll=[10.0015, 20.0])
+    p = compare_text(ours, ref, "bfloat16", eager)
+    total, worst, tokens, ppl = p.rows
+    assert total.floor == pytest.approx(0.002 / 30) and total.diff == pytest.approx(0.0015 / 30)
+    assert worst.quantity == "worst window nll (#0)" and worst.floor == pytest.approx(1e-4)
+    assert tokens.floor == 0 and tokens.noise_verdict == "within noise"
+    assert ppl.floor == pytest.approx(math.expm1(0.002 / 10))
+    assert total.within_noise and worst.within_noise and worst.noise_ratio == pytest.approx(1.5)
+    assert p.as_close_as_reference is True and p.to_json()["rows"][0]["noise_ratio"] == pytest.approx(0.75)
+    assert "eager attention is: YES (every figure within 2x the floor; worst x1.5 at worst window nll (#0))" in (
+        p.format()
+    )
+    far = TextResult(tokens=10, nll=30.01, window_nll=[10.01, 20.0])  # 5x the total's floor
+    q = compare_text(far, ref, "bfloat16", eager)
+    assert q.passed and q.rows[0].noise_verdict == "above x5" and q.as_close_as_reference is False
+    assert "is: NO (3 of 4 figures above the floor; first at total nll, above x5)" in q.format()
+    assert compare_text(far, ref, "bfloat16").as_close_as_reference is None
+    assert "is: YES (bit-exact at every figure)" in compare_text(ref, ref, "float32", eager).format()
+
+    lam_ref = LambadaResult([1.0, 2.0, 3.0], [True, False, True])
+    lam_floor = LambadaResult([1.0, 2.0, 3.0], [True, True, True])  # one verdict flips between transformers' kernels
+    two = LambadaResult([1.0, 2.0, 3.0], [False, True, True])  # two flips: within 2x the floor's one, but over 0
+    acc = compare_lambada(two, lam_ref, "float32", lam_floor).rows[2]
+    assert (acc.diff, acc.floor, acc.within_noise, acc.passed) == (2, 1, True, False)
+    exact = LambadaResult([1.0, 2.0, 3.0], [True, False, True])
+    one = compare_lambada(LambadaResult([1.0, 2.0, 3.0], [True, True, True]), lam_ref, "float32", exact).rows[2]
+    assert one.noise_verdict == "above (reference exact here)" and one.within_noise is False
+
+    ch_ref = ChoiceResult([0, 1], [0, 1], [0, 0], [1.0, 2.0, 3.0, 4.0])
+    ch_floor = ChoiceResult([0, 1], [0, 1], [0, 1], [1.0, 2.0, 3.0, 4.0])
+    ch_ours = ChoiceResult([0, 1], [1, 1], [0, 0], [1.0, 2.0, 3.0, 4.0])
+    rows = {r.quantity: r for r in compare_choices(ch_ours, ch_ref, "float32", ch_floor).rows}
+    assert (rows["acc"].diff, rows["acc"].floor, rows["acc"].within_noise) == (1, 0, False)
+    assert (rows["acc_norm"].diff, rows["acc_norm"].floor, rows["acc_norm"].within_noise) == (0, 1, True)
+
+
 # -- LAMBADA -------------------------------------------------------------------------------------------------------
 class Successor:
     """A fake model whose argmax after token t is t + 1 (logit 5 on it, 0 elsewhere): greedy is predictable."""

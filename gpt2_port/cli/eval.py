@@ -325,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         md = [f"**{header}**", "", "| metric | value |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in _rows(task, res)]
         md += _published_lines(args.model, task, res, markdown=True)
+        md += parity.markdown() if parity is not None else []
         written.append(write_output(args.markdown, "\n".join(md) + "\n", "--markdown"))
     report_written(written)
     return 0 if parity is None or parity.passed else 1
