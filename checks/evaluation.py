@@ -120,8 +120,8 @@ class EvalParity:
         cols = ["quantity", "gpt2_port", "transformers", "diff", "tol"] + (["floor", "vs floor"] if floor else [])
         t = Table(f"parity against transformers ({self.dtype}, same windows, same batches)", cols + ["result"])
         for i, r in enumerate(self.rows):
-            row = [r.quantity, f"{r.ours:.8g}", f"{r.reference:.8g}", num(r.diff), tol(r.tolerance)]
-            t.rows.append(row + ([num(r.floor), r.noise_verdict or "-"] if floor else []) + [ok(r.passed)])
+            row = [r.quantity, f"{r.ours:.8g}", f"{r.reference:.8g}", _cell(r.diff), tol(r.tolerance)]
+            t.rows.append(row + ([_cell(r.floor), r.noise_verdict or "-"] if floor else []) + [ok(r.passed)])
             if not r.passed:
                 t.bad.add(i)
         if floor:
@@ -143,6 +143,11 @@ class EvalParity:
     def markdown(self) -> list[str]:
         """The table as a Markdown section, then the verdicts."""
         return markdown_tables([self.table()]) + [""] + [f"- {x}" for x in self.verdicts()]
+
+
+def _cell(x: float | None) -> str:
+    """A difference as the table shows it: a count as a count, a relative difference as render's num."""
+    return str(x) if isinstance(x, int) else num(x)
 
 
 def _rel(a: float, b: float) -> float:

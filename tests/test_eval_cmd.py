@@ -143,7 +143,8 @@ def test_check_on_lambada_and_choices(tiny_official: Path, lambada: Path, choice
         assert d["check"]["as_close_as_reference"] is True and d["check"]["noise_floor"].startswith("transformers'")
         rows = {r["quantity"].split(" (")[0]: r for r in d["check"]["rows"]}
         assert rows[acc]["diff"] == 0 and rows["total nll"]["diff"] <= 1e-6
-        assert rows["total nll"]["within_noise"] is True and rows["total nll"]["floor"] >= 0
+        assert rows["total nll"]["within_noise"] is True and rows["total nll"]["noise_verdict"] == "within noise"
+        assert all(r["floor"] is not None and r["noise_verdict"] for r in d["check"]["rows"])
         assert any(q.startswith("worst ") for q in rows)
 
 

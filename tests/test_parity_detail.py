@@ -12,7 +12,7 @@ import torch
 
 from gpt2_port.cli import main
 from gpt2_port_checks.forward import run_detailed
-from gpt2_port_checks.noise import NOISE_MARGIN, verdict
+from gpt2_port_checks.noise import NOISE_MARGIN, closeness, verdict
 from gpt2_port_checks.points import SUBLAYER_KINDS, point_names
 from gpt2_port_checks.tolerances import TOLERANCES, VS_FLOAT32_TOLERANCES
 
@@ -143,6 +143,21 @@ def test_verdict_rules():
     assert verdict(NOISE_MARGIN * 1e-7, 1e-7).within
     v = verdict(30e-7, 1e-7)
     assert not v.within and v.text == "above x30"
+
+
+def test_the_noise_sentence():
+    """The one YES/NO sentence of the parity report and of eval --check, over (name, error, verdict) figures."""
+    head = "cfg: as close to eager transformers as its sdpa kernel is"
+    exact = [("embed", 0.0, verdict(0.0, 0.0)), ("block.0", 0.0, verdict(0.0, 1e-7))]
+    assert closeness(head, exact, "point") == f"{head}: YES (bit-exact at every point)"
+    near = [*exact, ("block.1", 1.5e-7, verdict(1.5e-7, 1e-7)), ("ln_f", 1e-7, verdict(1e-7, 1e-7))]
+    assert closeness(head, near, "point") == f"{head}: YES (every point within 2x the floor; worst x1.5 at block.1)"
+    far = [*near, ("logits", 3e-7, verdict(3e-7, 1e-7)), ("x", 1e-9, verdict(1e-9, 0.0))]
+    assert closeness(head, far, "point") == f"{head}: NO (2 of 6 points above the floor; first at logits, above x3)"
+    alone = [("x", 1e-9, verdict(1e-9, 0.0)), ("y", float("nan"), verdict(float("nan"), 1e-7))]
+    assert closeness(head, alone, "figure") == (
+        f"{head}: NO (2 of 2 figures above the floor; first at x, above (reference exact here))"
+    )
 
 
 def test_cuda_in_the_sweep_is_a_usage_error(tiny_official: Path, capsys):
