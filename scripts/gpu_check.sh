@@ -8,7 +8,9 @@
 #     suite     the whole suite on that machine (its CPU and its torch: the image's torch 2.11 and transformers 5.17
 #               are pyproject's floors, which CI tests too)
 #     parity    gpt2-port parity --device cuda: 124M and 1.5B float32 forward (expect 0 at every point), 124M
-#               backward with 10 AdamW steps (reference kernels: bit-identical; fast: within the noise), 124M bf16
+#               backward with 10 AdamW steps (reference kernels: bit-identical; fast: within the noise), 124M bf16;
+#               then gpt2-port eval --check on 100 kB of tiny shakespeare, 124M, float32 and bf16 (each NLL's
+#               difference from transformers beside transformers' own eager-to-sdpa floor)
 #     train     python -m benchmarks.gpu train --sizes gpt2 (tokens/s, MFU, peak memory beside transformers, eager
 #               and compiled), then the fused head padded and not, and its chunk sizes (benchmarks.head_padding)
 #     train-xl  the eager sides and `train`'s own loop for gpt2-xl (its 48-layer compiles would not fit one call)
@@ -115,6 +117,18 @@ DECODE_EXTRA=(${DECODE_ARGS:-})
 # shellcheck disable=SC2206
 TESTS_EXTRA=(${TESTS_ARGS:-})
 
+eval_check() {  # eval_check DEVICE BYTES DTYPE...: gpt2-port eval --check of 124M on the first BYTES of tiny shakespeare
+  local dev=$1 bytes=$2 dt
+  shift 2
+  shared
+  head -c "$bytes" ../shared/data/tinyshakespeare/input.txt >"$RESULTS/eval-text.txt"
+  for dt in "$@"; do
+    step "eval-check-124m-$dev-$dt" "${G[@]}" eval weights/gpt2-random --text "$RESULTS/eval-text.txt" \
+      --tokenizer ../shared/gpt2-tokenizer --device "$dev" --dtype "$dt" --check --no-progress \
+      --json "$RESULTS/eval-check-124m-$dev-$dt.json"
+  done
+}
+
 checkpoint() {  # checkpoint SIZE: weights/SIZE-random, written once
   [ -f "weights/$1-random/model.safetensors" ] || step "checkpoint-$1" "${G[@]}" demo-checkpoint --size "$1" --out "weights/$1-random"
 }
@@ -143,6 +157,7 @@ for phase in "$@"; do
         --kernels fast --json "$RESULTS/parity-124m-backward-fast.json"
       step parity-124m-bf16 "${G[@]}" parity weights/gpt2-random --device cuda --dtype float32,bfloat16 --backward \
         --json "$RESULTS/parity-124m-bf16.json"
+      eval_check cuda 100000 float32 bfloat16
       ;;
     train)
       checkpoint gpt2
@@ -178,6 +193,7 @@ for phase in "$@"; do
         --rounds 1 --chunk-rows 3,8 --json "$RESULTS/smoke-head-padding.json"
       step smoke-decode "$PY" -m benchmarks.gpu decode --device cpu --sizes tiny --new-tokens 8 --batches 2 \
         --rounds 1 --out "$RESULTS/smoke-decode.json"
+      eval_check cpu 2000 float32
       ;;
   esac
 done

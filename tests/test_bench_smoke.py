@@ -307,7 +307,7 @@ def test_a_failing_side_leaves_the_others_and_fp16_trains_with_a_grad_scaler(tmp
 
 def gpu_check_commands() -> list[tuple[str, list[str]]]:
     """scripts/gpu_check.sh's gpt2-port and benchmarks.gpu command lines (continuations joined), "$RESULTS/x" read
-    as out/x and the checkpoint helper's "$1" as gpt2."""
+    as out/x, the checkpoint helper's "$1" as gpt2 and eval_check's "$dev" and "$dt" as cuda and float32."""
     text = (REPO / "scripts" / "gpu_check.sh").read_text().replace("\\\n", " ")
     out = []
     for line in text.splitlines():
@@ -315,6 +315,7 @@ def gpu_check_commands() -> list[tuple[str, list[str]]]:
             continue
         line = re.sub(r'"\$RESULTS/([^"]*)"', r"out/\1", line.strip())
         line = line.replace("$1", "gpt2").replace('"${TRAIN_EXTRA[@]}"', "").replace('"${DECODE_EXTRA[@]}"', "")
+        line = line.replace("$dev", "cuda").replace("$dt", "float32")
         for marker, tool in (
             ('"${G[@]}" ', "gpt2-port"),
             ("-m benchmarks.gpu ", "benchmarks.gpu"),
@@ -338,8 +339,9 @@ def test_the_gpu_check_scripts_commands_parse() -> None:
         "benchmarks.head_padding": head_padding.build_parser,
     }
     subcommands = {c[1][0] for c in cmds if c[0] != "benchmarks.head_padding"}
-    assert subcommands == {"demo-checkpoint", "parity", "train", "decode"}
+    assert subcommands == {"demo-checkpoint", "parity", "train", "decode", "eval"}
     assert sum(c[1][0] == "parity" for c in cmds) >= 5
+    assert [c[1][c[1].index("--device") + 1] for c in cmds if c[1][0] == "eval"] == ["cuda"]  # eval_check's one line
     assert sum(c[0] == "benchmarks.head_padding" for c in cmds) == 2  # on the GPU, and its smoke run
     for tool, argv in cmds:
         parser = parsers[tool]()
