@@ -229,8 +229,7 @@ def compare_choices(ours: ChoiceResult, ref: ChoiceResult, dtype: str, floor: Ch
     so, sr, fl = sum(ours.ending_nll), sum(ref.ending_nll), None if floor is None else floor.ending_nll
     rows, _ = _nll_rows("ending", ours.ending_nll, ref.ending_nll, so, sr, NLL_RTOL[dtype], fl)
     oj, rj = ours.to_json(), ref.to_json()
-    for key in ("acc", "acc_norm"):
-        pick = "pred" if key == "acc" else "pred_norm"
+    for key, pick in (("acc", "pred"), ("acc_norm", "pred_norm")):
         flips = _flips(getattr(ours, pick), getattr(ref, pick))
         rows.append(Row(key, oj[key], rj[key], flips, 0, flips == 0))
         if floor is not None:

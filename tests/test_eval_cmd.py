@@ -243,4 +243,6 @@ def test_out_of_memory_is_one_line_naming_the_batch_size(
     assert rc == 2 and not out_json.exists()
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "error: CUDA out of memory. Tried to allocate 3.07 GiB scoring --batch-size 64 windows of" in err
-    assert err.rstrip().endswith(": a smaller --batch-size (or --max-length)")
+    assert err.rstrip().endswith(
+        ": a smaller --batch-size (or --max-length; with --check, --no-noise-floor loads one model fewer)"
+    )

@@ -48,7 +48,7 @@ transformers' eager and sdpa attention, which score the windows too (--no-noise-
 """
 
 
-OOM_HINT = "a smaller --batch-size (or --max-length)"
+OOM_HINT = "a smaller --batch-size (or --max-length; with --check, --no-noise-floor loads one model fewer)"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
