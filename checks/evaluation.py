@@ -134,7 +134,8 @@ class EvalParity:
     def verdicts(self) -> list[str]:
         """The noise sentence (with a floor), then PASS or FAIL and the rows over their tolerances."""
         failed = [r.quantity for r in self.rows if not r.passed]
-        return [x for x in (self.noise_summary(),) if x] + ["PASS" if self.passed else "FAIL: " + ", ".join(failed)]
+        summary = self.noise_summary()
+        return ([summary] if summary else []) + ["PASS" if self.passed else "FAIL: " + ", ".join(failed)]
 
     def format(self) -> str:
         """Plain text, as checks/render.py writes every parity table."""

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]]) -> int:
         reference_attn=args.reference_attn,
         attn=args.attn,
         kernels=args.kernels or "reference",
-        noise_floor=getattr(args, "noise_floor", True),
+        noise_floor=args.noise_floor,
         train=tc,
         revision=args.revision,
         tokenizer=args.tokenizer,
