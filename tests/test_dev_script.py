@@ -64,6 +64,25 @@ def test_a_clean_lint_runs_the_suite_and_returns_its_code(tmp_path: Path) -> Non
     assert calls[2] == "python -m pytest -q -k x"
 
 
+def test_a_fresh_venv_installs_in_one_pip_without_its_bytecode_pass_then_compiles_on_every_core(tmp_path: Path) -> None:
+    """pip compiles the .pyc files in its one process (a third of a fresh .venv's setup); they are compiled after it on
+    every core instead, before the import that checks the install, and the stamp is written only after both."""
+    root = _fake_checkout(tmp_path, 0, 0, pytest_rc=0)
+    (root / ".venv" / ".gpt2port-installed").unlink()
+    env = dict(os.environ, TORCH_SPEC="torch==2.13.0")
+    r = subprocess.run(
+        ["bash", str(root / "dev"), "test", "-k", "x"], cwd=root, env=env, capture_output=True, text=True
+    )
+    calls = (root / "calls.log").read_text().splitlines()
+    assert r.returncode == 0, (r.stderr, calls)
+    pips = [c for c in calls if c.startswith("python -m pip install")]
+    assert pips == ["python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 -e .[dev]"]
+    compiles = [i for i, c in enumerate(calls) if "compileall.compile_dir" in c and "workers=0" in c]
+    check = calls.index("python -c import torch, transformers, gpt2_port")
+    assert len(compiles) == 1 and calls.index(pips[0]) < compiles[0] < check < calls.index("python -m pytest -q -k x")
+    assert (root / ".venv" / ".gpt2port-installed").read_text().split()[1] == "torch==2.13.0"
+
+
 def _fake_python_for_the_floor(
     root: Path,
     check_rc: int,

@@ -36,8 +36,14 @@ def test_124m_official_layout_float32(ckpt124: Path, tmp_path: Path, capsys):
     floor = [p["noise_norm_rel"] for p in r["points"]]
     assert floor[0] == 0 and max(floor) > 0 and all(p["within_noise"] for p in r["points"])  # embed: no attention
     assert r["as_close_as_reference"] is True and "as transformers' own sdpa kernel is: YES" in text
-    assert main(["parity", str(ckpt124), "--device", "cpu", "--json", str(out), "--no-noise-floor"]) == 0
-    assert json.loads(out.read_text())["noise_floor"] is None and "noise floor" not in capsys.readouterr().out
+
+
+def test_no_noise_floor_leaves_the_floor_out(tiny_official: Path, tmp_path: Path, capsys):
+    out = tmp_path / "parity.json"
+    assert main(["parity", str(tiny_official), "--device", "cpu", "--json", str(out), "--no-noise-floor"]) == 0
+    r = json.loads(out.read_text())
+    assert r["noise_floor"] is None and "as_close_as_reference" not in r and r["passed"]
+    assert all(p["noise_norm_rel"] is None for p in r["points"]) and "noise floor" not in capsys.readouterr().out
 
 
 def test_scratch_sdpa_against_eager_within_float32_tolerance(tiny_hf: Path):
