@@ -43,7 +43,7 @@ from .backward_results import BackwardReport, BackwardSweep, LayerResult, StepRe
 from .forward import _as_inputs, _unique, parse_list
 from .grads import PREFIX, Grads, act_points, hf_name_of_scratch, layer_of, layer_order, reference_grads, scratch_grads
 from .metrics import metrics
-from .noise import verdict
+from .noise import spread, verdict
 from .prompts import Inputs, resolve
 from .reference import amp, exact_matmuls, load_reference, versions
 from .results import PointResult
@@ -138,7 +138,9 @@ def _floor_of(
         g = reference_grads(ref, ids_list, n_layer)
     out = {f"grad.{n}": metrics(t, want.params[n]) for n, t in g.params.items()}
     out.update({f"act_grad.{n}": metrics(t, want.acts[n]) for n, t in g.acts.items()})
-    out["loss"] = (_rel(g.loss, want.loss),)
+    # the loss sums the prompts' losses: its floor sums their distances (noise.spread), as eval --check's totals do
+    nats = spread(g.prompt_losses, want.prompt_losses)
+    out["loss"] = (nats / abs(want.loss) if want.loss else nats,)
     return out
 
 

@@ -49,7 +49,8 @@ class BackwardReport:
     loss_reference: float = math.nan
     loss_rel: float = math.nan
     loss_tolerance: float = 0.0
-    # the loss against the reference's own distance (the floor's transformers run against the reference): judged
+    # the loss against the reference's own distance (the floor's transformers run against the reference, at each
+    # prompt's loss, summed: noise.spread): judged
     # under autocast, where that distance is the dtype's; in float32 shown only, since there it is one float32
     # scalar from the two attentions, which often round to the same value (a floor of 0 that no other code meets)
     loss_noise_rel: float | None = None

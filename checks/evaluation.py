@@ -25,7 +25,7 @@ from gpt2_port.eval.score import Scorer
 from gpt2_port.eval.tasks import ChoiceResult, LambadaResult
 from gpt2_port.io.load import Checkpoint
 
-from .noise import NOISE_MARGIN, Verdict, closeness, verdict
+from .noise import NOISE_MARGIN, Verdict, closeness, spread, verdict
 from .reference import load_reference
 from .render import Table, markdown_tables, num, ok, plain_document, tol
 from .results import all_within_noise
@@ -178,12 +178,11 @@ def _nll_rows(
     ]
     if floor is None:
         return rows, None
-    # A total's floor is the sum of the per-item distances (how far the reference's own noise can move it: the
-    # signed sum of one sample cancels by chance); the worst item's is the floor's own worst item.
-    spread = sum(abs(f - r) for f, r in zip(floor, ref, strict=True))
-    rows[0].floor = spread / max(abs(total_r), 1e-30)
+    # a total's floor is the per-item distances summed (noise.spread); the worst item's is the floor's own worst item
+    nats = spread(floor, ref)
+    rows[0].floor = nats / max(abs(total_r), 1e-30)
     rows[1].floor = max(_rel(f, r) for f, r in zip(floor, ref, strict=True))
-    return rows, spread
+    return rows, nats
 
 
 def _parity(dtype: str, rows: list[Row], floor: bool) -> EvalParity:

@@ -64,9 +64,10 @@ def decays(hf_name: str, cfg: GPT2Config) -> bool:
 
 @dataclass
 class Grads:
-    loss: float
+    loss: float  # the prompts' losses summed (the mean of their means: prompt_shares)
     params: Mapping[str, torch.Tensor]  # transformers' names, transformers' layout
     acts: dict[str, torch.Tensor]  # point -> activation gradients of every prompt, flattened and concatenated
+    prompt_losses: tuple[float, ...] = ()  # each prompt's share of `loss`
 
 
 def prompt_shares(ids_list: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
@@ -113,29 +114,31 @@ def _scratch_forward(
 
 
 def _batch_loss(forward: Callable, model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_layer: int):
-    """Mean of the prompts' losses (each prompt a batch of one; see prompt_shares) and the act points of each."""
+    """The prompts' losses (each prompt a batch of one; see prompt_shares), (n_prompts,), and the act points of each."""
     losses, acts = [], []
     for ids, share in prompt_shares(ids_list):
         loss, a = forward(model, ids, n_layer, share)
         losses.append(loss)
         acts.append(a)
-    return torch.stack(losses).sum(), acts
+    return torch.stack(losses), acts
 
 
 def reference_grads(ref: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_layer: int) -> Grads:
     ref.zero_grad(set_to_none=True)
-    loss, acts = _batch_loss(_reference_forward, ref, ids_list, n_layer)
+    losses, acts = _batch_loss(_reference_forward, ref, ids_list, n_layer)
+    loss = losses.sum()
     loss.backward()
     params = {}
     for n, p in ref.named_parameters():
         params[n] = p.grad
         p.grad = None  # the dict keeps the only reference: no copy
-    return Grads(loss.item(), params, _flat_act_grads(acts))
+    return Grads(loss.item(), params, _flat_act_grads(acts), tuple(losses.detach().tolist()))
 
 
 def scratch_grads(model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_layer: int) -> Grads:
     model.zero_grad(set_to_none=True)
-    loss, acts = _batch_loss(_scratch_forward, model, ids_list, n_layer)
+    losses, acts = _batch_loss(_scratch_forward, model, ids_list, n_layer)
+    loss = losses.sum()
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     missing = [n for n, g in grads.items() if g is None]
@@ -143,7 +146,7 @@ def scratch_grads(model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_la
         raise AssertionError(f"scratch parameters without a gradient: {missing}")
     # transformers' layout (q/k/v fused, Conv1D transposed), one tensor at a time when read: no second full copy
     mapped = LazyTensors(adapter.hf_tensors(grads, model.config, prefix=PREFIX))
-    return Grads(loss.item(), mapped, _flat_act_grads(acts))
+    return Grads(loss.item(), mapped, _flat_act_grads(acts), tuple(losses.detach().tolist()))
 
 
 def _flat_act_grads(acts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -43,6 +43,13 @@ def verdict(norm_rel: float, floor_norm_rel: float) -> Verdict:
     return Verdict(ratio <= NOISE_MARGIN, ratio)
 
 
+def spread(floor: Sequence[float], reference: Sequence[float]) -> float:
+    """A total's noise: the reference's own distance at each of the items the total sums, summed. The signed
+    difference of two totals cancels by chance, so as a floor it would be a coin toss (one sample, sometimes near 0);
+    the sum of the distances is how far the reference's noise can move the total."""
+    return sum(abs(f - r) for f, r in zip(floor, reference, strict=True))
+
+
 def closeness(head: str, judged: Sequence[tuple[str, float, Verdict]], noun: str) -> str:
     """'{head}: YES (why)' or '{head}: NO (...)': whether every figure, (name, error, its verdict), is within the
     reference's own noise; the worst ratio when it is, the first figure above when it is not."""

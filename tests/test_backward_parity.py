@@ -111,6 +111,22 @@ def test_the_gradient_of_the_reference_itself_is_what_is_compared(tiny_official:
     g = grads.reference_grads(hf, ids, hf.config.n_layer)
     assert set(g.params) == set(want)
     assert all(torch.equal(g.params[n], want[n]) for n in want)
+    assert g.prompt_losses == tuple(x.item() for x in losses) and g.loss == torch.stack(losses).sum().item()
+
+
+def test_the_losss_floor_sums_the_prompts_distances(tiny_official: Path) -> None:
+    """The loss sums the prompts' losses, so its floor is transformers' distance at each prompt, summed over the
+    reference's loss: the distance of the two sums would cancel by chance (measured on 3 prompts of tiny shakespeare,
+    bf16 autocast, 8 seeds x 2 kernel sets: a floor of 1.8e-6 where the others were 1.1e-5 to 3.1e-5 made one run
+    "above x3.76"). Here the floor's run is float32 transformers itself, and the reference it is measured against
+    moves each prompt's loss by a known amount, two of them with opposite signs."""
+    hf = backward._dropout_off(transformers.GPT2LMHeadModel.from_pretrained(tiny_official, attn_implementation="eager"))
+    ids = [torch.tensor([[464, 2444, 4721, 511, 3835]]), torch.tensor([[464, 3797]]), torch.tensor([[50, 7, 9]])]
+    g = grads.reference_grads(hf, ids, hf.config.n_layer)
+    moved = [x + d for x, d in zip(g.prompt_losses, (1e-3, -1e-3, 2e-3), strict=True)]  # signed 2e-3, distances 4e-3
+    want = dataclasses.replace(g, loss=sum(moved), prompt_losses=tuple(moved))
+    floor = backward._floor_of(hf, "eager", ids, hf.config.n_layer, want, torch.float32)
+    assert floor["loss"][0] == pytest.approx(4e-3 / sum(moved), rel=1e-6)
 
 
 def test_untied_head_gets_its_own_gradient_point(
