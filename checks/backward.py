@@ -42,7 +42,7 @@ from gpt2_port.model import from_pretrained
 from .backward_results import BackwardReport, BackwardSweep, LayerResult, StepResult
 from .forward import _as_inputs, _unique, parse_list
 from .grads import PREFIX, Grads, act_points, hf_name_of_scratch, layer_of, layer_order, reference_grads, scratch_grads
-from .metrics import metrics
+from .metrics import metrics, rel, relative
 from .noise import spread, verdict
 from .prompts import Inputs, resolve
 from .reference import amp, exact_matmuls, load_reference, versions
@@ -61,10 +61,6 @@ def _dropout_off(ref: torch.nn.Module) -> torch.nn.Module:
     for k in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
         setattr(ref.config, k, 0.0)
     return ref.train().requires_grad_(True)
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b) if b else abs(a)
 
 
 def _furthest(floors: Sequence[dict[str, tuple]]) -> dict[str, tuple]:
@@ -139,8 +135,7 @@ def _floor_of(
     out = {f"grad.{n}": metrics(t, want.params[n]) for n, t in g.params.items()}
     out.update({f"act_grad.{n}": metrics(t, want.acts[n]) for n, t in g.acts.items()})
     # the loss sums the prompts' losses: its floor sums their distances (noise.spread), as eval --check's totals do
-    nats = spread(g.prompt_losses, want.prompt_losses)
-    out["loss"] = (nats / abs(want.loss) if want.loss else nats,)
+    out["loss"] = (relative(spread(g.prompt_losses, want.prompt_losses), want.loss),)
     return out
 
 
@@ -157,7 +152,7 @@ def _step_floor(s: Setup, ref_steps: Sequence[float], ref_weights: Mapping[str, 
     weights = {f"weight.{n}": metrics(p.detach(), ref_weights[n]) for n, p in alt.named_parameters()}
     del alt
     gc.collect()
-    return list(itertools.accumulate((_rel(a, b) for a, b in zip(losses, ref_steps)), max)), weights
+    return list(itertools.accumulate((rel(a, b) for a, b in zip(losses, ref_steps)), max)), weights
 
 
 def _reference_side(s: Setup, noise_floor: bool, spill_bytes: int | None) -> ReferenceRun:
@@ -235,7 +230,7 @@ def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.devic
         got = scratch_grads(scratch, s.ids_on(dev), L)
     t_grad = time.perf_counter() - t0
     report.loss_scratch, report.loss_reference = got.loss, ref.want.loss
-    report.loss_rel = _rel(got.loss, ref.want.loss)
+    report.loss_rel = rel(got.loss, ref.want.loss)
     report.loss_tolerance = tol.loss_rel
     fl = ref.floors.get((dt, dev))
     report.noise_floor = ref.floor_desc.get((dt, dev))
@@ -266,10 +261,10 @@ def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.devic
         losses = train_steps(scratch, hf_name_of_scratch(s.cfg), s.cfg, loss, s.ids_on(dev), s.tc, where, in_hf_layout)
         floored = (dt, dev) == s.base and bool(ref.step_floor)  # the floor was taken in the reference's dtype/device
         for k, (a, b) in enumerate(zip(losses, ref.steps)):
-            rel = _rel(a, b)
-            st = StepResult(k, a, b, rel, tol.step_loss_rel, bool(rel <= tol.step_loss_rel))
+            d = rel(a, b)
+            st = StepResult(k, a, b, d, tol.step_loss_rel, bool(d <= tol.step_loss_rel))
             if floored:
-                st.noise_rel, st.within_noise = ref.step_floor[k], verdict(rel, ref.step_floor[k]).within
+                st.noise_rel, st.within_noise = ref.step_floor[k], verdict(d, ref.step_floor[k]).within
             report.steps.append(st)
         mine = LazyTensors(
             adapter.hf_tensors({n: p.detach() for n, p in scratch.named_parameters()}, scratch.config, PREFIX)

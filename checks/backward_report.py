@@ -52,7 +52,8 @@ def point_table(r: BackwardReport) -> Table:
             t.bad.add(len(t.rows) - 1)
     t.notes.append(
         f"loss: scratch {r.loss_scratch:.9g}, reference {r.loss_reference:.9g} (the loss row's norm_rel is "
-        "|difference| / |reference|)"
+        "|difference| / |reference|"
+        + ("; its floor, the floor's distance at each prompt's loss summed, over |reference|)" if floor else ")")
     )
     if floor:
         t.notes.append(f"noise floor: {r.noise_floor}; norm_rel within {NOISE_MARGIN:g}x of it counts as within")

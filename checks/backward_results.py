@@ -49,10 +49,10 @@ class BackwardReport:
     loss_reference: float = math.nan
     loss_rel: float = math.nan
     loss_tolerance: float = 0.0
-    # the loss against the reference's own distance (the floor's transformers run against the reference, at each
-    # prompt's loss, summed: noise.spread): judged
-    # under autocast, where that distance is the dtype's; in float32 shown only, since there it is one float32
-    # scalar from the two attentions, which often round to the same value (a floor of 0 that no other code meets)
+    # the loss against the reference's own distance (the floor's transformers run against the reference at each
+    # prompt's loss, the distances summed: noise.spread, a bound on how far that noise moves the loss): judged under
+    # autocast, where that distance is the dtype's; in float32 shown only, since there each prompt's loss is one
+    # float32 scalar from the two attentions, which often round to the same value (a floor of 0 no other code meets)
     loss_noise_rel: float | None = None
     loss_noise_verdict: str | None = None
     loss_within_noise: bool | None = None

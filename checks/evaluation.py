@@ -25,6 +25,7 @@ from gpt2_port.eval.score import Scorer
 from gpt2_port.eval.tasks import ChoiceResult, LambadaResult
 from gpt2_port.io.load import Checkpoint
 
+from .metrics import rel, relative
 from .noise import NOISE_MARGIN, Verdict, closeness, spread, verdict
 from .reference import load_reference
 from .render import Table, markdown_tables, num, ok, plain_document, tol
@@ -151,10 +152,6 @@ def _cell(x: float | None) -> str:
     return str(x) if isinstance(x, int) else num(x)
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
 def _flips(a: Sequence[bool | int], b: Sequence[bool | int]) -> int:
     """How many verdicts (or picks) differ."""
     return sum(x != y for x, y in zip(a, b, strict=True))
@@ -170,8 +167,8 @@ def _nll_rows(
     floor: list[float] | None,
 ) -> tuple[list[Row], float | None]:
     """The total and the worst item; and the floor's total spread in nats (None without a floor)."""
-    worst = max(range(len(ours)), key=lambda i: _rel(ours[i], ref[i]))
-    d_worst, d_total = _rel(ours[worst], ref[worst]), _rel(total_o, total_r)
+    worst = max(range(len(ours)), key=lambda i: rel(ours[i], ref[i]))
+    d_worst, d_total = rel(ours[worst], ref[worst]), rel(total_o, total_r)
     rows = [
         Row("total nll", total_o, total_r, d_total, tol, d_total <= tol),
         Row(f"worst {name} nll (#{worst})", ours[worst], ref[worst], d_worst, tol, d_worst <= tol),
@@ -180,8 +177,8 @@ def _nll_rows(
         return rows, None
     # a total's floor is the per-item distances summed (noise.spread); the worst item's is the floor's own worst item
     nats = spread(floor, ref)
-    rows[0].floor = nats / max(abs(total_r), 1e-30)
-    rows[1].floor = max(_rel(f, r) for f, r in zip(floor, ref, strict=True))
+    rows[0].floor = relative(nats, total_r)
+    rows[1].floor = max(rel(f, r) for f, r in zip(floor, ref, strict=True))
     return rows, nats
 
 
@@ -199,14 +196,14 @@ def compare_text(ours: TextResult, ref: TextResult, dtype: str, floor: TextResul
     eager scorer) when given."""
     tol = NLL_RTOL[dtype]
     fl = None if floor is None else floor.window_nll
-    rows, spread = _nll_rows("window", ours.window_nll, ref.window_nll, ours.nll, ref.nll, tol, fl)
+    rows, nats = _nll_rows("window", ours.window_nll, ref.window_nll, ours.nll, ref.nll, tol, fl)
     same = ours.tokens == ref.tokens and len(ours.window_nll) == len(ref.window_nll)
     rows.append(Row("tokens scored", ours.tokens, ref.tokens, abs(ours.tokens - ref.tokens), 0, same))
-    d = _rel(ours.perplexity, ref.perplexity)
+    d = rel(ours.perplexity, ref.perplexity)
     rows.append(Row("perplexity", ours.perplexity, ref.perplexity, d, tol, d <= tol))
     if floor is not None:
         rows[2].floor = abs(floor.tokens - ref.tokens)
-        rows[3].floor = math.expm1(spread / max(ref.tokens, 1))  # type: ignore[operator]
+        rows[3].floor = math.expm1(nats / max(ref.tokens, 1))  # type: ignore[operator]
     return _parity(dtype, rows, floor is not None)
 
 

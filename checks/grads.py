@@ -67,7 +67,7 @@ class Grads:
     loss: float  # the prompts' losses summed (the mean of their means: prompt_shares)
     params: Mapping[str, torch.Tensor]  # transformers' names, transformers' layout
     acts: dict[str, torch.Tensor]  # point -> activation gradients of every prompt, flattened and concatenated
-    prompt_losses: tuple[float, ...] = ()  # each prompt's share of `loss`
+    prompt_losses: tuple[float, ...]  # each prompt's share of `loss`
 
 
 def prompt_shares(ids_list: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:

@@ -13,6 +13,18 @@ from dataclasses import dataclass
 import torch
 
 
+def relative(x: float, to: float) -> float:
+    """|x| / |to| for scalars: 0 where x is 0, inf where only `to` is (as norm_rel in `metrics`)."""
+    if x == 0:
+        return 0.0
+    return abs(x) / abs(to) if to else math.inf
+
+
+def rel(a: float, b: float) -> float:
+    """|a - b| / |b| for two scalars: a loss, a total NLL, a perplexity."""
+    return relative(a - b, b)
+
+
 def metrics(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float, float]:
     """(max_abs, norm_rel, cosine, elementwise_rel) of scratch x against reference y, in float64.
 

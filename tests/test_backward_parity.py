@@ -55,7 +55,7 @@ def test_every_gradient_and_step_equals_transformers_on_the_official_layout(tied
     acts = [p["name"] for p in d["points"] if p["name"].startswith("act_grad.")]
     assert acts == ["act_grad.embed", "act_grad.block.0", "act_grad.block.1", "act_grad.ln_f", "act_grad.logits"]
     assert d["loss_rel"] <= 1e-6 and d["loss_scratch"] > 0
-    # float32: the loss's floor is shown, not judged (one float32 scalar; the two attentions' often round alike)
+    # float32: the loss's floor is shown, not judged (a float32 scalar per prompt; two attentions' often round alike)
     assert d["loss_noise_rel"] is not None and d["loss_within_noise"] is None and d["loss_noise_verdict"] is None
     # the noise floor is measured beside every figure: transformers' sdpa gradients are not its eager ones
     assert all(p["noise_norm_rel"] is not None and p["within_noise"] for p in d["points"])
@@ -98,11 +98,15 @@ def test_markdown_and_plot_are_written(tied_run) -> None:
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _three_prompts(ckpt: Path) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """transformers (eager, dropout off) on `ckpt`, and three prompts of 5, 2 and 3 ids."""
+    hf = backward._dropout_off(transformers.GPT2LMHeadModel.from_pretrained(ckpt, attn_implementation="eager"))
+    return hf, [torch.tensor([[464, 2444, 4721, 511, 3835]]), torch.tensor([[464, 3797]]), torch.tensor([[50, 7, 9]])]
+
+
 def test_the_gradient_of_the_reference_itself_is_what_is_compared(tiny_official: Path) -> None:
     """The runner's reference gradients equal a plain transformers backward (so the report compares the real ones)."""
-    hf = transformers.GPT2LMHeadModel.from_pretrained(tiny_official, attn_implementation="eager")
-    hf = backward._dropout_off(hf)
-    ids = [torch.tensor([[464, 2444, 4721, 511, 3835]]), torch.tensor([[464, 3797]]), torch.tensor([[50, 7, 9]])]
+    hf, ids = _three_prompts(tiny_official)
     # the mean of the prompts' losses, each its summed NLL over 3 x its targets (so each backward starts from 1)
     losses = [hf(input_ids=i, labels=i, use_cache=False, num_items_in_batch=3 * (i.shape[1] - 1)).loss for i in ids]
     torch.stack(losses).sum().backward()
@@ -114,14 +118,13 @@ def test_the_gradient_of_the_reference_itself_is_what_is_compared(tiny_official:
     assert g.prompt_losses == tuple(x.item() for x in losses) and g.loss == torch.stack(losses).sum().item()
 
 
-def test_the_losss_floor_sums_the_prompts_distances(tiny_official: Path) -> None:
+def test_the_loss_floor_sums_the_prompts_distances(tiny_official: Path) -> None:
     """The loss sums the prompts' losses, so its floor is transformers' distance at each prompt, summed over the
     reference's loss: the distance of the two sums would cancel by chance (measured on 3 prompts of tiny shakespeare,
     bf16 autocast, 8 seeds x 2 kernel sets: a floor of 1.8e-6 where the others were 1.1e-5 to 3.1e-5 made one run
     "above x3.76"). Here the floor's run is float32 transformers itself, and the reference it is measured against
     moves each prompt's loss by a known amount, two of them with opposite signs."""
-    hf = backward._dropout_off(transformers.GPT2LMHeadModel.from_pretrained(tiny_official, attn_implementation="eager"))
-    ids = [torch.tensor([[464, 2444, 4721, 511, 3835]]), torch.tensor([[464, 3797]]), torch.tensor([[50, 7, 9]])]
+    hf, ids = _three_prompts(tiny_official)
     g = grads.reference_grads(hf, ids, hf.config.n_layer)
     moved = [x + d for x, d in zip(g.prompt_losses, (1e-3, -1e-3, 2e-3), strict=True)]  # signed 2e-3, distances 4e-3
     want = dataclasses.replace(g, loss=sum(moved), prompt_losses=tuple(moved))

@@ -64,16 +64,27 @@ def test_a_clean_lint_runs_the_suite_and_returns_its_code(tmp_path: Path) -> Non
     assert calls[2] == "python -m pytest -q -k x"
 
 
-def test_a_fresh_venv_installs_in_one_pip_without_its_bytecode_pass_then_compiles_on_every_core(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiles", [True, False], ids=["compiles", "compile-fails"])
+def test_a_fresh_venv_installs_in_one_pip_without_its_bytecode_pass_then_compiles_on_every_core(
+    tmp_path: Path, compiles: bool
+) -> None:
     """pip compiles the .pyc files in its one process (a third of a fresh .venv's setup); they are compiled after it on
-    every core instead, before the import that checks the install, and the stamp is written only after both."""
+    every core instead, before the import that checks the install, and the stamp is written only after both (the
+    compile line itself runs in the fresh-clone CI: here python is a stand-in)."""
     root = _fake_checkout(tmp_path, 0, 0, pytest_rc=0)
     (root / ".venv" / ".gpt2port-installed").unlink()
+    if not compiles:  # the stand-in python fails the compile step alone
+        py = root / ".venv" / "bin" / "python"
+        py.write_text(py.read_text().replace("exit 0\n", 'case "$*" in *compileall*) exit 1;; esac\nexit 0\n'))
     env = dict(os.environ, TORCH_SPEC="torch==2.13.0")
     r = subprocess.run(
         ["bash", str(root / "dev"), "test", "-k", "x"], cwd=root, env=env, capture_output=True, text=True
     )
     calls = (root / "calls.log").read_text().splitlines()
+    if not compiles:
+        assert r.returncode != 0 and not (root / ".venv" / ".gpt2port-installed").exists(), calls
+        assert not any("-m pytest" in c for c in calls)
+        return
     assert r.returncode == 0, (r.stderr, calls)
     pips = [c for c in calls if c.startswith("python -m pip install")]
     assert pips == ["python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 -e .[dev]"]

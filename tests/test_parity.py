@@ -16,7 +16,7 @@ pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a sec
 
 
 def test_124m_official_layout_float32(ckpt124: Path, tmp_path: Path, capsys):
-    """The issue's target: norm-relative error <= 1e-6 at every point, top-1 agreement 100%, exit 0, JSON schema."""
+    """The target: norm-relative error <= 1e-6 at every point, top-1 agreement 100%, exit 0, JSON schema."""
     out = tmp_path / "parity.json"
     rc = main(["parity", str(ckpt124), "--device", "cpu", "--json", str(out)])
     text = capsys.readouterr().out
@@ -36,6 +36,7 @@ def test_124m_official_layout_float32(ckpt124: Path, tmp_path: Path, capsys):
     floor = [p["noise_norm_rel"] for p in r["points"]]
     assert floor[0] == 0 and max(floor) > 0 and all(p["within_noise"] for p in r["points"])  # embed: no attention
     assert r["as_close_as_reference"] is True and "as transformers' own sdpa kernel is: YES" in text
+    assert "noise floor" in text  # the words the run without a floor leaves out (below)
 
 
 def test_no_noise_floor_leaves_the_floor_out(tiny_official: Path, tmp_path: Path, capsys):

@@ -4,6 +4,7 @@ and the JSON / Markdown / PNG outputs. Tiny checkpoints only (the 124M run is th
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import torch
 
 from gpt2_port.cli import main
 from gpt2_port_checks.forward import run_detailed
-from gpt2_port_checks.noise import NOISE_MARGIN, closeness, verdict
+from gpt2_port_checks.metrics import rel
+from gpt2_port_checks.noise import NOISE_MARGIN, closeness, spread, verdict
 from gpt2_port_checks.points import SUBLAYER_KINDS, point_names
 from gpt2_port_checks.tolerances import TOLERANCES, VS_FLOAT32_TOLERANCES
 
@@ -143,6 +145,16 @@ def test_verdict_rules():
     assert verdict(NOISE_MARGIN * 1e-7, 1e-7).within
     v = verdict(30e-7, 1e-7)
     assert not v.within and v.text == "above x30"
+
+
+def test_scalar_differences_and_a_totals_spread():
+    """The loss, a total NLL, a perplexity: |a - b| / |b|, 0 where equal and inf where only b is 0 (as norm_rel); a
+    total's floor sums the items' distances, where the signed sum would let them cancel."""
+    assert rel(1.5, 1.0) == 0.5 and rel(-1.0, -2.0) == 0.5
+    assert rel(0.0, 0.0) == 0.0 and rel(1e-9, 0.0) == math.inf and math.isnan(rel(math.nan, 1.0))
+    assert spread([1.0, 2.0, 3.5], [1.5, 1.0, 3.5]) == 1.5  # 0.5 + 1.0 (signed: -0.5 + 1.0 = 0.5)
+    with pytest.raises(ValueError):
+        spread([1.0], [1.0, 2.0])  # the floor scored other items
 
 
 def test_the_noise_sentence():
