@@ -47,7 +47,7 @@ from .noise import spread, verdict
 from .prompts import Inputs, resolve
 from .reference import amp, exact_matmuls, load_reference, versions
 from .results import PointResult
-from .steps import ADAMW_NAME, TrainConfig, _ref_loss, _scratch_loss, train_steps
+from .steps import ADAMW_NAME, StepLoss, TrainConfig, _ref_loss, _scratch_loss, train_steps
 from .storage import DISK_MOMENTS_SHARE, SPILL_BYTES, LazyTensors, SpilledTensors, spills
 from .tolerances import BACKWARD_TOLERANCES
 
@@ -117,7 +117,7 @@ class ReferenceRun:
     order: list[str]  # transformers' parameter order, for the clip norm
     floors: dict[tuple, dict[str, tuple]] = field(default_factory=dict)
     floor_desc: dict[tuple, str] = field(default_factory=dict)
-    steps: list[float] = field(default_factory=list)
+    steps: list[StepLoss] = field(default_factory=list)
     weights: Mapping[str, torch.Tensor] = field(default_factory=dict)
     step_floor: list[float] = field(default_factory=list)
     weight_floor: dict[str, tuple] = field(default_factory=dict)
@@ -139,12 +139,19 @@ def _floor_of(
     return out
 
 
-def _step_floor(s: Setup, ref_steps: Sequence[float], ref_weights: Mapping[str, torch.Tensor]):  # noqa: ANN202
+def step_floors(floor: Sequence[StepLoss], reference: Sequence[StepLoss]) -> list[float]:
+    """Each step's floor: the floor run's distance from the reference at each prompt's loss, summed, over the
+    reference's loss (noise.spread, as the gradients' loss takes it), and the largest of these up to that step: two
+    runs whose losses meet again at one step (rounded to the same float) have not met again in their weights."""
+    drift = (relative(spread(f.prompts, r.prompts), r.total) for f, r in zip(floor, reference, strict=True))
+    return list(itertools.accumulate(drift, max))
+
+
+def _step_floor(s: Setup, ref_steps: Sequence[StepLoss], ref_weights: Mapping[str, torch.Tensor]):  # noqa: ANN202
     """The noise floor of the steps: transformers with its other attention, loaded afresh, takes the same steps; each
-    step's loss and each weight after them against the reference's. Steps amplify differences (an oscillating loss
-    most), so this says how far two implementations transformers itself ships drift apart on the same run. A step's
-    floor is the largest drift up to it: two runs whose losses meet again at one step (rounded to the same float)
-    have not met again in their weights."""
+    step's loss (step_floors) and each weight after them against the reference's. Steps amplify differences (an
+    oscillating loss most), so this says how far two implementations transformers itself ships drift apart on the
+    same run."""
     alt = _dropout_off(load_reference(s.ckpt, s.cfg, s.base[0], s.base[1], s.alt_attn))
     names = {n: n for n, _ in alt.named_parameters()}
     moments = s.moments_dir(f"reference-{s.alt_attn}")
@@ -152,7 +159,7 @@ def _step_floor(s: Setup, ref_steps: Sequence[float], ref_weights: Mapping[str, 
     weights = {f"weight.{n}": metrics(p.detach(), ref_weights[n]) for n, p in alt.named_parameters()}
     del alt
     gc.collect()
-    return list(itertools.accumulate((rel(a, b) for a, b in zip(losses, ref_steps)), max)), weights
+    return step_floors(losses, ref_steps), weights
 
 
 def _reference_side(s: Setup, noise_floor: bool, spill_bytes: int | None) -> ReferenceRun:
@@ -260,7 +267,8 @@ def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.devic
         where = s.moments_dir(f"scratch-{dtype_name(dt)}-{dev.type}")
         losses = train_steps(scratch, hf_name_of_scratch(s.cfg), s.cfg, loss, s.ids_on(dev), s.tc, where, in_hf_layout)
         floored = (dt, dev) == s.base and bool(ref.step_floor)  # the floor was taken in the reference's dtype/device
-        for k, (a, b) in enumerate(zip(losses, ref.steps)):
+        for k, (mine_k, ref_k) in enumerate(zip(losses, ref.steps)):
+            a, b = mine_k.total, ref_k.total
             d = rel(a, b)
             st = StepResult(k, a, b, d, tol.step_loss_rel, bool(d <= tol.step_loss_rel))
             if floored:

@@ -53,7 +53,7 @@ def point_table(r: BackwardReport) -> Table:
     t.notes.append(
         f"loss: scratch {r.loss_scratch:.9g}, reference {r.loss_reference:.9g} (the loss row's norm_rel is "
         "|difference| / |reference|"
-        + ("; its floor, the floor's distance at each prompt's loss summed, over |reference|)" if floor else ")")
+        + ("; its floor: the floor run's distance at each prompt's loss, summed, over |reference|)" if floor else ")")
     )
     if floor:
         t.notes.append(f"noise floor: {r.noise_floor}; norm_rel within {NOISE_MARGIN:g}x of it counts as within")
@@ -91,7 +91,8 @@ def steps_table(r: BackwardReport) -> Table:
         within = sum(1 for p in r.weights if p.within_noise)
         t.notes.append(
             "noise floor of the steps: transformers with its other attention taking the same steps, against the "
-            "reference (a step's floor: the largest loss drift up to it); the weights after them: "
+            "reference (a step's floor: the largest loss drift up to it, the prompts' drifts summed); the weights "
+            "after them: "
             f"{within} of {len(r.weights)} within {NOISE_MARGIN:g}x their floor"
             + (f", median ratio {ratios[len(ratios) // 2]:.3g}" if ratios else "")
         )

@@ -7,6 +7,7 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -21,6 +22,13 @@ from .storage import moments_on_disk
 # whatever the layout, and is what the CPU tests compare bit for bit.
 ADAMW_IMPL = {"foreach": False, "fused": False}
 ADAMW_NAME = "torch.optim.AdamW, single-tensor (foreach=False, fused=False)"
+
+
+class StepLoss(NamedTuple):
+    """One step's loss before its update: the prompts' losses summed (in the model's arithmetic), and each prompt's."""
+
+    total: float
+    prompts: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -44,8 +52,8 @@ def train_steps(
     tc: TrainConfig,
     moments_dir: Path | None = None,
     clip_layout: Callable[[], Iterator[torch.Tensor]] | None = None,
-) -> list[float]:
-    """N AdamW steps on the same batch (llm.c's check); each step's loss before its update.
+) -> list[StepLoss]:
+    """N AdamW steps on the same batch (llm.c's check); each step's loss before its update, and its prompts'.
 
     hf_names: the model's parameter name -> transformers' name; the decay groups are decided on the latter.
     moments_dir: keep AdamW's moments on disk there (moments_on_disk), for models whose training state does not fit.
@@ -68,12 +76,14 @@ def train_steps(
     losses = []
     for _ in range(tc.steps):
         opt.zero_grad(set_to_none=True)
-        loss = torch.stack([forward(model, ids, share) for ids, share in prompt_shares(ids_list)]).sum()
+        per_prompt = torch.stack([forward(model, ids, share) for ids, share in prompt_shares(ids_list)])
+        loss = per_prompt.sum()
         loss.backward()
         layout = clip_layout() if clip_layout is not None else (p.grad for p in params if p.grad is not None)
         clip_grad_norm(params, layout, tc.clip)
         opt.step()
-        losses.append(loss.item())
+        *prompts, total = torch.cat([per_prompt.detach(), loss.detach()[None]]).tolist()  # one read of both
+        losses.append(StepLoss(total, tuple(prompts)))
     del opt
     if moments_dir is not None:  # this run's moments are done with: the next run's need the disk
         shutil.rmtree(moments_dir, ignore_errors=True)

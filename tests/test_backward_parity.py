@@ -218,6 +218,16 @@ def test_steps_that_drift_further_than_transformers_own_are_marked(
     assert any(s["within_noise"] is False for s in d["steps"][1:])
 
 
+def test_a_steps_floor_sums_the_prompts_distances_and_keeps_the_largest_so_far() -> None:
+    """Step 0's totals are equal (each prompt 0.1 off, in opposite directions): its floor is 0.2 over the loss, not
+    0; steps 1 and 2 meet again to the bit, and keep step 0's floor."""
+    S = steps.StepLoss
+    floor = [S(3.0, (1.0, 2.0)), S(2.9, (1.0, 1.9)), S(2.8, (1.4, 1.4))]
+    ref = [S(3.0, (1.1, 1.9)), S(2.9, (1.0, 1.9)), S(2.8, (1.4, 1.4))]
+    assert backward.step_floors(floor, ref) == pytest.approx([0.2 / 3.0] * 3, rel=1e-12)
+    assert backward.step_floors(ref, ref) == [0.0] * 3
+
+
 def test_reduced_dtype_sweep_against_one_float32_reference(tiny_official: Path, capsys, tmp_path: Path) -> None:
     rc, out = _run(
         ["parity", str(tiny_official), "--backward", "--device", "cpu", "--dtype", "float32,bfloat16", *PROMPTS]
@@ -367,8 +377,9 @@ def test_moments_on_disk_hold_adamws_state(tiny_official: Path, tmp_path: Path, 
     monkeypatch.setattr(steps.shutil, "rmtree", inspect_then_remove)
     moments = tmp_path / "m"
     moments.mkdir()
-    steps.train_steps(model, names, rep.config, steps._scratch_loss, ids, tc, moments)
+    out = steps.train_steps(model, names, rep.config, steps._scratch_loss, ids, tc, moments)
     assert seen == [True, True] and not moments.exists()  # written, then removed for the next run's moments
+    assert [len(x.prompts) for x in out] == [1, 1] and all(x.prompts == (x.total,) for x in out)  # one prompt
     # not enough disk for them: refused before the first step, naming the directory
     full = shutil.disk_usage(tmp_path)._replace(free=1024)
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda _p: full)
