@@ -42,8 +42,8 @@ from gpt2_port.model import from_pretrained
 from .backward_results import BackwardReport, BackwardSweep, LayerResult, StepResult
 from .forward import _as_inputs, _unique, parse_list
 from .grads import PREFIX, Grads, act_points, hf_name_of_scratch, layer_of, layer_order, reference_grads, scratch_grads
-from .metrics import metrics, rel, relative
-from .noise import spread, verdict
+from .metrics import metrics, rel
+from .noise import total_floor, verdict
 from .prompts import Inputs, resolve
 from .reference import amp, exact_matmuls, load_reference, versions
 from .results import PointResult
@@ -135,15 +135,15 @@ def _floor_of(
     out = {f"grad.{n}": metrics(t, want.params[n]) for n, t in g.params.items()}
     out.update({f"act_grad.{n}": metrics(t, want.acts[n]) for n, t in g.acts.items()})
     # the loss sums the prompts' losses: its floor sums their distances (noise.spread), as eval --check's totals do
-    out["loss"] = (relative(spread(g.prompt_losses, want.prompt_losses), want.loss),)
+    out["loss"] = (total_floor(g.prompt_losses, want.prompt_losses, want.loss),)
     return out
 
 
 def step_floors(floor: Sequence[StepLoss], reference: Sequence[StepLoss]) -> list[float]:
     """Each step's floor: the floor run's distance from the reference at each prompt's loss, summed, over the
-    reference's loss (noise.spread, as the gradients' loss takes it), and the largest of these up to that step: two
-    runs whose losses meet again at one step (rounded to the same float) have not met again in their weights."""
-    drift = (relative(spread(f.prompts, r.prompts), r.total) for f, r in zip(floor, reference, strict=True))
+    reference's loss (noise.total_floor, as the gradients' loss takes it), and the largest of these up to that step:
+    two runs whose losses meet again at one step (rounded to the same float) have not met again in their weights."""
+    drift = (total_floor(f.prompts, r.prompts, r.total) for f, r in zip(floor, reference, strict=True))
     return list(itertools.accumulate(drift, max))
 
 

@@ -91,8 +91,8 @@ def steps_table(r: BackwardReport) -> Table:
         within = sum(1 for p in r.weights if p.within_noise)
         t.notes.append(
             "noise floor of the steps: transformers with its other attention taking the same steps, against the "
-            "reference (a step's floor: the largest loss drift up to it, the prompts' drifts summed); the weights "
-            "after them: "
+            "reference (a step's floor: the prompts' loss drifts summed, over the reference's loss; the largest "
+            "such sum up to that step); the weights after them: "
             f"{within} of {len(r.weights)} within {NOISE_MARGIN:g}x their floor"
             + (f", median ratio {ratios[len(ratios) // 2]:.3g}" if ratios else "")
         )

@@ -17,7 +17,8 @@ class StepResult:
     rel: float
     tolerance: float
     passed: bool
-    noise_rel: float | None = None  # transformers' other attention taking the same steps, against the reference
+    # transformers' other attention taking the same steps, against the reference: backward.step_floors
+    noise_rel: float | None = None
     within_noise: bool | None = None
 
 

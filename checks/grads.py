@@ -70,6 +70,13 @@ class Grads:
     prompt_losses: tuple[float, ...]  # each prompt's share of `loss`
 
 
+def read_losses(per_prompt: torch.Tensor, total: torch.Tensor) -> tuple[float, tuple[float, ...]]:
+    """The total (the float32 sum's own value) and each prompt's share, as Python floats, in one read from the
+    device."""
+    *shares, t = torch.cat([per_prompt.detach(), total.detach()[None]]).tolist()
+    return t, tuple(shares)
+
+
 def prompt_shares(ids_list: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
     """Each (1, T) prompt with its num_items_in_batch: its summed NLL is divided by n_prompts x its T - 1 targets.
     The prompts' losses then add up to the mean of their means, and each one's backward starts from a gradient of
@@ -132,7 +139,8 @@ def reference_grads(ref: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_la
     for n, p in ref.named_parameters():
         params[n] = p.grad
         p.grad = None  # the dict keeps the only reference: no copy
-    return Grads(loss.item(), params, _flat_act_grads(acts), tuple(losses.detach().tolist()))
+    total, shares = read_losses(losses, loss)
+    return Grads(total, params, _flat_act_grads(acts), shares)
 
 
 def scratch_grads(model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_layer: int) -> Grads:
@@ -146,7 +154,8 @@ def scratch_grads(model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_la
         raise AssertionError(f"scratch parameters without a gradient: {missing}")
     # transformers' layout (q/k/v fused, Conv1D transposed), one tensor at a time when read: no second full copy
     mapped = LazyTensors(adapter.hf_tensors(grads, model.config, prefix=PREFIX))
-    return Grads(loss.item(), mapped, _flat_act_grads(acts), tuple(losses.detach().tolist()))
+    total, shares = read_losses(losses, loss)
+    return Grads(total, mapped, _flat_act_grads(acts), shares)
 
 
 def _flat_act_grads(acts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .metrics import relative
+
 # The floor is one sample of the reference's own spread, not a bound, so a figure up to twice it still counts as
 # the reference's noise; more than that is the port's. (Measured on the 124M random checkpoint, CPU: scratch sdpa
 # vs eager / transformers sdpa vs eager = 1.0 at every point, and scratch bfloat16/float16 vs the float32 reference
@@ -48,6 +50,11 @@ def spread(floor: Sequence[float], reference: Sequence[float]) -> float:
     difference of two totals cancels by chance, so as a floor it would be a coin toss (one sample, sometimes near 0);
     the sum of the distances is how far the reference's noise can move the total."""
     return sum(abs(f - r) for f, r in zip(floor, reference, strict=True))
+
+
+def total_floor(floor: Sequence[float], reference: Sequence[float], total: float) -> float:
+    """`spread` over |total| (the reference's total): a total's floor beside its relative difference."""
+    return relative(spread(floor, reference), total)
 
 
 def closeness(head: str, judged: Sequence[tuple[str, float, Verdict]], noun: str) -> str:

@@ -13,7 +13,7 @@ import torch
 
 from gpt2_port.config import GPT2Config
 
-from .grads import decays, prompt_shares
+from .grads import decays, prompt_shares, read_losses
 from .storage import moments_on_disk
 
 # Both sides step with torch's single-tensor AdamW, whatever the device: on CUDA torch would pick its multi-tensor
@@ -25,7 +25,7 @@ ADAMW_NAME = "torch.optim.AdamW, single-tensor (foreach=False, fused=False)"
 
 
 class StepLoss(NamedTuple):
-    """One step's loss before its update: the prompts' losses summed (in the model's arithmetic), and each prompt's."""
+    """One step's loss before its update: each prompt's share (prompt_shares) and their float32 sum."""
 
     total: float
     prompts: tuple[float, ...]
@@ -82,8 +82,7 @@ def train_steps(
         layout = clip_layout() if clip_layout is not None else (p.grad for p in params if p.grad is not None)
         clip_grad_norm(params, layout, tc.clip)
         opt.step()
-        *prompts, total = torch.cat([per_prompt.detach(), loss.detach()[None]]).tolist()  # one read of both
-        losses.append(StepLoss(total, tuple(prompts)))
+        losses.append(StepLoss(*read_losses(per_prompt, loss)))
     del opt
     if moments_dir is not None:  # this run's moments are done with: the next run's need the disk
         shutil.rmtree(moments_dir, ignore_errors=True)

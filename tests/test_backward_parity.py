@@ -12,6 +12,7 @@ import torch
 
 from gpt2_port.cli import main
 from gpt2_port.errors import UsageError
+from gpt2_port.io.load import read_checkpoint
 from gpt2_port.model import from_pretrained, lowp
 
 transformers = pytest.importorskip("transformers")
@@ -226,6 +227,19 @@ def test_a_steps_floor_sums_the_prompts_distances_and_keeps_the_largest_so_far()
     ref = [S(3.0, (1.1, 1.9)), S(2.9, (1.0, 1.9)), S(2.8, (1.4, 1.4))]
     assert backward.step_floors(floor, ref) == pytest.approx([0.2 / 3.0] * 3, rel=1e-12)
     assert backward.step_floors(ref, ref) == [0.0] * 3
+    # over the reference's loss, not the floor run's
+    assert backward.step_floors([S(2.0, (1.0, 1.0))], [S(4.0, (2.0, 2.0))]) == [0.5]
+
+
+def test_a_steps_loss_is_the_float32_sum_of_its_prompts_shares(tiny_official: Path) -> None:
+    """Step 0 (before any update) reads what the gradients' run reads: the total as the float32 sum's own value,
+    bit for bit, and each prompt's share."""
+    hf, ids = _three_prompts(tiny_official)
+    g = grads.reference_grads(hf, ids, hf.config.n_layer)
+    names = {n: n for n, _ in hf.named_parameters()}
+    cfg = read_checkpoint(str(tiny_official))[1].config  # the port's config: the decay groups are decided on it
+    out = steps.train_steps(hf, names, cfg, steps._ref_loss, ids, steps.TrainConfig(steps=1))
+    assert out == [(g.loss, g.prompt_losses)]  # (on the AMD EPYC a float64 sum of the shares differs in the last bit)
 
 
 def test_reduced_dtype_sweep_against_one_float32_reference(tiny_official: Path, capsys, tmp_path: Path) -> None:
