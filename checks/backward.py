@@ -134,7 +134,7 @@ def _floor_of(
         g = reference_grads(ref, ids_list, n_layer)
     out = {f"grad.{n}": metrics(t, want.params[n]) for n, t in g.params.items()}
     out.update({f"act_grad.{n}": metrics(t, want.acts[n]) for n, t in g.acts.items()})
-    # the loss sums the prompts' losses: its floor sums their distances (noise.spread), as eval --check's totals do
+    # the loss sums the prompts' losses: its floor sums their distances (noise.total_floor), as eval --check's totals do
     out["loss"] = (total_floor(g.prompt_losses, want.prompt_losses, want.loss),)
     return out
 
