@@ -268,3 +268,28 @@ def test_the_screen_is_chosen_where_onednn_has_packed_bf16(monkeypatch: pytest.M
     assert type(FastGreedyHead.make(w)) is want
     monkeypatch.setattr(greedy_head, "packs", lambda dtype: False)
     assert not ScreenedHead.available() and type(FastGreedyHead.make(w)) is TransposedHead
+
+
+@pytest.mark.parametrize(
+    ("dtype", "amp"),
+    [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float16, torch.float16)],
+    ids=["float32-bf16", "float32-fp16", "float16-fp16"],
+)
+def test_no_shortcut_under_cpu_autocast(dtype: torch.dtype, amp: torch.dtype) -> None:
+    """Under CPU autocast the head's logits are autocast's bf16/fp16 product, which neither proof describes (the
+    transposed head's own product would be autocast's too): greedy decoding takes the head's logits, and runs."""
+    from conftest import TINY, chaotic_model
+
+    from gpt2_port.generate.loop import generate_full
+
+    model = chaotic_model(TINY, 3).to(dtype).eval()
+    model.requires_grad_(False)
+    fast_outside = FastGreedyHead.usable(model)
+    assert fast_outside == (dtype == torch.float32 or ScreenedHead.available())
+    ids = torch.tensor([[5, 17, 42], [7, 8, 9]])
+    with torch.autocast("cpu", dtype=amp):
+        assert not FastGreedyHead.usable(model)
+        g = generate_full(model, ids, 40, eos_token_id=None)  # the float32 screen's differed (bf16: row 1, step 3)
+        exact = generate_full(model, ids, 40, eos_token_id=None, fast_head=False)
+    assert not g.extra["fast_head"] and g.sequences.tolist() == exact.sequences.tolist()
+    assert FastGreedyHead.usable(model) == fast_outside  # the autocast block over, the shortcut is back

@@ -15,14 +15,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..devices import autocast_dtype
+
 log = logging.getLogger(__name__)
-
-
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast computes in on this device type now; None when it is off (or the device has none here)."""
-    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
 
 
 def uncached_autocast(device_type: str) -> contextlib.AbstractContextManager:

@@ -22,9 +22,9 @@ from collections import OrderedDict
 
 import torch
 
-from ..devices import without_cudnn_attention
+from ..devices import autocast_dtype, without_cudnn_attention
 from .cache import KVCache, StaticKVCache, static_len
-from .cuda_graph import CapturedStep, autocast_dtype
+from .cuda_graph import CapturedStep
 from .protocol import CausalLM
 
 KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_layer x B x L x C values)
