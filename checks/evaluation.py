@@ -25,8 +25,8 @@ from gpt2_port.eval.score import Scorer
 from gpt2_port.eval.tasks import ChoiceResult, LambadaResult
 from gpt2_port.io.load import Checkpoint
 
-from .metrics import rel
-from .noise import NOISE_MARGIN, Verdict, closeness, spread, total_floor, verdict
+from .metrics import rel, relative
+from .noise import NOISE_MARGIN, Verdict, closeness, spread, verdict
 from .reference import load_reference
 from .render import Table, markdown_tables, num, ok, plain_document, tol
 from .results import all_within_noise
@@ -175,10 +175,12 @@ def _nll_rows(
     ]
     if floor is None:
         return rows, None
-    # a total's floor is the per-item distances summed (noise.spread); the worst item's is the floor's own worst item
-    rows[0].floor = total_floor(floor, ref, total_r)
+    # a total's floor is the per-item distances summed (noise.spread) over the total (as noise.total_floor); the worst
+    # item's is the floor's own worst item
+    nats = spread(floor, ref)
+    rows[0].floor = relative(nats, total_r)
     rows[1].floor = max(rel(f, r) for f, r in zip(floor, ref, strict=True))
-    return rows, spread(floor, ref)
+    return rows, nats
 
 
 def _parity(dtype: str, rows: list[Row], floor: bool) -> EvalParity:
