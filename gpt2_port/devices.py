@@ -48,8 +48,8 @@ def host_readable(t: torch.Tensor) -> bool:
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast casts matmul inputs to on this device type, or None when autocast is off (or this device
-    type has none: meta)."""
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    type has none: meta; named, as torch.amp.is_autocast_available would be a graph break under torch.compile)."""
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
 
