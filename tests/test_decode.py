@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,46 @@ def test_the_static_step_is_the_dynamic_step_bit_for_bit_where_the_keys_are_the_
         st.feed(seq[:, L - 1], L - 1)
         got = plan.static_step(st)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_the_static_step_converts_its_mask_once_and_attends_as_the_boolean_does(
+    dtype: torch.dtype, monkeypatch
+) -> None:
+    """Every layer's SDPA gets one additive mask, made once per step in q's dtype (SDPA would convert the boolean in
+    each layer, kernels a captured step replays per token): the same output, bit for bit, as the boolean gives."""
+    import torch.nn.functional as F
+
+    from gpt2_port.generate.cache import StaticKVCache
+    from gpt2_port.model import decode
+
+    masks: list[torch.Tensor] = []
+    real = F.scaled_dot_product_attention
+
+    def both(q, k, v, attn_mask, **kw):  # noqa: ANN001, ANN003, ANN202
+        masks.append(attn_mask)
+        got = real(q, k, v, attn_mask=attn_mask, **kw)
+        assert torch.equal(got, real(q, k, v, attn_mask=st.keys[:, None, None, :], **kw))
+        return got
+
+    m = _chaotic().to(dtype)
+    plan = DecodePlan.for_model(m)
+    B, T, L = 2, 5, 16
+    ids = torch.randint(0, TINY.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
+    mask = torch.tensor([[1] * T, [0, 0, 1, 1, 1]])
+    st = StaticKVCache(TINY, B, L, dtype, "cpu")
+    with torch.no_grad():
+        m(ids, attention_mask=mask, cache=st, hidden_only=True)
+        st.start(mask, T)
+        monkeypatch.setattr(decode.F, "scaled_dot_product_attention", both)
+        for step in range(3):
+            st.feed(ids[:, step], T + step)
+            masks.clear()
+            plan.static_step(st)
+            assert len(masks) == TINY.n_layer and all(x is masks[0] for x in masks)
+            assert masks[0].dtype == dtype and masks[0].shape == (B, 1, 1, L)
+            assert torch.equal(masks[0][:, 0, 0] == 0, st.keys) and masks[0][:, 0, 0][~st.keys].eq(-math.inf).all()
+            st.keys[:, T + step] = True  # the slot just written becomes a key of the next step
 
 
 @pytest.mark.parametrize("sample", [False, True])

@@ -35,7 +35,7 @@ from ..errors import UsageError
 from ..generate.cache import KVCache, StaticKVCache
 from .c_attn import fused_qkv
 from .lowp import linear_wb
-from .masks import build_mask, positions_from_mask
+from .masks import additive_mask, build_mask, positions_from_mask
 from .modules import Block, gelu_new, wants_grad
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # (..., in) -> (..., out)
@@ -152,16 +152,23 @@ class DecodePlan:
 
     def static_attention(self, cache: StaticKVCache) -> Attend:
         """Attend over all `max_len` slots of a StaticKVCache: store k, v at its slot tensor (index_copy_), SDPA with
-        the (B, 1, 1, max_len) mask of the slots each row sees. Every shape is the generation's: capturable."""
+        the (B, 1, 1, max_len) mask of the slots each row sees. Every shape is the generation's: capturable.
+
+        The mask goes to SDPA as the additive one SDPA would make of the boolean (0 where seen, -inf elsewhere, in
+        q's dtype), made once per step at the first layer: the same values, so the same arithmetic, without SDPA's
+        conversion in every layer (two scalar tensors and a where each, ops a captured step would replay per token)."""
         ks, vs = self._cache_views(cache)
-        mask, slot, scale = cache.keys[:, None, None, :], cache.slot, self.scale
+        keys, slot, scale = cache.keys, cache.slot, self.scale
+        bias: list[torch.Tensor] = []  # this step's additive mask, (B, 1, 1, max_len)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # in the cache's dtype, as the dynamic step's copy_ stores them (under autocast k and v come out of the
             # matmul in bf16/fp16; index_copy_ does not cast)
             ks[i].index_copy_(2, slot, k.to(ks[i].dtype))
             vs[i].index_copy_(2, slot, v.to(vs[i].dtype))
-            return F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=mask, scale=scale)
+            if not bias:
+                bias.append(additive_mask(keys, q.dtype)[:, None, None, :])
+            return F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=bias[0], scale=scale)
 
         return attend
 
