@@ -173,6 +173,34 @@ def test_gradients_are_clipped_to_clip_and_the_norm_before_clipping_is_logged(sm
     assert math.isfinite(norm) and norm > 0.05 and math.isclose(float(after), 0.01, rel_tol=1e-4)
 
 
+def test_clip_0_measures_the_norm_and_leaves_the_gradients_alone(
+    small_ckpt: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No clipping: the norm is measured (and logged), and no pass multiplies every gradient by 1 (clip_grad_norm_ to
+    inf would make one)."""
+    m, _ = from_pretrained(small_ckpt)
+    args = TrainArgs(steps=1, batch_size=2, block_size=16, clip=0.0, eval_every=0, dropout=0.0)
+    prepare_model(m, args, torch.device("cpu"))
+    t = Trainer(m, args, TokenFile(small_data / "train.bin", 512), None, "/nonexistent")
+
+    def no_clip(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("clip_grad_norm_ called with --clip 0")
+
+    versions: list[int] = []
+    real_norm = torch.nn.utils.get_total_norm
+
+    def total_norm(grads, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        versions.extend(g._version for g in grads)
+        return real_norm(grads, *a, **k)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", no_clip)
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", total_norm)
+    _, norm = t.readback.read(t._queue_step(0).values)
+    grads = [p.grad for p in m.parameters()]
+    assert versions == [g._version for g in grads]  # nothing wrote into the gradients after the norm was taken
+    assert math.isclose(norm, float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))), rel_tol=1e-6)
+
+
 @pytest.mark.parametrize("when", ["on_step", "on_save"])
 def test_an_out_directory_moved_while_training_stops_with_a_usage_error(
     small_ckpt: Path, small_data: Path, tmp_path: Path, when: str

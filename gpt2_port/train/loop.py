@@ -283,8 +283,10 @@ class Trainer:
             # the scaler's inf check skips the step and backs off, read first or not (its gradients may be finite)
             self._poison(self._halt((~torch.isfinite(total.float())).float()))
             self.scaler.unscale_(self.optimizer)
-        max_norm = a.clip if a.clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if a.clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.clip)
+        else:  # the norm alone: clip_grad_norm_ to inf would still multiply every gradient by 1, a pass over them
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
         back = [total, norm] + ([stops] if stops is not None else [])
         values = torch.stack([v.float() for v in back])  # (2 or 3,): loss sum, grad norm[, stop votes]
         sent = self.readback.send(values)  # before the AdamW step: the read need not wait for it
