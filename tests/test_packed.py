@@ -97,8 +97,8 @@ def test_a_packed_product_is_as_close_to_the_truth_as_the_kernels(dtype: torch.d
     x, w, b = lowp_operands(rows, dtype)
     lowp.set_packed(w, True)
     got = lowp.linear_wb(x, w, b)
-    # the packed route, except from upcast_min_rows rows where this CPU's kernel is slower than float32 copies' (bf16
-    # with AVX512-BF16 and no AMX: from 128 rows; never with AMX)
+    # the packed route, except from upcast_min_rows rows where this CPU's kernel is slower than float32 copies' (fp16
+    # without oneDNN's fp16 kernels, which packs nothing)
     assert lowp.is_packed(w) is not lowp.upcasts(x, w) and got.dtype == dtype and got.shape == (rows, 512)
     truth = F.linear(x.double(), w.double(), b.double())
     kernel = (F.linear(x, w, b).double() - truth).norm() / truth.norm()
