@@ -217,8 +217,9 @@ def bench_size(size: str, a: argparse.Namespace, log: list[str]) -> dict:
         if opt.startswith("int8"):  # ours only: compared with transformers in float32
             r = run_worker({**base, "impl": "ours", "dtype": opt, "tasks": ["decode"], "cache": "warm"}, log)
             out["runs"][f"ours_{opt}"] = r
-        else:  # both in that dtype, in one process: its tokens compare with transformers' in the same dtype
-            d = run_worker({**base, "impl": "duel", "dtype": opt, "tasks": ["decode"], "cache": "warm"}, log)
+        else:  # both in that dtype, in one process: its tokens compare with transformers' in the same dtype, and its
+            # prefills with transformers' (a prefill's matmuls are where a CPU's low-precision kernels decide)
+            d = run_worker({**base, "impl": "duel", "dtype": opt, "tasks": ["prefill", "decode"], "cache": "warm"}, log)
             out["runs"][f"ours_{opt}"], out["runs"][f"hf_{opt}"] = d["ours"], d["hf"]
     if lowp and not a.no_parity:
         t0 = time.perf_counter()
@@ -278,6 +279,10 @@ def summarize(size_res: dict, bw: dict) -> dict:
             s[f"{k}_weight_GBps"] = r["decode"]["weight_GBps"]
             s[f"{k}_tokens_match_hf"] = same_prefix(r["decode"]["tokens"], ref["decode"]["tokens"])
             s[f"{k}_tokens_against"] = ref["dtype"]
+            for shape, p in r.get("prefill", {}).items():  # (ours, transformers in that dtype, ratio; vs our float32)
+                ph = ref["prefill"][shape]["best_s"]
+                s[f"{k}_prefill_{shape}_s"] = (p["best_s"], ph, p["best_s"] / ph)
+                s[f"{k}_prefill_{shape}_vs_float32"] = p["best_s"] / ours["prefill"][shape]["best_s"]
     return s
 
 

@@ -183,6 +183,27 @@ def render(res: dict) -> str:
                 f"| {_r(same) if same is not None else '-'} | {s[f'{k}_weight_GBps']:.1f} | {pc} "
                 f"| {s[f'{k}_tokens_match_hf']}/{n} ({s.get(f'{k}_tokens_against', 'float32')}) |"
             )
+    prefills = [(size, k, r) for size, k, r in lowp if r.get("prefill")]
+    if prefills:
+        shapes = list(prefills[0][2]["prefill"])
+        out += [
+            "",
+            "### Low-precision prefill (beside transformers in the same dtype, in one process, runs interleaved)",
+            "",
+            "ms = the best run of each; vs our float32 = this prefill's time over ours in float32 (the table above).",
+            "",
+            "| size | option | "
+            + " | ".join(f"prefill {sh} ms (ours / hf) | ratio | vs our float32" for sh in shapes)
+            + " |",
+            "|---|---|" + "---|---|---|" * len(shapes),
+        ]
+        for size, k, _ in prefills:
+            s = res["sizes"][size]["summary"]
+            cells = [size, k.removeprefix("ours_")]
+            for sh in shapes:
+                po, ph, pr = s[f"{k}_prefill_{sh}_s"]
+                cells += [f"{po * 1e3:.0f} / {ph * 1e3:.0f}", _r(pr), _r(s[f"{k}_prefill_{sh}_vs_float32"])]
+            out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -127,7 +127,7 @@ def test_bench_end_to_end(tiny_official: Path, tmp_path: Path, capsys: pytest.Ca
             "--prefill",
             "1x8,2x8",
             "--lowp",
-            "int8",
+            "int8,bfloat16",
             "--no-cold",
             "--load-rounds",
             "2",
@@ -149,7 +149,7 @@ def test_bench_end_to_end(tiny_official: Path, tmp_path: Path, capsys: pytest.Ca
     assert res["membw"]["read_GBps"] > 0
     (size,) = res["sizes"].values()
     assert size["file_bytes"] == (tiny_official / "model.safetensors").stat().st_size
-    assert set(size["runs"]) == {"ours_float32", "hf_float32", "ours_int8"}
+    assert set(size["runs"]) == {"ours_float32", "hf_float32", "ours_int8", "ours_bfloat16", "hf_bfloat16"}
     for impl in ("ours", "hf"):
         r = size["runs"][f"{impl}_float32"]
         assert r["impl"] == impl and r["peak_rss_MB"] >= r["rss_before_load_MB"] > 0 and r["load_s"] > 0
@@ -161,8 +161,19 @@ def test_bench_end_to_end(tiny_official: Path, tmp_path: Path, capsys: pytest.Ca
     assert s["decode_tok_s"][2] == pytest.approx(s["decode_tok_s"][0] / s["decode_tok_s"][1])
     assert s["decode_tokens_match"] == 3  # both greedy in float32 on the same weights
     assert "parity" not in size
+    # bf16 beside transformers in bf16: decode and the prefills (int8, ours alone, decodes only)
+    assert "prefill" not in size["runs"]["ours_int8"]
+    for sh in ("1x8", "2x8"):
+        po, ph, pr = s[f"ours_bfloat16_prefill_{sh}_s"]
+        assert (po, ph) == tuple(size["runs"][f"{i}_bfloat16"]["prefill"][sh]["best_s"] for i in ("ours", "hf"))
+        assert pr == pytest.approx(po / ph)
+        assert s[f"ours_bfloat16_prefill_{sh}_vs_float32"] == pytest.approx(
+            po / size["runs"]["ours_float32"]["prefill"][sh]["best_s"]
+        )
+    assert s["ours_bfloat16_tokens_against"] == "bfloat16"
     text = md.read_text()
     assert BEGIN in text and "| size |" in text and "int8" in text and "decode tok/s" in text
+    assert "### Low-precision prefill" in text and "| bfloat16 |" in text.split("### Low-precision prefill")[1]
     assert "### Load" in text and "warm" in text
     assert text.strip() in capsys.readouterr().out.strip() or "## Speed and memory" in text
 
