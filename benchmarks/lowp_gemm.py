@@ -5,8 +5,9 @@ How gpt2_port.model.lowp's rules were chosen. For each row count, the three 124M
 c_attn; 768 -> 3072, c_fc; 3072 -> 768, mlp.c_proj) are timed (best of --repeats, summed) in float32, with the
 low-precision kernel, from float32 copies rounded once (what lowp.linear does from its threshold), and on the weight
 packed by oneDNN (what lowp does for a marked weight where `lowp.packs`); the head (768 -> 50257) with the kernel and
-packed. lowp's choices on this CPU are printed beside. oneDNN's kernels heed ONEDNN_MAX_CPU_ISA, so one CPU stands in
-for older ones (AVX512_CORE_BF16: AVX512-BF16 without AMX).
+packed. lowp's choices on this CPU are printed beside. oneDNN's kernels heed ONEDNN_MAX_CPU_ISA, so one CPU approximates
+older ones (AVX512_CORE_BF16: AVX512-BF16 without AMX); only approximates: on a real AVX512-BF16 CPU without AMX the
+bf16 kernel won at every row count where the capped Xeon had it lose from 128 rows (BENCHMARKS.md).
 
     python -m benchmarks.lowp_gemm [--dtypes bfloat16,float16] [--rows 1,8,16,32,64,128,256,512] [--out r.json]
 """

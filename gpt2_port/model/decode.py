@@ -166,8 +166,8 @@ class DecodePlan:
             # matmul in bf16/fp16; index_copy_ does not cast)
             ks[i].index_copy_(2, slot, k.to(ks[i].dtype))
             vs[i].index_copy_(2, slot, v.to(vs[i].dtype))
-            if not bias:
-                bias.append(additive_mask(keys, q.dtype)[:, None, None, :])
+            if not bias or bias[0].dtype != q.dtype:  # SDPA takes an additive mask in q's dtype only
+                bias[:] = [additive_mask(keys, q.dtype)[:, None, None, :]]
             return F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=bias[0], scale=scale)
 
         return attend

@@ -43,8 +43,9 @@ the same route for the same shape, so a decode step (decode.py) and the forward 
 construction.
 
 The threshold depends on the CPU's instructions as oneDNN, torch's low-precision GEMM, may use them. Measured on an
-Intel Xeon with AMX, 2 threads, oneDNN held lower with ONEDNN_MAX_CPU_ISA to stand in for older CPUs (`python -m
-benchmarks.lowp_gemm`, the three 124M shapes summed; kernel time / float32 copies' time at 8 .. 512 rows):
+Intel Xeon with AMX, 2 threads, oneDNN held lower with ONEDNN_MAX_CPU_ISA to approximate older CPUs, and on real ones
+where one was at hand, which decide (`python -m benchmarks.lowp_gemm`, the three 124M shapes summed; kernel time /
+float32 copies' time at 8 .. 512 rows):
 - bf16 with AMX: 0.22 .. 0.14 (2.8x .. 6.4x faster than float32 itself): never;
 - bf16 with AVX512-BF16 and no AMX: never. On a real such CPU (an AMD EPYC with AVX-512 and AVX512-BF16, 2 threads)
   0.07 at 1 row, 0.09 at 8, 0.24 at 128, 0.37 at 512 (the bf16 kernel 2.3x faster than float32 itself at 512 rows),
