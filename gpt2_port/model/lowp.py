@@ -53,7 +53,8 @@ float32 copies' time at 8 .. 512 rows):
   Xeon held to AVX512_CORE_BF16 had stood in for such a CPU and said the opposite (0.38 at 8 rows, 1.23 at 128, 1.45
   at 512: "from 128 rows", the rule before); the real CPU decides;
 - fp16 where oneDNN has fp16 kernels (AVX512-FP16 or AMX-FP16): 0.41 .. 0.91 (as fast as float32 from 64 rows):
-  never; without them (AVX512_CORE_BF16) 1.28 at 8 rows, 2.22 at 16, 7.4 at 128: from 16 rows;
+  never; without them (AVX512_CORE_BF16) 1.28 at 8 rows, 2.22 at 16, 7.4 at 128, and on the real AVX512-BF16 CPU
+  above 0.94 at 8, 1.47 at 16, 3.49 at 128: from 16 rows;
 - neither (AVX2): 1.34 at 8 rows, 2.10 at 16, 6.6 at 128 (on an AMD AVX2 CPU: about the same time at 8 rows, 1.7x-2.2x
   at 16, 5x at 128): from 16 rows.
 """
@@ -74,11 +75,11 @@ _LOWP = (torch.bfloat16, torch.float16)
 
 def upcast_min_rows(dtype: torch.dtype, features: frozenset[str] | None = None) -> int | None:
     """Rows from which a `dtype` inference matmul on a CPU with `features` (this CPU's by default) is computed from
-    float32 copies; None: never (see the module's docstring for the measurements)."""
+    float32 copies; None: never. Never where oneDNN has kernels for `dtype` (bf16: AVX512-BF16 or AMX; fp16: its fp16
+    kernels), the instructions that make packing pay too (`packs`); from UPCAST_MIN_ROWS elsewhere (see the module's
+    docstring for the measurements)."""
     f = cpu_features() if features is None else features
-    if dtype == torch.bfloat16:
-        return None if f & {"amx_bf16", "avx512_bf16"} else UPCAST_MIN_ROWS
-    return None if "fp16_gemm" in f else UPCAST_MIN_ROWS
+    return None if packs(dtype, f) else UPCAST_MIN_ROWS
 
 
 def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
