@@ -89,10 +89,11 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def _new_file_mode() -> int:
+def _new_mode(directory: bool = False) -> int:
+    """The mode open() and mkdir() give a new file (0o666) or directory (0o777) under this process's umask."""
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return (0o777 if directory else 0o666) & ~umask
 
 
 # -- probes (before any work) ----------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ class PendingFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         kind = _kind(self.path)
-        self.mode = stat.S_IMODE(os.stat(self.path).st_mode) if kind == "regular" else _new_file_mode()
+        self.mode = stat.S_IMODE(os.stat(self.path).st_mode) if kind == "regular" else _new_mode()
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=self.path.parent)
         self.tmp = Path(tmp)
         self.f: BinaryIO = os.fdopen(fd, "wb")
@@ -358,9 +359,11 @@ def keep_results(data: bytes, suffix: str = "") -> str | None:
 @contextlib.contextmanager
 def staging_dir(parent: str | os.PathLike[str], prefix: str) -> Iterator[Path]:
     """A hidden temporary directory inside `parent` to write a set of files into; removed with whatever is left in
-    it when the block ends (after `commit_files` or `replace_dir`, nothing is)."""
+    it when the block ends (after `commit_files` or `replace_dir`, nothing is). It has the mode mkdir() would give
+    (mkdtemp's own is 0o700, which `replace_dir` would otherwise leave on the directory it puts in place)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{prefix}-", suffix=".partial", dir=parent))
     try:
+        os.chmod(tmp, _new_mode(directory=True))
         yield tmp
     finally:
         if tmp.exists():

@@ -296,3 +296,22 @@ def test_demo_checkpoint_late_write_failure(
     line = _one_error_line(capsys.readouterr().err)
     assert rc == 2 and f"--out {out}: cannot write the checkpoint (No space left on device)" in line
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_directory_put_in_place_has_the_mode_mkdir_gives(tmp_path: Path, umask: int) -> None:
+    """A checkpoint directory written through staging_dir and put in place by replace_dir (train's `best/`) is as
+    readable as one mkdir() would make under the umask (mkdtemp makes 0o700), and so are its files."""
+    from gpt2_port.files import replace_dir, staging_dir
+
+    old = os.umask(umask)
+    try:
+        (tmp_path / "plain").mkdir()
+        with staging_dir(tmp_path, "best") as tmp:
+            (tmp / "config.json").write_text("{}")
+            replace_dir(tmp, tmp_path / "best")
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "best").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o777 & ~umask
+    assert stat.S_IMODE((tmp_path / "best" / "config.json").stat().st_mode) == 0o666 & ~umask
