@@ -1579,6 +1579,27 @@ def c_train_resume_stop_at_a_step_already_done(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_train_resume_with_steps_below_the_saved_step(tmp: Path, base: Path) -> dict:
+    run = tmp / "run"
+    assert main(train_argv(base, _train_data(tmp), run, "--steps", "3", "--stop-at", "2", "--no-progress")) == 0
+    return {
+        "argv": ["train", "--resume", str(run), "--steps", "1", "--no-plot"],
+        "expect": ["--steps 1", str(run), "already at step 2"],
+        "after": [_unchanged(run / "trainer_state.json", run / "log.jsonl")],
+    }
+
+
+def test_steps_below_the_saved_step_is_refused_before_any_warning(
+    base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refusal is the one line: no warning first about the schedule a run that will not start would follow."""
+    spec = CASES["train_resume_with_steps_below_the_saved_step"](tmp_path, base)
+    capsys.readouterr()
+    assert main(spec["argv"]) == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+@case
 def c_prepare_out_empty(tmp: Path, base: Path) -> dict:
     return {"argv": prep(tmp, base, text_file(tmp), out=""), "expect": ["--out ''", "empty path", "directory"]}
 

@@ -72,6 +72,7 @@ def run_settings(args: argparse.Namespace, state, dist, warn) -> Any:  # noqa: A
     else:
         saved = TrainArgs.from_saved(state.args, f"{args.resume}/{STATE_JSON}")
         targs = dataclasses.replace(saved, **given)
+        state.check_steps(targs.steps, args.resume)  # before any warning about the change: nothing would run
         for line in resume_changes(saved, targs, state.world_size, dist.world_size):
             warn(line)
         if "data" not in given and saved.data is not None and not Path(saved.data).is_dir():

@@ -222,8 +222,7 @@ class Trainer:
 
     def _restore(self, st: trainer_state.TrainerState, source: Path) -> None:
         same_model(self.model.config, st.model_config, str(source / trainer_state.STATE_JSON))
-        if st.step > self.args.steps:
-            raise UsageError(f"--steps {self.args.steps}: the run in {source} is already at step {st.step}")
+        st.check_steps(self.args.steps, source)
         trainer_state.load_optimizer_tensors(self.model, self.optimizer, st.tensors, source)
         self.sampler.restore(trainer_state.restore_rng(st.tensors), st.batches_drawn)
         if self.scaler is not None and st.scaler:

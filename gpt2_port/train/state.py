@@ -49,6 +49,11 @@ class TrainerState:
         d = {k: v for k, v in self.__dict__.items() if k != "tensors"}
         return {"format": FORMAT, **d}
 
+    def check_steps(self, steps: int, source: str | os.PathLike[str]) -> None:
+        """UsageError unless a run of `steps` steps can continue from this state (saved in `source`)."""
+        if self.step > steps:
+            raise UsageError(f"--steps {steps}: the run in {source} is already at step {self.step}")
+
 
 def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """AdamW's state by parameter name: optim.{name}.exp_avg / .exp_avg_sq / .step (steps as a (1,) tensor)."""
