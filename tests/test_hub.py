@@ -209,6 +209,21 @@ def test_unreachable_hub_with_no_cache(
     line = _error_line(err)
     assert rc == 2
     assert "openai-community/gpt2-medium" in line and "cannot reach" in line and "local checkpoint" in line
+    assert "local directory" not in line  # gpt2-medium: no folder it could have meant
+
+
+def test_an_owner_name_that_is_no_folder_here_says_so_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`runs/shakespeare` before `runs/` exists (a run not written yet) is asked of the Hub as owner/name; its error
+    also says no such local directory exists, since that is the likelier meaning."""
+    FakeHub().patch(monkeypatch, tmp_path / "cache", offline=False)
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _cli(capsys, "inspect", "runs/shakespeare")
+    line = _error_line(err)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "runs/shakespeare" in line and "cannot reach" in line
+    assert line.endswith("(nor is there a local directory runs/shakespeare here)"), line
 
 
 def _cache_files(cache: Path) -> list[Path]:
@@ -440,7 +455,7 @@ def test_did_you_mean_official_ids(
     rc, _, err = _cli(capsys, "inspect", "openai-community/gpt2-mediun")
     line = _error_line(err)
     assert rc == 2 and "no such model on the Hugging Face Hub" in line
-    assert line.endswith("did you mean openai-community/gpt2-medium?"), line
+    assert "did you mean openai-community/gpt2-medium?" in line, line
 
 
 def test_offline_and_unreachable_errors_name_the_cache(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, UsageError
+from ..errors import CheckpointError, HubError, UsageError
 from . import hub
 from .safetensors_io import SafetensorsFile
 from .tokenizer import find_files
@@ -114,7 +114,13 @@ def locate(model: str | os.PathLike[str], revision: str | None = None) -> Checkp
             f"{s}: no such file or directory (it looks like a path, so it was not looked up as a Hub model id){hint}"
         )
     if hub.looks_like_hub_id(s):
-        return _from_hub(s, revision)
+        try:
+            return _from_hub(s, revision)
+        except HubError as e:
+            if "/" not in s:
+                raise
+            # owner/name reads as a relative path too (a run directory not written yet, a typo'd folder)
+            raise HubError(f"{e} (nor is there a local directory {s} here)") from None
     hint = hub.did_you_mean(s, _local_candidates(p) + hub.OFFICIAL_IDS)
     raise CheckpointError(
         f"{s}: no such file or directory, and not a Hub model id (like gpt2 or openai-community/gpt2){hint}"
