@@ -539,7 +539,8 @@ def c_gen_cuda_without_cuda(tmp: Path, base: Path) -> dict:
 
 @case
 def c_gen_unknown_dtype(tmp: Path, base: Path) -> dict:
-    return {"argv": gen(base, "--dtype", "float8"), "expect": ["'float8'", "unknown dtype", "float32"]}
+    expect = ["--dtype 'float8'", "float32, float16, bfloat16 or int8"]
+    return {"argv": gen(base, "--dtype", "float8"), "expect": expect}
 
 
 @case

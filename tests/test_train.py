@@ -1289,3 +1289,13 @@ def test_tf32_is_on_by_default_and_no_tf32_turns_it_off(
     argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(tmp_path / "run"), "--steps", "1"]
     assert train(*argv, *FAST, "--eval-every", "0", "--no-progress", *flag) == 0
     assert seen == [want]
+
+
+@pytest.mark.parametrize(("given", "dtype"), [("bfloat16", "bf16"), ("float16", "fp16"), ("BF16", "bf16")])
+def test_train_takes_the_dtype_names_the_other_commands_use(given: str, dtype: str) -> None:
+    """generate, eval and parity say bfloat16 and float16; train's own names are bf16 and fp16: either works."""
+    from gpt2_port.cli.main import build_parser
+    from gpt2_port.cli.train_settings import given_settings
+
+    args = build_parser().parse_args(["train", "--init", "m", "--data", "d", "--out", "o", "--dtype", given])
+    assert given_settings(args)["dtype"] == dtype

@@ -194,7 +194,10 @@ def run(args: argparse.Namespace) -> int:
     quantize, given = args.quantize, args.dtype  # as typed, for the message
     if str(args.dtype).lower() == "int8":
         quantize, args.dtype = "int8", "float32"
-    dtype = parse_dtype(args.dtype)
+    try:
+        dtype = parse_dtype(args.dtype)
+    except UsageError:
+        raise UsageError(f"--dtype {given!r}: expected float32, float16, bfloat16 or int8") from None
     auto = str(args.device).lower() == "auto"
     device = parse_device("cpu" if quantize and auto else args.device)  # int8 runs on the CPU
     if quantize and device.type != "cpu":

@@ -63,7 +63,7 @@ OOM_HINT = (
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..train.args import DTYPE_CHOICES, KERNEL_CHOICES, TrainArgs
+    from ..train.args import DTYPE_CHOICES, KERNEL_CHOICES, TrainArgs, train_dtype
 
     d = TrainArgs()
     p = sub.add_parser(
@@ -146,7 +146,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, help=f"seed of the batches, dropout and init ({d.seed})")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     g.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, help="float32 (default); bf16 (autocast); fp16 (autocast + grad scaler, CUDA)"
+        "--dtype",
+        type=train_dtype,
+        choices=DTYPE_CHOICES,
+        help="float32 (default); bf16 (autocast; or bfloat16); fp16 (autocast + grad scaler, CUDA; or float16)",
     )
     g.add_argument("--tf32", action=bool_flag, help="CUDA: float32 matmuls on TF32 tensor cores (on; --no-tf32: off)")
     g.add_argument(

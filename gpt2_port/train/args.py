@@ -17,6 +17,13 @@ from ..model.fused import check_pad_multiple
 from .schedule import lr_at
 
 DTYPE_CHOICES = ("float32", "bf16", "fp16")
+DTYPE_SPELLINGS = {"bfloat16": "bf16", "float16": "fp16"}  # generate's, eval's and parity's names for them
+
+
+def train_dtype(name: str) -> str:
+    """A training dtype as DTYPE_CHOICES spells it: bfloat16 and float16, as the other commands spell them, too."""
+    return DTYPE_SPELLINGS.get(name.lower(), name.lower())
+
 KERNEL_CHOICES = ("auto", "reference", "fast")
 SCHEDULES = ("cosine", "constant")
 SEED_LIMIT = 2**63  # seeds are 0 <= seed < 2**63, so seed + step stays within what torch's generators take (< 2**64)
