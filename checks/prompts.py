@@ -83,7 +83,7 @@ def resolve(inputs: Inputs, encode, n_positions: int, vocab_size: int) -> list[l
         elif text is not None:
             label = f"prompt {text!r} (stored as GPT-2 token ids)"
         else:
-            label = f"token ids #{k + 1}"
+            label = f"token-id prompt #{k + 1} (--ids, --ids-file)"
         check_ids(ids, label, n_positions, vocab_size, hint)
         out.append(list(ids))
     return out

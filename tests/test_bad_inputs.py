@@ -604,7 +604,7 @@ def c_parity_ids_empty(tmp: Path, base: Path) -> dict:
 def c_parity_ids_outside_vocabulary(tmp: Path, base: Path) -> dict:
     return {
         "argv": ["parity", str(base), "--ids", "5 1000"],
-        "expect": ["token ids #1", "token id 1000", "vocabulary of 1000"],
+        "expect": ["token-id prompt #1 (--ids, --ids-file)", "token id 1000", "vocabulary of 1000"],
     }
 
 
@@ -623,7 +623,16 @@ def c_parity_default_prompts_outside_vocabulary(tmp: Path, base: Path) -> dict:
 def c_parity_ids_file_missing(tmp: Path, base: Path) -> dict:
     return {
         "argv": ["parity", str(base), "--ids-file", str(tmp / "no_ids.txt")],
-        "expect": ["--ids-file", "no_ids.txt", "cannot read"],
+        "expect": ["--ids-file", "no_ids.txt", "cannot read (No such file or directory)"],
+    }
+
+
+@case
+def c_parity_prompt_file_not_utf8(tmp: Path, base: Path) -> dict:
+    (tmp / "latin1.txt").write_bytes("café".encode("latin-1"))
+    return {
+        "argv": ["parity", str(base), "--prompt-file", str(tmp / "latin1.txt")],
+        "expect": ["--prompt-file", "latin1.txt", "cannot read (not UTF-8 text:"],
     }
 
 

@@ -17,7 +17,8 @@ def _read_text(path: str, what: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{what} {path}: cannot read ({e.__class__.__name__}: {e})") from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else f"not UTF-8 text: {e}"
+        raise UsageError(f"{what} {path}: cannot read ({why})") from None
 
 
 def read_inputs(args: argparse.Namespace):  # -> gpt2_port_checks.prompts.Inputs (imported lazily)

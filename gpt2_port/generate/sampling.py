@@ -47,8 +47,8 @@ class SamplingSettings:
         """UsageError naming the argument and what was expected, for values that make no distribution."""
         if self.do_sample and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
             raise UsageError(
-                f"temperature must be > 0 when sampling, got {self.temperature} (use greedy decoding "
-                f"for the most likely token)"
+                f"temperature must be > 0 when sampling, got {self.temperature} (greedy decoding, --greedy or "
+                "do_sample=False, gives the most likely token)"
             )
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
             raise UsageError(f"top_k must be a non-negative integer (0: no top-k), got {self.top_k}")

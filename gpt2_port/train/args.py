@@ -24,6 +24,7 @@ def train_dtype(name: str) -> str:
     """A training dtype as DTYPE_CHOICES spells it: bfloat16 and float16, as the other commands spell them, too."""
     return DTYPE_SPELLINGS.get(name.lower(), name.lower())
 
+
 KERNEL_CHOICES = ("auto", "reference", "fast")
 SCHEDULES = ("cosine", "constant")
 SEED_LIMIT = 2**63  # seeds are 0 <= seed < 2**63, so seed + step stays within what torch's generators take (< 2**64)
