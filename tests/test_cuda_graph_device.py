@@ -61,6 +61,7 @@ class _Fake:
             # as torch.cuda.graph: the capture stream is current inside; on exit capture_end runs first, and the
             # caller's stream is put back only when it returns
             fake.log.append(("capture", stream.device if stream is not None else "default"))
+            fake.capture_kw = kw
             prev, fake.stream = fake.stream, stream
             yield
             if fake.fail_capture_end:
@@ -153,6 +154,33 @@ def test_a_capture_that_breaks_at_its_end_leaves_the_callers_stream_current(
     assert streams[0] is not caller and streams[1] is not caller  # the side stream, the capture stream
     assert streams[2:] == [caller, caller]
     assert fake.stream is caller
+
+
+def test_an_error_in_a_warm_up_run_is_the_steps_own_and_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-up run is the eager step on a side stream: its error (a device-side assert from a bad id, say) would
+    end the eager step too, so it is raised, not logged as a capture failure and met again eagerly; the caller's
+    stream is current again and nothing was recorded."""
+    fake = _Fake(monkeypatch)
+    caller = fake.stream
+    calls = []
+
+    def step() -> torch.Tensor:
+        calls.append(fake.stream)
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    captured = cuda_graph.CapturedStep(step, torch.device("cuda:0"), warmup=2)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        captured()
+    assert len(calls) == 1 and calls[0] is not caller  # the first warm-up run, on the side stream; no capture
+    assert not captured.eager and captured.graph is None and fake.stream is caller
+    assert not any(kind == "capture" for kind, _ in fake.log)
+
+
+def test_the_capture_is_thread_local(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other threads' CUDA calls (a data loader's pinned copies, a profiler) may go on while the step records."""
+    fake = _Fake(monkeypatch)
+    cuda_graph.CapturedStep(lambda: torch.zeros(1), torch.device("cuda:0"), warmup=1)()
+    assert fake.capture_kw == {"capture_error_mode": "thread_local"}
 
 
 def test_running_out_of_memory_while_capturing_is_raised_not_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:

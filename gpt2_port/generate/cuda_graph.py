@@ -37,7 +37,10 @@ class CapturedStep:
     each replay. The warm-up runs write into the step's buffers as a real step would: capture before the first real
     step, whose own writes replace them. `capture_s`: the time the warm-up and the capture took (waited for once, so
     it is not counted in the steps after). A capture that fails (RuntimeError, out of memory aside) is logged once
-    and the step runs eagerly from then on, the same arithmetic without the graph, on the caller's stream. Warm-up,
+    and the step runs eagerly from then on, the same arithmetic without the graph, on the caller's stream; an error
+    in a warm-up run is the step's own (a device-side assert, say), which the eager step would meet too, and is
+    raised as it is. The capture is thread-local: other threads' CUDA calls (a data loader's, a profiler's) go on
+    while it records, where the global mode would fail them. Warm-up,
     capture and replay run on `device` (its streams, under its guard): torch.cuda.graph's default capture stream is
     made once, on whichever device was current then, and a step whose tensors live on another GPU would record
     nothing there."""
@@ -49,19 +52,27 @@ class CapturedStep:
         self.capture_s = 0.0
         self.eager = False  # the capture failed: every call runs fn(), the same step without the graph
 
-    def capture(self) -> None:
-        t0 = time.perf_counter()
+    def warm_up(self) -> None:
+        """The warm-up runs, on a side stream of the step's device (errors are the step's own: raised)."""
         with torch.cuda.device(self.device):
             caller = torch.cuda.current_stream(self.device)
+            s = torch.cuda.Stream(self.device)
+            s.wait_stream(caller)
             try:
-                s = torch.cuda.Stream(self.device)
-                s.wait_stream(caller)
                 with torch.cuda.stream(s), uncached_autocast("cuda"):
                     for _ in range(self.warmup):
                         self.fn()
+            finally:
                 caller.wait_stream(s)
+
+    def capture(self) -> None:
+        """Record fn() as the graph (errors are the capture's: `__call__` falls back to the eager step)."""
+        with torch.cuda.device(self.device):
+            caller = torch.cuda.current_stream(self.device)
+            try:
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, stream=torch.cuda.Stream(self.device)), uncached_autocast("cuda"):
+                stream = torch.cuda.Stream(self.device)
+                with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"), uncached_autocast("cuda"):
                     self.out = self.fn()
             finally:
                 # torch.cuda.graph ends the capture before it puts the caller's stream back: when ending it raises
@@ -69,14 +80,16 @@ class CapturedStep:
                 torch.cuda.set_stream(caller)
             self.graph = g
             caller.synchronize()  # once per capture: the warm-up's work ends here
-        self.capture_s = time.perf_counter() - t0
 
     def __call__(self) -> torch.Tensor:
         if self.eager:
             return self.fn()
         if self.graph is None:
+            t0 = time.perf_counter()
+            self.warm_up()
             try:
                 self.capture()
+                self.capture_s = time.perf_counter() - t0
             except torch.cuda.OutOfMemoryError:
                 raise  # not a capture problem: the eager step would need the same memory
             except RuntimeError as e:  # a kernel that cannot be captured here (e.g. an attention backend's plan)
