@@ -12,17 +12,22 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from ..devices import DTYPES
 from ..errors import UsageError
 from ..model.fused import check_pad_multiple
 from .schedule import lr_at
 
 DTYPE_CHOICES = ("float32", "bf16", "fp16")
-DTYPE_SPELLINGS = {"bfloat16": "bf16", "float16": "fp16"}  # generate's, eval's and parity's names for them
+_CHOICE_OF = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def train_dtype(name: str) -> str:
-    """A training dtype as DTYPE_CHOICES spells it: bfloat16 and float16, as the other commands spell them, too."""
-    return DTYPE_SPELLINGS.get(name.lower(), name.lower())
+    """A training dtype as DTYPE_CHOICES spells it, from any name the other commands take (devices.DTYPES: bfloat16,
+    float16, ...); another name is returned as given, for argparse's choices to refuse."""
+    dt = DTYPES.get(name.lower())
+    return name if dt is None else _CHOICE_OF[dt]
 
 
 KERNEL_CHOICES = ("auto", "reference", "fast")
