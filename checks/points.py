@@ -10,6 +10,7 @@ Scratch side: the model's named taps (`model.record`). Reference side: forward h
     block.{i}.attn.c_proj   h.{i}.attn.c_proj output
     block.{i}.resid_attn    h.{i}.ln_2 input (the residual stream after attention)
     block.{i}.ln_2          h.{i}.ln_2 output
+    block.{i}.mlp.pre       h.{i}.mlp.c_fc output (the MLP hidden before GELU)
     block.{i}.mlp.act       h.{i}.mlp.act output (the MLP hidden after GELU)
     block.{i}.mlp.c_proj    h.{i}.mlp.c_proj output
     block.{i}               h.{i} output
@@ -27,12 +28,13 @@ from collections.abc import Sequence
 import torch
 
 from gpt2_port.model import GPT2
-from gpt2_port.model.taps import BLOCK_POINTS
+from gpt2_port.model.taps import BLOCK_POINTS, MANUAL_ATTENTION_POINTS
 
 from .reference import capture_reference, reference_hooks
 
 # In the order the block computes them; the block output `block.{i}` comes last.
-SUBLAYER_KINDS = [p for p in BLOCK_POINTS if p != "attn.probs"]  # probs: compared by the attention command
+# Not the scores and probs, which the sdpa path never forms (the attention command compares probs)
+SUBLAYER_KINDS = [p for p in BLOCK_POINTS if p not in MANUAL_ATTENTION_POINTS]
 QKV = ("attn.q", "attn.k", "attn.v")
 
 # Reference module (under transformer.h.{i}) and what to take, for every sub-layer kind but q/k/v.
@@ -42,6 +44,7 @@ _REF_SUBLAYER = {
     "attn.c_proj": ("attn.c_proj", "output"),
     "resid_attn": ("ln_2", "input"),
     "ln_2": ("ln_2", "output"),
+    "mlp.pre": ("mlp.c_fc", "output"),
     "mlp.act": ("mlp.act", "output"),
     "mlp.c_proj": ("mlp.c_proj", "output"),
 }

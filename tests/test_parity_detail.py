@@ -60,10 +60,16 @@ def _break_mlp_of_block_1(monkeypatch: pytest.MonkeyPatch) -> None:
     def forward(self, x):
         if self.tag != "block.1.mlp":
             return orig(self, x)
-        h = torch.nn.functional.gelu(self.c_fc(x))
-        self.taps(f"{self.tag}.act", h)
+        rec = self.taps.rec
+        h = self.c_fc(x)
+        if rec is not None:
+            h = rec(f"{self.tag}.pre", h)
+        h = torch.nn.functional.gelu(h)
+        if rec is not None:
+            h = rec(f"{self.tag}.act", h)
         y = self.c_proj(h)
-        self.taps(f"{self.tag}.c_proj", y)
+        if rec is not None:
+            y = rec(f"{self.tag}.c_proj", y)
         return self.dropout(y)
 
     monkeypatch.setattr(model_mod.MLP, "forward", forward)
@@ -98,6 +104,7 @@ def test_first_diverging_sublayer_point_is_named(
     assert r["first_above_noise"] == "block.1.mlp.act" and r["as_close_as_reference"] is False
     pts = {p["name"]: p for p in r["points"]}
     assert pts["block.1.ln_2"]["norm_rel"] == 0.0 and pts["block.1.ln_2"]["within_noise"] is True
+    assert pts["block.1.mlp.pre"]["norm_rel"] == 0.0  # c_fc's output still agrees: the GELU is the culprit
     assert pts["block.1.mlp.act"]["noise_verdict"].startswith("above")
     # the spine's schema is still there, extended
     assert {"model", "dtype", "device", "passed", "first_failure", "top1_agreement", "points"} <= set(r)

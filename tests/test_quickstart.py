@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,20 @@ def test_the_quickstart_runs_end_to_end_on_a_tiny_checkpoint(
     assert re.search(r"bits_per_byte\s+\d", outputs["eval"])
     assert outputs["generate"].startswith("ROMEO:")
     assert "PASS" in outputs["parity"]
+
+
+def test_the_readme_python_api_block_runs_as_written(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """The README's Python block, with a 4-layer random checkpoint in place of the Hub's gpt2 (it names block.3)."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    code = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    ckpt = write_demo_checkpoint(
+        tmp_path / "gpt2", config=replace(TINY, n_layer=4), seed=6, tokenizer_dir=tokenizer_dir
+    )
+    assert code.count('from_pretrained("gpt2"') == 1 and code.count('"out/"') == 1
+    code = code.replace('from_pretrained("gpt2"', f"from_pretrained({str(ckpt)!r}").replace(
+        '"out/"', repr(str(tmp_path / "out"))
+    )
+    scope: dict = {}
+    exec(compile(code, "README.md (Python API)", "exec"), scope)  # noqa: S102
+    assert scope["acts"]["block.3"].shape == (1, 2, TINY.n_embd) and (tmp_path / "out" / "model.safetensors").is_file()

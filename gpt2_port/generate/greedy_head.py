@@ -293,12 +293,12 @@ class FastGreedyHead:
         """On the CPU, float32 (with float32 matmuls in float32: `cpu.float32_matmuls_exact`), or float16 (with
         float32 sums: `cpu.float16_sums_in_float32`) where the screen runs (`ScreenedHead.available`; bf16 logits
         round too coarsely for a screen to decide often, and the bf16 head reads no more bytes than the screen), a
-        plain head, no recording of the logits, inference (not in train mode, no gradient wanted: the copies are
-        detached), and CPU autocast off (under it the head's logits are autocast's bf16/fp16 product, which neither
-        proof describes)."""
+        plain head, nothing recording, editing or hooking the forward (`intercepted`), inference (not in train mode,
+        no gradient wanted: the copies are detached), and CPU autocast off (under it the head's logits are autocast's
+        bf16/fp16 product, which neither proof describes)."""
         plain = model.lm_head is None or type(model.lm_head) is torch.nn.Linear
         f32 = model.dtype == torch.float32 and float32_matmuls_exact()  # else the model's logits are not float32's
         f16 = model.dtype == torch.float16 and float16_sums_in_float32() and ScreenedHead.available()
         dtype = (f32 or f16) and autocast_dtype("cpu") is None
         cpu = model.device.type == "cpu"
-        return plain and cpu and dtype and model.taps.rec is None and not model.wants_grad()
+        return plain and cpu and dtype and not model.intercepted() and not model.wants_grad()

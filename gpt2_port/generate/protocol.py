@@ -14,7 +14,6 @@ from ..config import GPT2Config
 class CausalLM(Protocol):
     config: GPT2Config
     lm_head: nn.Module | None
-    taps: Any  # the model's tap point: `taps.rec` is None unless activations are being recorded
     training: bool
 
     @property
@@ -43,7 +42,12 @@ class CausalLM(Protocol):
 
     def decode_plan(self) -> Any:
         """The one-token step without module dispatch (model/decode.py's DecodePlan), or None where the forward must
-        run (train mode, gradients wanted, activations recorded, the manual attention)."""
+        run (train mode, gradients wanted, activations recorded, edited or hooked, the manual attention)."""
+        ...
+
+    def intercepted(self) -> bool:
+        """True while a record, an edit or a module's forward hook may read or change an activation: no shortcut
+        that passes the modules by then."""
         ...
 
     def wants_grad(self) -> bool:

@@ -14,11 +14,11 @@ c_attn view, per-layer cache views) and the same aten ops run on the same tensor
 for whole steps against the forward, with and without padding); `DecodePlan.static_step` attends over all slots of a
 StaticKVCache with a mask, every shape fixed, so that generate/ can capture it once as a CUDA graph and replay it (its
 tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ). Neither carries
-logic of its own: no dropout, no taps.
+logic of its own: no dropout, no taps, no module hooks.
 
 Inference only: `for_model` gives no plan (and `step` refuses) in train mode or when a parameter needs a gradient, and
-none while activations are recorded or the attention is the manual one; those go through `GPT2.forward`. Linears that
-are not plain `nn.Linear` (e.g. int8) are called as modules.
+none while activations are recorded, edited or hooked, or the attention is the manual one; those go through
+`GPT2.forward`. Linears that are not plain `nn.Linear` (e.g. int8) are called as modules.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ class DecodePlan:
     @staticmethod
     def for_model(model: nn.Module) -> DecodePlan | None:
         """A plan, or None when the forward pass must run instead: train mode or gradients wanted, the manual
-        attention, or activations being recorded."""
-        if wants_grad(model) or model.taps.rec is not None or any(b.attn.impl != "sdpa" for b in model.h):
+        attention, or activations recorded, edited or hooked (`GPT2.intercepted`)."""
+        if wants_grad(model) or model.intercepted() or any(b.attn.impl != "sdpa" for b in model.h):
             return None
         return DecodePlan(model)
 

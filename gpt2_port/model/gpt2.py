@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,9 +42,9 @@ from .fused import check_pad_multiple, linear_cross_entropy, padded_vocab
 from .init import init_tensor_
 from .loss import check_labels, cross_entropy, shift_labels
 from .lowp import linear_wb, set_packed
-from .masks import build_mask, positions_from_mask
+from .masks import build_mask, check_positions, positions_from_mask
 from .modules import AttnImpl, Block, Kernels, LayerNorm
-from .taps import Recorder, Taps
+from .taps import Editor, Hooks, Recorder, Taps
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,17 @@ class GPT2(GenerationMixin, nn.Module):
         """True in train mode, or when autograd records and a parameter needs a gradient: no inference shortcuts."""
         return modules.wants_grad(self)
 
+    def intercepted(self) -> bool:
+        """Whether something may read or change an activation in a forward: a `record` or `edit`, or a forward hook
+        (or pre-hook) on any of the modules or on every module. The decode shortcuts, which call no module and
+        pass no tap, stand aside then."""
+        if self.taps.rec is not None:
+            return True
+        every = nn.modules.module
+        if every._global_forward_hooks or every._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules())
+
     def decode_plan(self) -> DecodePlan | None:
         """The one-token decode step without module dispatch (decode.py), or None where the forward must run."""
         return DecodePlan.for_model(self)
@@ -243,19 +254,39 @@ class GPT2(GenerationMixin, nn.Module):
     def record(
         self, names: Iterable[str] | Callable[[str], bool] | None = None, keep_graph: bool = False
     ) -> Iterator[dict[str, torch.Tensor]]:
-        """Capture named activations during forward passes inside the block:
+        """Capture named activations during forward passes inside the block (each forward replaces the last one's):
 
-        `embed`, `block.{i}.ln_1`, `block.{i}.attn.{q,k,v}` (B, nh, T, hs), `block.{i}.attn.probs` (asked for by name;
-        uses the manual path), `block.{i}.attn.merged` (before c_proj), `block.{i}.attn.c_proj`, `block.{i}.resid_attn`,
-        `block.{i}.ln_2`, `block.{i}.mlp.act`, `block.{i}.mlp.c_proj`, `block.{i}` (block output), `ln_f`, `logits`.
-        One name may be passed as a string. An unknown name raises UsageError listing the valid ones.
+        `embed`, `block.{i}.ln_1`, `block.{i}.attn.{q,k,v}` (B, nh, T, hs), `block.{i}.attn.scores` (B, nh, T, S:
+        scaled and masked, masked keys at the dtype's lowest value), `block.{i}.attn.probs` (B, nh, T, S),
+        `block.{i}.attn.merged` (B, T, C: the heads side by side, before c_proj), `block.{i}.attn.c_proj`,
+        `block.{i}.resid_attn`, `block.{i}.ln_2`, `block.{i}.mlp.pre` (c_fc's output), `block.{i}.mlp.act`,
+        `block.{i}.mlp.c_proj`, `block.{i}` (the block's output), `ln_f`, `logits`; `taps.tap_names` lists them.
+        `names`: exact names, prefixes ending in '.' ('block.3.'), a predicate, or None (all). Asking for scores or
+        probs runs that layer's attention the manual way (transformers' eager arithmetic, whose outputs differ from
+        sdpa's in the last bits); no other tap changes a bit. Unknown names raise UsageError listing the valid ones.
         `keep_graph=True` keeps the tensors in the autograd graph with their gradients retained (read
-        `acts[name].grad` after backward; gradient checkpointing is off while it records so).
+        `acts[name].grad` after backward; on a model whose parameters need no gradient the graph starts at the
+        embeddings; gradient checkpointing is off while it records so). Records nest, and see what edits made.
         """
-        rec = Recorder([names] if isinstance(names, str) else names, self.config.n_layer, keep_graph)
-        prev, self.taps.rec = self.taps.rec, rec
-        try:
+        rec = Recorder(names, self.config.n_layer, keep_graph)
+        with self._hooked(rec):
             yield rec.acts
+
+    @contextlib.contextmanager
+    def edit(self, edits: Mapping[str, Callable[[torch.Tensor], torch.Tensor | None]]) -> Iterator[None]:
+        """Replace named activations (the names `record` takes, exactly) in forward passes inside the block: each
+        function gets the tensor and returns its replacement (same shape, dtype and device) or None (it changed the
+        tensor in place). Activation patching, ablation, steering: `with model.edit({"block.3": lambda t: clean})`.
+        Edits nest (the outer one first) and the decode steps of `generate` run the forward while one is active."""
+        with self._hooked(Editor(edits, self.config.n_layer)):
+            yield
+
+    @contextlib.contextmanager
+    def _hooked(self, hook: Recorder | Editor) -> Iterator[None]:
+        prev = self.taps.rec
+        self.taps.rec = (prev or Hooks()).adding(hook)
+        try:
+            yield
         finally:
             self.taps.rec = prev
 
@@ -307,6 +338,13 @@ class GPT2(GenerationMixin, nn.Module):
         for t in (labels, targets):
             if t is not None:
                 check_labels(t, input_ids, V, partial=last_only or hidden_only, values=host_readable(t))
+        check_positions(
+            attention_mask,
+            position_ids,
+            (B, T, S),
+            self.config.n_positions,
+            values=all(host_readable(t) for t in (attention_mask, position_ids) if t is not None),
+        )
         if position_ids is None:
             if attention_mask is not None:
                 position_ids = positions_from_mask(attention_mask)[:, past:]
@@ -314,7 +352,9 @@ class GPT2(GenerationMixin, nn.Module):
                 position_ids = torch.arange(past, S, device=input_ids.device)[None]
         x = self.drop(self._embed_tokens(input_ids) + self.wpe(position_ids))  # (B, T, C)
         if self.taps.rec is not None:
-            self.taps.rec("embed", x)
+            if self.taps.rec.keep_graph and torch.is_grad_enabled() and not x.requires_grad:
+                x.requires_grad_()  # parameters that need no gradient: activation gradients start from here
+            x = self.taps.rec("embed", x)
         mask = build_mask(attention_mask, T, S, input_ids.device)
         # not while recording with keep_graph: a recomputation during backward would fire the taps again and
         # replace the recorded tensors (whose .grad the caller reads) with new ones that never get a gradient
@@ -326,7 +366,7 @@ class GPT2(GenerationMixin, nn.Module):
             cache.length = S
         x = self.ln_f(x)
         if self.taps.rec is not None:
-            self.taps.rec("ln_f", x)
+            x = self.taps.rec("ln_f", x)
         if last_only:
             x = x[:, -1:]
         if hidden_only:
@@ -339,7 +379,7 @@ class GPT2(GenerationMixin, nn.Module):
             return CausalLMOutput(loss, None)
         logits = self.head(x)  # (B, T, V)
         if self.taps.rec is not None:
-            self.taps.rec("logits", logits)
+            logits = self.taps.rec("logits", logits)
         if targets is not None:
             return CausalLMOutput(cross_entropy(logits, targets, num_items=num_items_in_batch), logits)
         return logits

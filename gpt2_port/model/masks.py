@@ -19,14 +19,44 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def check_positions(
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    shape: tuple[int, int, int],
+    n_positions: int,
+    values: bool,
+) -> None:
+    """UsageError unless the mask is (B, S) of 0s and 1s and the positions (B|1, T) or (T,) integers in
+    0..n_positions-1, for input_ids (B, T) after `S - T` cached tokens (shape: B, T, S). values: also read the
+    values (a host sync when they are on an accelerator)."""
+    B, T, S = shape
+    given = f"does not fit input_ids ({B}, {T})" + (f" after {S - T} cached tokens" if S > T else "")
+    if attention_mask is not None:
+        m = attention_mask
+        if tuple(m.shape) != (B, S):
+            raise UsageError(
+                f"attention_mask of shape {tuple(m.shape)} {given}: expected ({B}, {S}), 1 for a token, 0 for padding"
+            )
+        odd = ((m != 0) & (m != 1)) if values else None
+        if odd is not None and bool(odd.any()):
+            raise UsageError(f"attention_mask holds {m[odd][0].item():g}: expected 1 for a token and 0 for padding")
+    if position_ids is not None:
+        p = position_ids
+        if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+            raise UsageError(f"position_ids must hold integer positions, got {p.dtype}")
+        if not (p.dim() == 1 and p.shape[0] == T or p.dim() == 2 and p.shape[1] == T and p.shape[0] in (1, B)):
+            raise UsageError(f"position_ids of shape {tuple(p.shape)} {given}: expected ({B}, {T}), (1, {T}) or ({T},)")
+        if values and p.numel() and not (0 <= int(p.min()) and int(p.max()) < n_positions):
+            bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
+            raise UsageError(f"position_ids: {bad} is out of range (expected 0 <= position < {n_positions})")
+
+
 def build_mask(attention_mask: torch.Tensor | None, T: int, S: int, device: torch.device) -> torch.Tensor | None:
     """Boolean (B|1, 1, T, S) mask: causal, and keys that are padding hidden. None when plain causal suffices."""
     if attention_mask is None:
         if T == S or T == 1:  # plain causal, or one query that sees every key (a decode step)
             return None
         return causal(T, S, device)[None, None]
-    if attention_mask.shape[-1] != S:
-        raise UsageError(f"attention_mask has {attention_mask.shape[-1]} columns, expected {S} (past + new tokens)")
     mask = causal(T, S, device)[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
     # A padding query would see no key at all; let every query see itself so softmax stays finite.
     # (T, S): query t's own key is key S - T + t; made by a comparison on the device (putting True through an index

@@ -3,9 +3,9 @@ the pre-LN block (`x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))`).
 
 Module names follow Hugging Face (`ln_1`, `attn`, `mlp.c_fc`, `c_proj`) so that per-layer activations line up with
 the reference. Dropout sits at transformers' sites (attention probabilities, attention output, MLP output) and is
-active in train mode only. Named taps expose every intermediate for the checker; with nothing recording, a tap is one
-`is None` test and no name is built. q, k and v are computed as c_attn computes them (c_attn.py). Shapes: B batch,
-T new tokens, S keys (past + new), C n_embd, nh heads, hs head size.
+active in train mode only. Named taps expose every intermediate to `record` and `edit` (taps.py); with nothing
+recording or editing, a tap is one `is None` test and no name is built. q, k and v are computed as c_attn computes
+them (c_attn.py). Shapes: B batch, T new tokens, S keys (past + new), C n_embd, nh heads, hs head size.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .c_attn import fused_qkv, project_qkv, qkv_tied, tie_qkv
 from .fused import gelu_tanh
 from .lowp import attention, linear
 from .masks import causal
-from .taps import Taps
+from .taps import MANUAL_ATTENTION_POINTS, Taps
 
 AttnImpl = Literal["sdpa", "manual"]
 Kernels = Literal["reference", "fast"]
@@ -68,6 +68,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.head_dim, self.layer = cfg.n_head, cfg.head_dim, layer
         self.impl: AttnImpl = "sdpa"
         self.taps, self.tag = taps, f"block.{layer}.attn"
+        self.manual_points = tuple(f"block.{layer}.{p}" for p in MANUAL_ATTENTION_POINTS)  # sdpa never forms them
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
         """A move or cast (`.to`, `.cuda`, `.half`, ...) converts each parameter on its own, which would leave q, k
@@ -91,29 +92,32 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = (self._heads(t) for t in self.project(x))  # (B, nh, T, hs) each
-        rec = self.taps.rec  # None unless model.record() is active
+        rec = self.taps.rec  # None unless model.record() or model.edit() is active
         if rec is not None:
-            rec(f"{self.tag}.q", q), rec(f"{self.tag}.k", k), rec(f"{self.tag}.v", v)
+            q, k, v = rec(f"{self.tag}.q", q), rec(f"{self.tag}.k", k), rec(f"{self.tag}.v", v)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, nh, S, hs)
         scale = self.head_dim**-0.5
         p_drop = self.attn_dropout.p if self.training else 0.0
-        if self.impl == "sdpa" and (rec is None or not rec.wants(f"{self.tag}.probs")):
+        if self.impl == "sdpa" and (rec is None or not any(map(rec.wants, self.manual_points))):
             causal_only = mask is None and T > 1
             y = attention(x, q, k, v, attn_mask=mask, dropout_p=p_drop, is_causal=causal_only, scale=scale)
         else:  # the reference's eager arithmetic: (q @ k^T) * scale, masked, softmax, dropout, @ v
             att = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, nh, T, S)
             keep = mask if mask is not None else causal(T, k.shape[2], x.device)
-            att = F.softmax(att.masked_fill(~keep, torch.finfo(att.dtype).min), dim=-1).to(v.dtype)
+            att = att.masked_fill(~keep, torch.finfo(att.dtype).min)
             if rec is not None:
-                rec(f"{self.tag}.probs", att)
+                att = rec(f"{self.tag}.scores", att)
+            att = F.softmax(att, dim=-1).to(v.dtype)
+            if rec is not None:
+                att = rec(f"{self.tag}.probs", att)
             y = torch.matmul(self.attn_dropout(att), v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads side by side
         if rec is not None:
-            rec(f"{self.tag}.merged", y)
+            y = rec(f"{self.tag}.merged", y)
         y = linear(self.c_proj, y)
         if rec is not None:
-            rec(f"{self.tag}.c_proj", y)
+            y = rec(f"{self.tag}.c_proj", y)
         return self.resid_dropout(y)
 
 
@@ -128,13 +132,16 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         act = gelu_tanh if self.kernels == "fast" and wants_grad(self) else gelu_new
-        h = act(linear(self.c_fc, x))  # (B, T, 4C)
+        h = linear(self.c_fc, x)  # (B, T, 4C)
         rec = self.taps.rec
         if rec is not None:
-            rec(f"{self.tag}.act", h)
+            h = rec(f"{self.tag}.pre", h)
+        h = act(h)
+        if rec is not None:
+            h = rec(f"{self.tag}.act", h)
         y = linear(self.c_proj, h)
         if rec is not None:
-            rec(f"{self.tag}.c_proj", y)
+            y = rec(f"{self.tag}.c_proj", y)
         return self.dropout(y)
 
 
@@ -151,14 +158,14 @@ class Block(nn.Module):
         rec = self.taps.rec  # (B, T, C) -> (B, T, C)
         h = self.ln_1(x)
         if rec is not None:
-            rec(f"{self.tag}.ln_1", h)
+            h = rec(f"{self.tag}.ln_1", h)
         x = x + self.attn(h, mask, cache)
         if rec is not None:
-            rec(f"{self.tag}.resid_attn", x)
+            x = rec(f"{self.tag}.resid_attn", x)
         h = self.ln_2(x)
         if rec is not None:
-            rec(f"{self.tag}.ln_2", h)
+            h = rec(f"{self.tag}.ln_2", h)
         x = x + self.mlp(h)
         if rec is not None:
-            rec(self.tag, x)
+            x = rec(self.tag, x)
         return x
