@@ -577,6 +577,28 @@ def c_gen_nan_weight(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_gen_int8_nan_weight(tmp: Path, base: Path) -> dict:
+    d = copy(base, tmp)
+    st = SafetensorsFile(d / "model.safetensors")
+    w = st.get("h.0.mlp.c_fc.weight").clone()
+    del st
+    w[3, 5] = float("nan")
+    rewrite(d / "model.safetensors", put={"h.0.mlp.c_fc.weight": w})
+    return {
+        "argv": gen(d, "--quantize", "int8", prompt="a,b"),
+        "expect": ["int8: non-finite weights", "h.0.mlp.c_fc.weight", "expected finite values"],
+    }
+
+
+@case
+def c_gen_temperature_overflows(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": gen(base, "--temperature", "1e-40", "--seed", "1", prompt="a,b"),
+        "expect": ["step 1", "temperature 1e-40", "turn finite logits into Inf", "expected a larger temperature"],
+    }
+
+
+@case
 def c_parity_json_dir_missing(tmp: Path, base: Path) -> dict:
     return {
         "argv": ["parity", str(base), "--json", str(tmp / "nodir" / "p.json")],

@@ -162,8 +162,9 @@ def test_eos_stops_rows_like_transformers(model: GPT2, hf_model) -> None:
 
 
 def test_processed_distributions_equal_transformers(hf_model) -> None:
-    """Temperature, top-k, top-p and repetition penalty give transformers' distributions (its processors, its order)."""
-    from transformers import GenerationConfig, LogitsProcessorList
+    """Temperature, top-k, top-p and repetition penalty give transformers' distributions (its processors, its order),
+    and the options left out default as in transformers (top-k 50 when sampling)."""
+    from transformers import LogitsProcessorList
 
     torch.manual_seed(0)
     B, V = 3, CHAOTIC.vocab_size
@@ -183,7 +184,8 @@ def test_processed_distributions_equal_transformers(hf_model) -> None:
         dict(do_sample=True, temperature=0.5, top_k=0, top_p=1.0),
     ]
     for c in cases:
-        gc = GenerationConfig(**{"top_k": None, **c}, eos_token_id=50256, pad_token_id=50256)
+        # what hf.generate(**c) runs with, its defaults filled in (top-k 50 when sampling), as ours are
+        gc = hf_model._prepare_generation_config(None, **c, eos_token_id=50256, pad_token_id=50256)[0]
         procs = hf_model._get_logits_processor(
             generation_config=gc, input_ids_seq_length=12, logits_processor=LogitsProcessorList(), device="cpu"
         )
@@ -236,7 +238,7 @@ def test_kv_cache_equals_full_recomputation_200_tokens(model: GPT2) -> None:
 
 def test_output_scores_are_the_processed_logits_each_token_was_chosen_from(model: GPT2) -> None:
     ids = torch.tensor([PROMPTS[0]])
-    opts = dict(eos_token_id=None, do_sample=True, temperature=0.5, seed=2)
+    opts = dict(eos_token_id=None, do_sample=True, temperature=0.5, top_k=0, seed=2)
     g = generate_full(model, ids, 6, output_scores=True, **opts)
     assert g.sequences.tolist() == generate_full(model, ids, 6, **opts).sequences.tolist()  # keeping them changes none
     assert [(s.shape, s.dtype) for s in g.scores] == [((1, CHAOTIC.vocab_size), torch.float32)] * 6
@@ -656,6 +658,18 @@ def test_overflow_with_finite_weights_is_named_as_such(sample: bool) -> None:
         generate_full(m, torch.tensor([PROMPTS[0]]), 5, eos_token_id=None, **kw)
 
 
+@pytest.mark.parametrize("opts", [dict(temperature=1e-40), dict(repetition_penalty=1e-40)], ids=["temp", "penalty"])
+def test_sampling_settings_that_overflow_finite_logits_stop_generate(opts: dict) -> None:
+    """Finite logits divided by a tiny temperature (or, for seen tokens, a tiny penalty) overflow to +-Inf, and their
+    softmax is NaN: generate stops at that step, naming the settings (transformers' multinomial raises there), rather
+    than drawing token 0 from NaN probabilities."""
+    m = _chaotic()
+    with pytest.raises(UsageError, match=r"^generate: step 1 \(new token 1\): temperature .* turn finite logits into"):
+        generate_full(m, torch.tensor([PROMPTS[0]]), 5, eos_token_id=None, do_sample=True, seed=1, **opts)
+    ok = generate_full(m, torch.tensor([PROMPTS[0]]), 5, eos_token_id=None, do_sample=True, seed=1, temperature=1e-3)
+    assert ok.sequences.shape[1] == len(PROMPTS[0]) + 5  # a small temperature that does not overflow still samples
+
+
 def test_cli_nan_weight_prints_no_text_and_exits_2(
     tiny_official: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -679,3 +693,24 @@ def test_cli_nan_weight_prints_no_text_and_exits_2(
     assert out == ""
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "logits of step 1 (new token 1) hold NaN or Inf; non-finite weights: h.1.attn.c_proj.weight" in err
+
+
+def test_options_of_numpy_types_are_taken_and_of_wrong_types_named(model: GPT2) -> None:
+    """numpy's numbers (as a script that computes them passes them) are taken; a bool top_k, a string temperature or
+    a list of EOS ids is a one-line UsageError naming the option, not a TypeError from inside torch."""
+    import numpy as np
+
+    ids = torch.tensor([PROMPTS[0]])
+    opts = dict(do_sample=True, seed=1, eos_token_id=None)
+    a = generate_full(model, ids, np.int64(4), temperature=np.float32(0.5), top_k=np.int32(5), **opts).sequences
+    assert torch.equal(a, generate_full(model, ids, 4, temperature=0.5, top_k=5, **opts).sequences)
+    bad = [
+        (dict(top_k=True), r"top_k must be an integer, got True \(bool\)"),
+        (dict(temperature="hot"), r"temperature must be a number, got 'hot' \(str\)"),
+        (dict(eos_token_id=[50256, 1]), r"eos_token_id must be an integer, got \[50256, 1\] \(list\)"),
+    ]
+    for kw, match in bad:
+        with pytest.raises(UsageError, match=match):
+            generate_full(model, ids, 4, **{**opts, **kw})
+    mask = generate_full(model, [[0, *PROMPTS[0]]], 4, attention_mask=[[0] + [1] * len(PROMPTS[0])], **opts)
+    assert torch.equal(mask.sequences[:, 1:], generate_full(model, ids, 4, **opts).sequences)  # lists taken as tensors

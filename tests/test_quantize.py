@@ -77,6 +77,22 @@ def test_quantize_refuses_low_precision(tiny_official) -> None:  # noqa: ANN001
         quantize_int8(model)
 
 
+def test_non_finite_weights_and_activations_are_named_not_crashed_on(tiny_official) -> None:  # noqa: ANN001
+    """A NaN weight is refused before quantizing, naming it; an activation that overflows (finite weights) is named at
+    the int8 layer it reaches, where torch's dynamic quantizer would fail inside ("min should be less than ...")."""
+    model, _ = from_pretrained(tiny_official)
+    with torch.no_grad():
+        model.h[1].mlp.c_fc.weight[0, 0] = float("nan")
+    with pytest.raises(UsageError, match=r"^int8: non-finite weights: h.1.mlp.c_fc.weight \(expected finite values"):
+        quantize_int8(model)
+    model, _ = from_pretrained(tiny_official)
+    with torch.no_grad():
+        model.h[0].ln_2.bias.fill_(3e38)  # finite, but the int8 products after it overflow
+    quantize_int8(model)
+    with torch.no_grad(), pytest.raises(UsageError, match=r"^h\.\d\.\S+ is int8 and its input holds NaN or Inf"):
+        model(torch.tensor([[1, 2, 3]]))
+
+
 def test_generate_cli_int8(tiny_official, tmp_path, capsys) -> None:  # noqa: ANN001
     """`gpt2-port generate --quantize int8` (and its alias --dtype int8) decodes with the int8 model."""
     import json

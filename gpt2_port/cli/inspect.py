@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..files import check_writable, write_output
-    from ..io.load import nonfinite_tensors, read_checkpoint
+    from ..io.load import listed, nonfinite_tensors, read_checkpoint
 
     if args.json:
         check_writable(args.json, "--json", checkpoint_inputs(args.model))
@@ -82,9 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if bad:  # bad weights are bad input: exit 2 and write no report file, like every other input error
         from ..errors import CheckpointError
 
-        names = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
         raise CheckpointError(
-            f"{rep.checkpoint.source}: NaN/Inf in {len(bad)} tensor(s): {names} (expected finite "
+            f"{rep.checkpoint.source}: NaN/Inf in {len(bad)} tensor(s): {listed(bad)} (expected finite "
             "weights; the file is corrupt or the fine-tune diverged)"
         )
     if args.json:

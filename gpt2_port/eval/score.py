@@ -20,7 +20,7 @@ import torch
 
 from ..devices import without_cudnn_attention
 from ..errors import CheckpointError, UsageError
-from ..io.load import nonfinite_tensors
+from ..io.load import listed, nonfinite_tensors
 from ..model.loss import token_nll
 from .windows import Request
 
@@ -44,7 +44,7 @@ def model_scorer(model, name: str = "gpt2_port") -> Scorer:  # noqa: ANN001 (a G
     def hint() -> str:
         bad = nonfinite_tensors(dict(model.state_dict()))
         if bad:
-            return f"the weights hold NaN/Inf in {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+            return f"the weights hold NaN/Inf in {listed(bad)}"
         return f"no weight is NaN/Inf: the activations overflowed in {str(model.dtype).removeprefix('torch.')}"
 
     return Scorer(

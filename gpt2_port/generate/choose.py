@@ -1,23 +1,27 @@
 """Choosing each row's next token on the device, without waiting for it: the fast greedy head where it proves its
 argmax, else the head's float32 logits, processed (sampling.py), then argmax or a draw from the softmax. Whether the
-logits were finite travels beside the ids, so the loop learns both in its one transfer per token."""
+logits (and a sampled distribution) were finite travels beside the ids: the loop learns both in one transfer a token."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..io.load import nonfinite_tensors
+from ..io.load import listed, nonfinite_tensors
 from .greedy_head import FastGreedyHead
 from .protocol import CausalLM
 from .sampling import SamplingSettings, draw, process_logits
 
+# What NextToken's second result reads as on the host (a bool counts as 1 or 0)
+OK, NONFINITE, DRAWN_FROM_NAN = 1, 0, 2
+
 
 class NextToken:
-    """(B, 1, C) final hidden states of the last position -> ((B,) next ids, () all logits finite), on the device.
+    """(B, 1, C) final hidden states of the last position -> ((B,) next ids, () status), on the device.
 
     Logits that hold NaN or Inf must stop generation (the loop raises, naming the step: `nonfinite_message`): their
-    argmax would be an arbitrary token and text made of it silent garbage.
+    argmax would be an arbitrary token and text made of it silent garbage. So must sampling scores that overflowed
+    (status DRAWN_FROM_NAN, else OK, or NONFINITE for the logits; transformers' multinomial raises there).
 
     record: a list to append each step's (B, V) float32 scores to, the processed logits the token was chosen from (the
     fast head is then off: it makes no logits).
@@ -57,16 +61,27 @@ class NextToken:
             self.record.append(scores.clone())  # (B, V), on the device: no wait
         if self.settings.do_sample:
             probs = F.softmax(scores, dim=-1)
-            return draw(probs, self.generator), finite  # (B,)
+            # finite logits divided by a tiny temperature or repetition penalty can overflow to +-Inf, whose softmax
+            # is NaN: that is flagged too (DRAWN_FROM_NAN), in the same transfer as the logits' own check
+            status = torch.where(finite, torch.where(torch.isfinite(probs).all(), OK, DRAWN_FROM_NAN), NONFINITE)
+            return draw(probs, self.generator), status  # (B,)
         return torch.argmax(scores, dim=-1), finite
+
+
+def overflow_message(settings: SamplingSettings, step: int) -> str:
+    """One line: the step whose finite logits the sampling settings turned into Inf (a NaN distribution)."""
+    return (
+        f"generate: step {step + 1} (new token {step + 1}): temperature {settings.temperature:g} and "
+        f"repetition_penalty {settings.repetition_penalty:g} turn finite logits into Inf, so there is no distribution "
+        "to sample from; expected a larger temperature (or greedy decoding) or a penalty nearer 1"
+    )
 
 
 def nonfinite_message(model: CausalLM, step: int) -> str:
     """One line: the step whose logits are not finite, and the weights that are not (checked now, once)."""
     bad = nonfinite_tensors(dict(model.named_parameters()) | dict(model.named_buffers()))
     if bad:
-        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
-        cause = f"non-finite weights: {', '.join(bad[:8])}{more} (expected finite values; check the checkpoint)"
+        cause = f"non-finite weights: {listed(bad)} (expected finite values; check the checkpoint)"
     else:
         cause = f"the weights are all finite, so an activation overflowed in {str(model.dtype).removeprefix('torch.')}"
     return f"generate: the logits of step {step + 1} (new token {step + 1}) hold NaN or Inf; {cause}"

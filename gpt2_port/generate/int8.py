@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..io.load import listed, nonfinite_tensors
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,11 @@ class Int8Linear(nn.Module):
             raise UsageError(f"{self.name} is int8 and runs on the CPU only; got its input on {x.device}")
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if not bool(torch.isfinite(x2).all()):  # the dynamic quantizer has no scale for them (torch raises inside)
+            raise UsageError(
+                f"{self.name} is int8 and its input holds NaN or Inf: an activation overflowed before it (int8 "
+                "quantizes finite activations only; the float32 model says where)"
+            )
         # reduce_range: 7-bit activations, as fbgemm needs (its u8 x s8 pair sums saturate int16 with 8 bits)
         y = torch.ops.quantized.linear_dynamic(x2, self._packed, True)  # (M, N)
         if self.exact:  # the same quantization fbgemm applied (same qparams), so r is exactly what it dropped
@@ -117,6 +123,11 @@ def quantize_int8(model: nn.Module, head: bool = True, exact_activations: bool =
         raise UsageError(f"int8 runs on CPU only (the model is on {model.device}); use --device cpu")
     if model.dtype != torch.float32:
         raise UsageError(f"int8 quantizes a float32 model (this one is {model.dtype}); load it with dtype float32")
+    bad = nonfinite_tensors(dict(model.named_parameters()))
+    if bad:
+        raise UsageError(
+            f"int8: non-finite weights: {listed(bad)} (expected finite values to quantize; check the checkpoint)"
+        )
     torch.backends.quantized.engine = _engine()
     n = 0
     for i, block in enumerate(model.h):

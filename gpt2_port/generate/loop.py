@@ -9,7 +9,7 @@ The decoding rules follow transformers' `generate` so that results can be compar
   (default: the EOS id) and generation ends when every row is finished or `max_new_tokens` are made;
 - left-padded prompts carry an `attention_mask`; position ids come from the mask (first real token at 0), so each row
   gives what that prompt gives alone. The repetition penalty counts a row's real tokens only, never its padding
-  (transformers also counts the pad ids of a padded row).
+  (as transformers 5 does).
 
 The context: a prompt must be shorter than the model's context (`n_positions`, 1024 for GPT-2), else UsageError.
 Generation never slides the window: when prompt + new tokens would pass the context, it stops at the context with
@@ -28,10 +28,10 @@ import torch
 from ..errors import UsageError
 from ..io.tokenizer import EOT_ID, Tokenizer
 from .cache import KVCache
-from .choose import NextToken, nonfinite_message
+from .choose import NONFINITE, OK, NextToken, nonfinite_message, overflow_message
 from .protocol import CausalLM
 from .readback import Readback
-from .sampling import SamplingSettings, seen_tokens
+from .sampling import SamplingSettings, number, seen_tokens
 from .steps import ForwardSteps, PlanSteps, static_steps
 from .stopping import Rows, TextCallback
 
@@ -114,6 +114,8 @@ def _prepare(
     dev = model.device
     if not isinstance(input_ids, torch.Tensor):
         input_ids = torch.tensor(input_ids, dtype=torch.long)
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        attention_mask = torch.tensor(attention_mask, dtype=torch.long)
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     _check_prompt(model, input_ids, attention_mask)
@@ -130,9 +132,9 @@ def _prepare(
 
 
 def _check_options(max_new_tokens: int, num_return_sequences: int, stops: list[str], needs_tokenizer: bool) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+    if number("max_new_tokens", max_new_tokens, int) <= 0:
         raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not isinstance(num_return_sequences, int) or num_return_sequences < 1:
+    if number("num_return_sequences", num_return_sequences, int) < 1:
         raise UsageError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}")
     if any(not s for s in stops):
         raise UsageError("stop strings must be non-empty")
@@ -204,6 +206,11 @@ def generate_full(
     _check_options(
         max_new_tokens, num_return_sequences, stops, (bool(stops) or on_text is not None) and tokenizer is None
     )
+    max_new_tokens, num_return_sequences = int(max_new_tokens), int(num_return_sequences)
+    if eos_token_id is not None:
+        eos_token_id = number("eos_token_id", eos_token_id, int)  # a list of ids is not taken (transformers takes one)
+    if pad_token_id is not None:
+        pad_token_id = number("pad_token_id", pad_token_id, int)
     input_ids, attention_mask = _prepare(model, input_ids, attention_mask, num_return_sequences)
     B, T = input_ids.shape
     dev, cfg = model.device, model.config
@@ -251,9 +258,10 @@ def generate_full(
         """The host's side of step `step`: its ids and finite flag read (the one wait), the rows' tokens taken;
         whether any row still runs."""
         nonlocal prefill_s, decode_tokens, made, t0
-        *toks, ok = reader.read(handle)
-        if not ok:
-            raise UsageError(nonfinite_message(model, step))
+        *toks, status = reader.read(handle)
+        if status != OK:
+            why = nonfinite_message(model, step) if status == NONFINITE else overflow_message(settings, step)
+            raise UsageError(why)
         taken = rows.accept(toks)
         made += taken
         if progress is not None:
@@ -270,7 +278,7 @@ def generate_full(
             h = steps.prefill(seq[:, :T], attention_mask)  # (B, 1, C)
         else:
             h = steps.next(nxt, S - 1)  # the token just chosen, at slot S - 1
-        choice, finite = choose(h)
+        choice, status = choose(h)
         nxt = torch.where(rows.unfinished, choice, pad)  # (B,): finished rows get padding
         seq[:, S] = nxt
         S += 1
@@ -278,7 +286,7 @@ def generate_full(
             seen[rows_idx, nxt] |= rows.unfinished
         if eos_token_id is not None:  # the next step pads a row that ended here, whenever the host learns of it
             rows.unfinished &= nxt != eos_token_id
-        handle = reader.send(torch.cat([nxt, finite.to(nxt.device, torch.long).view(1)]))
+        handle = reader.send(torch.cat([nxt, status.to(nxt.device, torch.long).view(1)]))
         if pending is not None:
             running = finish(*pending)
             pending = None

@@ -10,6 +10,7 @@ temperature, top-k and top-p; a token is drawn from the softmax as `torch.multin
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -17,15 +18,28 @@ import torch
 from ..errors import UsageError
 
 
+def number(name: str, value: object, kind: type[int] | type[float]) -> int | float:
+    """`value` as a Python int or float (numpy's and 0-d tensors' numbers too); UsageError naming `name` for anything
+    else, a bool included."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    want = numbers.Integral if kind is int else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, want):
+        what = "an integer" if kind is int else "a number"
+        raise UsageError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    return kind(value)
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """How the next token is chosen: the sampling options, defined here once. `generate_full`, `generate` and
-    `GPT2.generate` take them as keyword arguments of these names. Values that disable a step: temperature 1.0,
-    top_k None/0, top_p None/1.0, repetition_penalty 1.0."""
+    `GPT2.generate` take them as keyword arguments of these names, with transformers' defaults (top_k 50 when
+    sampling, as its GenerationConfig has it). Values that disable a step: temperature 1.0, top_k None/0, top_p
+    None/1.0, repetition_penalty 1.0."""
 
     do_sample: bool = False
     temperature: float = 1.0
-    top_k: int | None = None
+    top_k: int | None = 50
     top_p: float | None = None
     repetition_penalty: float = 1.0
 
@@ -39,18 +53,20 @@ class SamplingSettings:
                 f"generate: unknown argument(s) {', '.join(map(repr, unknown))}: the sampling options are "
                 f"{', '.join(names)}; see gpt2_port.generate.generate_full for the others"
             )
+        kinds = {"temperature": float, "top_p": float, "repetition_penalty": float, "top_k": int}
+        options = {k: number(k, v, kinds[k]) if k in kinds and v is not None else v for k, v in options.items()}
         settings = cls(**options)
         settings.validate()
         return settings
 
     def validate(self) -> None:
         """UsageError naming the argument and what was expected, for values that make no distribution."""
-        if self.do_sample and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+        if self.do_sample and not self.temperature > 0:
             raise UsageError(
                 f"temperature must be > 0 when sampling, got {self.temperature} (greedy decoding, --greedy or "
                 "do_sample=False, gives the most likely token)"
             )
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+        if self.top_k is not None and self.top_k < 0:
             raise UsageError(f"top_k must be a non-negative integer (0: no top-k), got {self.top_k}")
         if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
             raise UsageError(f"top_p must be in (0, 1] (1: no top-p), got {self.top_p}")
@@ -101,8 +117,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     """(B, V) probabilities -> (B,) one token per row: the draw `torch.multinomial(probs, 1, generator=generator)`
     makes (for one sample torch divides the probabilities by Exp(1) noise from the generator and takes the argmax), so
     the same tokens and the same generator state after, without multinomial's two checks of the probabilities, each
-    a wait for the device (an `.item()`). The caller's finite check stands in for them: the softmax of finite scores
-    is never negative, NaN or all zero."""
+    a wait for the device (an `.item()`). The caller's check that the probabilities are finite stands in for them
+    (choose.py: a softmax that is finite is never negative or all zero)."""
     q = torch.empty_like(probs).exponential_(1, generator=generator)  # (B, V) Exp(1) noise
     return torch.argmax(probs / q, dim=-1)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -69,6 +69,11 @@ def read_checkpoint(model: str | os.PathLike[str], revision: str | None = None) 
 def nonfinite_tensors(state: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of tensors holding NaN or Inf (one host sync per tensor: for error messages and checks, not hot loops)."""
     return [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def listed(names: Sequence[str], most: int = 8) -> str:
+    """The first `most` names, comma-separated, and how many more."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 Layout = Literal["auto", "checkpoint", "contiguous"]
