@@ -24,7 +24,7 @@ from gpt2_port.devices import parse_device, parse_dtype
 from gpt2_port.errors import UsageError
 from gpt2_port.io.checkpoint import locate
 from gpt2_port.io.load import nonfinite_tensors
-from gpt2_port.io.tokenizer import Tokenizer, load_tokenizer
+from gpt2_port.io.tokenizer import Tokenizer, tokenizer_for
 from gpt2_port.model import GPT2, from_pretrained
 
 from .metrics import metrics, next_token
@@ -160,10 +160,8 @@ def _run_detailed(
     names = point_names(cfg.n_layer, detail, per_head, cfg.n_head)
     # The tokenizer is loaded only for text prompts, or for the logit lens's labels when one is at hand locally.
     tok: Tokenizer | None = None
-    if inputs.needs_tokenizer:
-        tok = load_tokenizer(tokenizer if tokenizer is not None else ckpt.root)
-    elif logit_lens and (tokenizer is not None or _has_tokenizer_files(ckpt.root)):
-        tok = load_tokenizer(tokenizer if tokenizer is not None else ckpt.root)
+    if inputs.needs_tokenizer or (logit_lens and (tokenizer is not None or _has_tokenizer_files(ckpt.root))):
+        tok = tokenizer_for(ckpt.root, tokenizer)
     ids_list = resolve(inputs, lambda text: tok.encode(text), cfg.n_positions, cfg.vocab_size)
     n_tokens = sum(len(i) for i in ids_list)
 

@@ -866,6 +866,34 @@ def c_gen_tokenizer_dir_without_files(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_eval_tokenizer_dir_without_files(tmp: Path, base: Path) -> dict:
+    (tmp / "tok").mkdir()
+    (tmp / "text.txt").write_text("To be, or not to be.\n")
+    return {
+        "argv": ev(base, tmp, "--text", str(tmp / "text.txt"), "--tokenizer", str(tmp / "tok")),
+        "expect": ["--tokenizer", "tok", "missing vocab.json and merges.txt"],
+    }
+
+
+@case
+def c_eval_tokenizer_not_a_directory(tmp: Path, base: Path) -> dict:
+    (tmp / "text.txt").write_text("To be, or not to be.\n")
+    return {
+        "argv": ev(base, tmp, "--text", str(tmp / "text.txt"), "--tokenizer", str(tmp / "nowhere")),
+        "expect": ["--tokenizer", "nowhere", "not a directory"],
+    }
+
+
+@case
+def c_parity_tokenizer_dir_without_files(tmp: Path, base: Path) -> dict:
+    (tmp / "tok").mkdir()
+    return {
+        "argv": ["parity", str(base), "--prompt", "hello there", "--tokenizer", str(tmp / "tok")],
+        "expect": ["--tokenizer", "tok", "missing vocab.json and merges.txt"],
+    }
+
+
+@case
 def c_path_typo_beside_a_directory(tmp: Path, base: Path) -> dict:
     (tmp / "weights" / "gpt2-random").mkdir(parents=True)
     return {

@@ -144,25 +144,31 @@ def test_check_on_lambada_and_choices(tiny_official: Path, lambada: Path, choice
         assert any(q.startswith("worst ") for q in rows)
 
 
-def test_official_id_prints_the_published_figures(tiny_official: Path, lambada: Path, capsys, monkeypatch) -> None:
-    import gpt2_port.model as load
+def test_official_id_prints_the_published_figures(
+    tiny_official: Path, lambada: Path, capsys, monkeypatch, tmp_path: Path
+) -> None:
+    """Hub ids (served by a local fake of the Hub: the real weights are not here) get the published figures beside
+    this run's; a local directory that happens to be named gpt2 does not (it is read first, and is not those files)."""
+    from fakehub import FakeHub, read_dir
 
-    real = load.from_pretrained
-    asked = []
-
-    def offline(model, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202 -- the real weights are not here
-        asked.append(model)
-        return real(tiny_official, *a, **k)
-
-    monkeypatch.setattr(load, "from_pretrained", offline)
-    rc, out, _ = run(capsys, "openai-community/gpt2", "--lambada", str(lambada))
-    assert rc == 0 and asked == ["openai-community/gpt2"]
-    assert "Published figures" in out
-    assert "35.13" in out and "0.4599" in out and "Radford et al. 2019" in out  # the paper's LAMBADA
-    assert "40.0554" in out and "issue #2159" in out  # lm-eval's, for gpt2
-    rc, out, _ = run(capsys, "gpt2-xl", "--lambada", str(lambada), "--json", "-")
-    pub = {(p["metric"], p["value"]) for p in json.loads(out)["published"]}
-    assert pub == {("perplexity", 8.63), ("accuracy", 0.6324), ("perplexity", 10.63)}
+    hub = FakeHub()
+    for repo in ("openai-community/gpt2", "openai-community/gpt2-xl"):
+        hub.add_repo(repo, read_dir(tiny_official))
+    with hub:
+        hub.patch(monkeypatch, tmp_path / "cache")
+        rc, out, _ = run(capsys, "openai-community/gpt2", "--lambada", str(lambada))
+        assert rc == 0 and "Published figures" in out
+        assert "35.13" in out and "0.4599" in out and "Radford et al. 2019" in out  # the paper's LAMBADA
+        assert "40.0554" in out and "issue #2159" in out  # lm-eval's, for gpt2
+        rc, out, _ = run(capsys, "gpt2-xl", "--lambada", str(lambada), "--json", "-")
+        pub = {(p["metric"], p["value"]) for p in json.loads(out)["published"]}
+        assert pub == {("perplexity", 8.63), ("accuracy", 0.6324), ("perplexity", 10.63)}
+        (tmp_path / "here").mkdir()
+        (tmp_path / "here" / "gpt2").symlink_to(tiny_official)
+        monkeypatch.chdir(tmp_path / "here")
+        asked = len(hub.requests)
+        rc, out, _ = run(capsys, "gpt2", "--lambada", str(lambada), "--json", "-")
+        assert rc == 0 and json.loads(out)["published"] == [] and len(hub.requests) == asked  # the Hub not asked
 
 
 def test_progress_counts_the_scored_tokens(tiny_official: Path, text: Path, capsys, monkeypatch) -> None:

@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         scored_tokens,
     )
     from ..files import write_output
-    from ..io.tokenizer import load_tokenizer
+    from ..io.tokenizer import check_tokenizer_dir, tokenizer_for
     from ..model import from_pretrained
     from .progress import Progress
 
@@ -188,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
         flag = "--noise-floor" if args.noise_floor else "--no-noise-floor"
         raise UsageError(f"{flag}: only with --check (the floor is transformers' own, measured beside it)")
     dtype, device = parse_dtype(args.dtype), parse_device(args.device)
+    if args.tokenizer is not None:
+        check_tokenizer_dir(args.tokenizer)
     check_outputs([(o, p) for o, p in (("--json", args.json), ("--markdown", args.markdown)) if p], _inputs(args))
     docs = None
     if task == "text":
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     n_pos = model.config.n_positions
     max_length = args.max_length if args.max_length is not None else n_pos
     check_window_args(max_length, args.stride, n_pos)
-    tok = load_tokenizer(args.tokenizer if args.tokenizer else report.checkpoint.root)
+    tok = tokenizer_for(report.checkpoint.root, args.tokenizer)
     if tok.eot_id >= model.config.vocab_size:
         raise UsageError(
             f"{args.model}: the model's vocabulary of {model.config.vocab_size} tokens has no <|endoftext|> "
@@ -288,9 +290,10 @@ def run(args: argparse.Namespace) -> int:
         floor = results.get(ev.FLOOR)
         parity = compare.get(task, ev.compare_choices)(results["gpt2_port"], results[ev.REFERENCE], dt, floor)
 
+    hub_id = args.model if report.checkpoint.from_hub else ""  # published figures are for the official files only
     header = f"{args.model} | {task}: {method} | max-length {max_length} | {device} {dt}"
     lines = [header] + [f"  {k:<20} {v}" for k, v in _rows(task, res)]
-    lines += _published_lines(args.model, task, res, markdown=False)
+    lines += _published_lines(hub_id, task, res, markdown=False)
     if task == "data" and res["bytes"] is None:
         lines.append(f"  (no byte or word counts in {args.data}/meta.json: rerun gpt2-port prepare to record them)")
     if parity is not None:
@@ -314,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         **res,
         "published": [
             {"dataset": f.dataset, "metric": f.metric, "value": f.value, "source": f.source}
-            for f in published(args.model, task)
+            for f in published(hub_id, task)
         ],
     }
     if parity is not None:
@@ -324,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
         written.append(write_output(args.json, json.dumps(data, indent=2) + "\n", "--json"))
     if args.markdown:
         md = [f"**{header}**", "", "| metric | value |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in _rows(task, res)]
-        md += _published_lines(args.model, task, res, markdown=True)
+        md += _published_lines(hub_id, task, res, markdown=True)
         md += parity.markdown() if parity is not None else []
         written.append(write_output(args.markdown, "\n".join(md) + "\n", "--markdown"))
     report_written(written)

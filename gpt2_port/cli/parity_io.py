@@ -61,8 +61,13 @@ def _inputs(args: argparse.Namespace) -> list:
 
 
 def checked_outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(option, path) of every output asked for, checked before any work: '-' (stdout) for at most one of
-    --json/--markdown, never for the PNG; no two outputs in one file; none on an input; every file path writable."""
+    """(option, path) of every output asked for, checked before any work (a --tokenizer DIR's files too): '-'
+    (stdout) for at most one of --json/--markdown, never for the PNG; no two outputs in one file; none on an input;
+    every file path writable."""
+    if args.tokenizer is not None:
+        from ..io.tokenizer import check_tokenizer_dir
+
+        check_tokenizer_dir(args.tokenizer)
     outs = [(o, p) for o, p in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)) if p]
     check_outputs(outs, _inputs(args), images=("--plot",))
     return outs

@@ -33,6 +33,7 @@ class Checkpoint:
     weight_files: list[Path]
     config_file: Path | None
     fmt: str  # "safetensors" or "bin"
+    from_hub: bool = False  # a Hub id's snapshot (a local path of the same name is read first, and is not one)
     _handles: list[SafetensorsFile] = field(default_factory=list, repr=False)
 
     def tokenizer_files(self) -> tuple[Path, Path] | None:
@@ -163,7 +164,7 @@ def _from_hub(model_id: str, revision: str | None) -> Checkpoint:
         root = hub.download(model_id, revision, hub.HUB_PATTERNS + hub.HUB_PATTERNS_BIN)
         files, fmt = weights_in_dir(root)
     cfg = root / "config.json"
-    return Checkpoint(model_id, root, files, cfg if cfg.is_file() else None, fmt)
+    return Checkpoint(model_id, root, files, cfg if cfg.is_file() else None, fmt, from_hub=True)
 
 
 class LazyStateDict(Mapping[str, torch.Tensor]):

@@ -196,6 +196,18 @@ def shipped_tokenizer() -> Tokenizer:
     return from_files(files[0], files[1], f"GPT-2 BPE shipped with gpt2-port ({SHIPPED_DIR})")
 
 
+def check_tokenizer_dir(directory: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """The files of a directory the user named (--tokenizer DIR); UsageError naming it and what is missing."""
+    found = find_files(directory)
+    if found is not None:
+        return found
+    d = Path(directory)
+    if not d.is_dir():
+        raise UsageError(f"--tokenizer {d}: not a directory (expected one holding vocab.json and merges.txt)")
+    missing = [n for n in TOKENIZER_FILE_PAIRS[0] if not (d / n).is_file()]
+    raise UsageError(f"--tokenizer {d}: missing {' and '.join(missing)} (OpenAI's encoder.json + vocab.bpe also do)")
+
+
 def load_tokenizer(directory: str | os.PathLike[str] | None = None, *, strict: bool = False) -> Tokenizer:
     """GPT-2's BPE from `directory`'s files; without them (or with no directory), the copy shipped with the package.
 
@@ -203,17 +215,9 @@ def load_tokenizer(directory: str | os.PathLike[str] | None = None, *, strict: b
     directory and the missing files, never a silent fallback.
     """
     if directory is not None:
-        found = find_files(directory)
+        found = check_tokenizer_dir(directory) if strict else find_files(directory)
         if found is not None:
             return from_files(*found)
-        if strict:
-            d = Path(directory)
-            if not d.is_dir():
-                raise UsageError(f"--tokenizer {d}: not a directory (expected one holding vocab.json and merges.txt)")
-            missing = [n for n in TOKENIZER_FILE_PAIRS[0] if not (d / n).is_file()]
-            raise UsageError(
-                f"--tokenizer {d}: missing {' and '.join(missing)} (OpenAI's encoder.json + vocab.bpe also do)"
-            )
         log.info("%s has no tokenizer files: using the GPT-2 BPE shipped with gpt2-port", directory)
     return shipped_tokenizer()
 
