@@ -32,7 +32,7 @@ def test_compare_matches_transformers(tiny_hf: Path, tmp_path: Path, capsys):
             "--layer",
             "-1",
             "--head",
-            "2",
+            "-2",  # of 4: head 2, counted from the end as --layer -1 is
             "--compare",
             "--png",
             str(out),
@@ -61,6 +61,7 @@ def test_reference_probs_are_the_attention_probabilities(tiny_hf: Path):
     [
         (["--layer", "2"], "--layer 2: the model has 2 layers"),
         (["--layer", "0", "--head", "4"], "--head 4: the model has 4 heads"),
+        (["--layer", "0", "--head", "-5"], "--head -5: the model has 4 heads"),
     ],
 )
 def test_bad_layer_or_head(tiny_official: Path, tmp_path: Path, args, msg, capsys, monkeypatch):

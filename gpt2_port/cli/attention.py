@@ -34,7 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_arg(p)
     p.add_argument("text", metavar="TEXT", help="the text to run")
     p.add_argument("--layer", type=int, required=True, help="block index, 0-based (negative counts from the end)")
-    p.add_argument("--head", type=int, default=None, help="one head, 0-based (default: every head of the layer)")
+    p.add_argument(
+        "--head", type=int, default=None, help="one head, 0-based, negative from the end (default: every head)"
+    )
     p.add_argument("--png", metavar="PATH", required=True, help="where to write the PNG (- for stdout)")
     p.add_argument(
         "--compare",
@@ -72,8 +74,10 @@ def run(args: argparse.Namespace) -> int:
     layer = args.layer + cfg.n_layer if args.layer < 0 else args.layer
     if not 0 <= layer < cfg.n_layer:
         raise UsageError(f"--layer {args.layer}: the model has {cfg.n_layer} layers (0..{cfg.n_layer - 1})")
-    if args.head is not None and not 0 <= args.head < cfg.n_head:
+    head = args.head + cfg.n_head if args.head is not None and args.head < 0 else args.head
+    if head is not None and not 0 <= head < cfg.n_head:
         raise UsageError(f"--head {args.head}: the model has {cfg.n_head} heads (0..{cfg.n_head - 1})")
+    args.head = head
     model, rep = from_pretrained(args.model, dtype=dt, device=dev, revision=args.revision)
     if tok is None:
         tok = tokenizer_for(rep.checkpoint.root)
