@@ -591,6 +591,11 @@ def c_gen_int8_nan_weight(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_gen_min_new_tokens_negative(tmp: Path, base: Path) -> dict:
+    return {"argv": gen(base, "--min-new-tokens", "-1"), "expect": ["--min-new-tokens", "-1", ">= 0"]}
+
+
+@case
 def c_gen_temperature_overflows(tmp: Path, base: Path) -> dict:
     return {
         "argv": gen(base, "--temperature", "1e-40", "--seed", "1", prompt="a,b"),

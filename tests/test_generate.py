@@ -161,6 +161,25 @@ def test_eos_stops_rows_like_transformers(model: GPT2, hf_model) -> None:
     assert g.sequences.shape[1] < T + 30 or "length" in g.stop_reasons
 
 
+def test_min_new_tokens_holds_eos_back_like_transformers(model: GPT2, hf_model) -> None:
+    """No EOS before min_new_tokens (its score -inf, in the scores kept too), then EOS ends rows as before: the tokens
+    and scores of transformers' generate(min_new_tokens=...)."""
+    ids, mask = _left_pad(PROMPTS)
+    T = ids.shape[1]
+    free = model.generate(ids, max_new_tokens=30, attention_mask=mask, eos_token_id=None)
+    eos = int(free[1, T + 2])  # a token row 1 makes at step 2: call it EOS
+    kw = dict(eos_token_id=eos, pad_token_id=0)
+    early = generate_full(model, ids, 30, attention_mask=mask, **kw)
+    assert early.stop_reasons[1] == "eos" and len(early.new_ids[1]) <= 3
+    ref = hf_greedy(hf_model, ids, mask, 30, min_new_tokens=8, **kw)
+    g = _same_as_transformers(model, ids, mask, 30, ref, min_new_tokens=8, **kw)
+    assert g.sequences.shape == ref.sequences.shape
+    assert all(eos not in row[:8] for row in g.new_ids) and all(len(row) >= 8 for row in g.new_ids)
+    assert all(bool(s[:, eos].eq(-float("inf")).all()) for s in g.scores[:8]) and bool(
+        g.scores[8][:, eos].isfinite().all()
+    )
+
+
 def test_processed_distributions_equal_transformers(hf_model) -> None:
     """Temperature, top-k, top-p and repetition penalty give transformers' distributions (its processors, its order),
     and the options left out default as in transformers (top-k 50 when sampling)."""

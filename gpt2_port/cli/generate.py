@@ -51,6 +51,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_arg(p)
     p.add_argument("prompt", metavar="PROMPT", help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=50, metavar="N", help="new tokens per sample (default 50)")
+    p.add_argument(
+        "--min-new-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="no <|endoftext|> before N new tokens (transformers' min_new_tokens; default 0)",
+    )
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (deterministic)")
     p.add_argument(
         "--temperature",
@@ -185,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("PROMPT is empty: expected some text to continue")
     if args.max_new_tokens <= 0:
         raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    if args.min_new_tokens < 0:
+        raise UsageError(f"--min-new-tokens must be >= 0, got {args.min_new_tokens}")
     if args.num_samples <= 0:
         raise UsageError(f"--num-samples must be a positive integer, got {args.num_samples}")
     if args.stop is not None and any(not s for s in args.stop):
@@ -253,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             args.max_new_tokens,
             seed=args.seed,
             num_return_sequences=n,
+            min_new_tokens=args.min_new_tokens,
             stop_strings=args.stop,
             tokenizer=tok,
             on_text=on_text,

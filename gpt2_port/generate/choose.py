@@ -35,22 +35,27 @@ class NextToken:
         generator: torch.Generator | None,
         fast_head: bool,
         record: list[torch.Tensor] | None = None,
+        hold_eos: tuple[int, int] | None = None,
     ) -> None:
         self.model, self.settings, self.seen, self.generator = model, settings, seen, generator
         self.record = record
+        self.hold_eos = hold_eos  # (eos id, steps): EOS cannot be chosen before that many new tokens
         greedy = not settings.do_sample and settings.repetition_penalty == 1.0
         usable = fast_head and greedy and record is None and FastGreedyHead.usable(model)
         self.fast_head = FastGreedyHead.for_model(model) if usable else None
         self.exact_steps = 0  # steps where the fast head could not prove its argmax
 
-    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.fast_head is not None:  # on the CPU only: its checks read host values, no device to wait for
+    def __call__(self, h: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self.hold_eos is not None and step < self.hold_eos[1]
+        if self.fast_head is not None and not held:  # on the CPU only: its checks read host values, no device wait
             nxt = self.fast_head.argmax(h[:, -1])
             if nxt is not None:
                 return nxt, torch.ones((), dtype=torch.bool)
             self.exact_steps += 1
         logits = self.model.head(h)[:, -1].float()  # (B, V)
         finite = torch.isfinite(logits).all()
+        if held:  # transformers' MinNewTokensLengthLogitsProcessor: EOS's score -inf (a column fill: no host copy)
+            logits[:, self.hold_eos[0]] = -float("inf")
         if self.fast_head is not None:
             return torch.argmax(logits, dim=-1), finite
         # non-finite logits: draw from harmless scores instead (NaN probabilities would make an arbitrary token); the

@@ -167,6 +167,7 @@ def generate_full(
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = EOT_ID,
     pad_token_id: int | None = None,
+    min_new_tokens: int = 0,
     num_return_sequences: int = 1,
     stop_strings: Sequence[str] | str | None = None,
     tokenizer: Tokenizer | None = None,
@@ -211,6 +212,9 @@ def generate_full(
         eos_token_id = number("eos_token_id", eos_token_id, int)  # a list of ids is not taken (transformers takes one)
     if pad_token_id is not None:
         pad_token_id = number("pad_token_id", pad_token_id, int)
+    min_new_tokens = number("min_new_tokens", min_new_tokens, int)
+    if min_new_tokens < 0:
+        raise UsageError(f"min_new_tokens must be >= 0, got {min_new_tokens}")
     input_ids, attention_mask = _prepare(model, input_ids, attention_mask, num_return_sequences)
     B, T = input_ids.shape
     dev, cfg = model.device, model.config
@@ -239,7 +243,8 @@ def generate_full(
     how = {"use_cache": use_cache, "fast_step": fast_step, "static_cache": static_cache, "cuda_graph": cuda_graph}
     steps = _steps(model, B, L, seq, full_mask, how)
     scores: list[torch.Tensor] | None = [] if output_scores else None
-    choose = NextToken(model, settings, seen, gen, fast_head, scores)
+    hold = (eos_token_id, min_new_tokens) if eos_token_id is not None and min_new_tokens > 0 else None
+    choose = NextToken(model, settings, seen, gen, fast_head, scores, hold)
     rows = Rows(B, dev, eos_token_id, stops, tokenizer, on_text)
     rows_idx = torch.arange(B, device=dev)
 
@@ -278,7 +283,7 @@ def generate_full(
             h = steps.prefill(seq[:, :T], attention_mask)  # (B, 1, C)
         else:
             h = steps.next(nxt, S - 1)  # the token just chosen, at slot S - 1
-        choice, status = choose(h)
+        choice, status = choose(h, step)
         nxt = torch.where(rows.unfinished, choice, pad)  # (B,): finished rows get padding
         seq[:, S] = nxt
         S += 1
