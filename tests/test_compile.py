@@ -205,3 +205,19 @@ def test_the_dry_step_compiles_the_graph_the_training_steps_reuse(tmp_path: Path
     t.model.zero_grad(set_to_none=True)
     with torch._dynamo.config.patch(error_on_recompile=True), pytest.raises(Exception, match="[Rr]ecompil"):
         t.step(0)
+
+
+def test_a_batch_and_length_that_change_compile_once_with_dynamic_shapes() -> None:
+    """torch.compile(dynamic=True): other batch sizes and lengths reuse the one graph (nothing in the forward turns a
+    size into a constant: the input checks read no size unless a mask or positions are given, the causal flag is a
+    guard)."""
+    from torch._dynamo.utils import counters
+
+    m = _model("reference").eval()
+    f = torch.compile(m, backend="eager", fullgraph=True, dynamic=True)
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for B, T in ((2, 8), (3, 12), (5, 9)):
+            ids = torch.randint(0, m.config.vocab_size, (B, T))
+            torch.testing.assert_close(f(ids), m(ids), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - before == 1

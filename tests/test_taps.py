@@ -144,18 +144,12 @@ def test_bad_records_and_edits_are_one_line_errors(model) -> None:  # noqa: ANN0
             with make():
                 pass
     ids = _ids(8)
-    with pytest.raises(UsageError, match=r"edit 'ln_f': the function returned a torch.float32 tensor of shape \(2, 1"):
-        with model.edit({"ln_f": lambda t: t[:, -1:]}):
+    with pytest.raises(UsageError, match=r"edit 'ln_f': the function returned a torch.float32 tensor of shape \(2, 2"):
+        with model.edit({"ln_f": lambda t: t[:, :2]}):
             model(ids)
     with pytest.raises(UsageError, match=r"edit 'ln_f': the function returned a int, expected a tensor or None"):
         with model.edit({"ln_f": lambda t: 0}):
             model(ids)
-
-
-def _steer(model, scale: float):  # noqa: ANN001, ANN202
-    """A forward hook on block 0 that adds a fixed direction to its output (a steering vector)."""
-    d = torch.randn(model.config.n_embd, generator=torch.Generator().manual_seed(0)) * scale
-    return model.h[0].register_forward_hook(lambda mod, args, out: out + d)
 
 
 @pytest.mark.parametrize("how", ["hook", "edit"])
@@ -195,3 +189,62 @@ def test_malformed_masks_and_positions_are_one_line_errors(model) -> None:  # no
     for kw, match in cases:
         with pytest.raises(UsageError, match=match):
             model(ids, **kw)
+
+
+def test_the_logits_tap_is_wherever_the_head_runs(model) -> None:  # noqa: ANN001
+    """generate and eval call the head apart from the forward: an edit of the logits steers the tokens, and a record
+    holds each step's (B, 1, V)."""
+    ids = _ids(11, B=1, T=4)
+
+    def force_7(t: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(t, -1e9).index_fill_(-1, torch.tensor([7]), 0.0)
+
+    with model.edit({"logits": force_7}), model.record(["logits"]) as acts:
+        g = generate_full(model, ids, 5, eos_token_id=None)
+    assert g.new_ids == [[7] * 5] and acts["logits"].shape == (1, 1, model.config.vocab_size)
+
+
+def test_edits_run_once_a_forward_under_gradient_checkpointing(tiny_official: Path) -> None:
+    """While anything records or edits, no block is recomputed: each edit runs once per forward, and a backward after
+    the `with` has ended gets the gradients of the edited forward (a recomputation would have run without the edit)."""
+    grads, calls = [], []
+    for checkpointing in (False, True):
+        m, _ = from_pretrained(tiny_official)
+        m.train().set_dropout(0.0).requires_grad_(True)
+        m.gradient_checkpointing = checkpointing
+        ids = _ids(12)
+        with m.edit({"block.0.mlp.pre": lambda t: (calls.append(1), t * 0.5)[1]}):
+            loss = m(ids, labels=ids).loss
+        loss.backward()
+        grads.append(m.wte.weight.grad.clone())
+    assert len(calls) == 2 and torch.equal(grads[0], grads[1])
+
+
+def test_records_and_edits_may_end_in_any_order(model) -> None:  # noqa: ANN001
+    """Each context removes its own hook: a record that ends first leaves the edit running, and nothing stays."""
+    a, b = model.record(["ln_f"]), model.edit({"ln_f": torch.zeros_like})
+    acts = a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    with torch.no_grad():
+        assert not bool(model(_ids(13)).any())  # the edit is still in force: zero ln_f, zero logits (no head bias)
+    b.__exit__(None, None, None)
+    assert model.taps.rec is None and not model.intercepted() and list(acts) == []
+
+
+def test_a_record_holds_one_forward_and_an_edit_broadcasts(model) -> None:  # noqa: ANN001
+    """A second forward in the block replaces the first one's records (none of them is left behind); one clean run's
+    (1, T, C) activation patches a batch of B."""
+    with torch.no_grad():
+        with model.record(["ln_f", "logits"]) as acts:
+            model(_ids(14, B=1, T=3))
+            model(_ids(15, B=1, T=5), hidden_only=True)
+        assert list(acts) == ["ln_f"] and acts["ln_f"].shape[1] == 5
+        with model.record("block.0") as clean:
+            want = model(_ids(16, B=1))
+        with model.edit({"block.0": lambda t: clean["block.0"]}):
+            got = model(_ids(17, B=3))
+    assert torch.equal(got, want.expand(3, -1, -1))
+    with pytest.raises(UsageError, match=r"record: no activation names given"):
+        with model.record([]):
+            pass

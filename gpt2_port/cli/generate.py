@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from ..generate.sampling import SamplingSettings
 from .common import (
     add_device_arg,
     add_model_arg,
@@ -20,8 +21,8 @@ from .common import (
     tokenizer_inputs,
 )
 
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_TOP_K = 50
+DEFAULT_TEMPERATURE = SamplingSettings.temperature  # transformers' defaults, as the Python API's
+DEFAULT_TOP_K = SamplingSettings.top_k
 
 EPILOG = """\
 decoding: sampling by default (temperature 1.0, top-k 50, top-p 1.0); --greedy picks the most likely token each step

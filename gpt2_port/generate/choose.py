@@ -75,10 +75,13 @@ class NextToken:
 
 def overflow_message(settings: SamplingSettings, step: int) -> str:
     """One line: the step whose finite logits the sampling settings turned into Inf (a NaN distribution)."""
+    named = [
+        f"{k} {getattr(settings, k):g}" for k in ("temperature", "repetition_penalty") if getattr(settings, k) != 1
+    ]
     return (
-        f"generate: step {step + 1} (new token {step + 1}): temperature {settings.temperature:g} and "
-        f"repetition_penalty {settings.repetition_penalty:g} turn finite logits into Inf, so there is no distribution "
-        "to sample from; expected a larger temperature (or greedy decoding) or a penalty nearer 1"
+        f"generate: step {step + 1} (new token {step + 1}): {' and '.join(named)} turn finite logits into Inf, so "
+        "there is no distribution to sample from; expected a larger temperature (or greedy decoding) or a penalty "
+        "nearer 1"
     )
 
 

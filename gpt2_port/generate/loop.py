@@ -146,6 +146,8 @@ def _steps(model: CausalLM, B: int, L: int, seq: torch.Tensor, mask: torch.Tenso
     """The step kind this generation runs (steps.py): static on CUDA (captured unless cuda_graph=False), the plan
     elsewhere, the forward where no shortcut may run."""
     plan = model.decode_plan() if how["use_cache"] and how["fast_step"] else None
+    if plan is None and how["fast_step"] and model.intercepted():
+        log.info("a record, an edit or a module's forward hook is active: every decode step runs the forward")
     static = how["static_cache"]
     if static is None:
         static = model.device.type == "cuda"

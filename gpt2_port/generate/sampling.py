@@ -21,7 +21,7 @@ from ..errors import UsageError
 def number(name: str, value: object, kind: type[int] | type[float]) -> int | float:
     """`value` as a Python int or float (numpy's and 0-d tensors' numbers too); UsageError naming `name` for anything
     else, a bool included."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_complex:
         value = value.item()
     want = numbers.Integral if kind is int else numbers.Real
     if isinstance(value, bool) or not isinstance(value, want):

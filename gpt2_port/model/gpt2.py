@@ -266,7 +266,8 @@ class GPT2(GenerationMixin, nn.Module):
         sdpa's in the last bits); no other tap changes a bit. Unknown names raise UsageError listing the valid ones.
         `keep_graph=True` keeps the tensors in the autograd graph with their gradients retained (read
         `acts[name].grad` after backward; on a model whose parameters need no gradient the graph starts at the
-        embeddings; gradient checkpointing is off while it records so). Records nest, and see what edits made.
+        embeddings). No block is recomputed (gradient checkpointing) while anything records or edits. Records nest,
+        and see what edits made.
         """
         rec = Recorder(names, self.config.n_layer, keep_graph)
         with self._hooked(rec):
@@ -275,20 +276,20 @@ class GPT2(GenerationMixin, nn.Module):
     @contextlib.contextmanager
     def edit(self, edits: Mapping[str, Callable[[torch.Tensor], torch.Tensor | None]]) -> Iterator[None]:
         """Replace named activations (the names `record` takes, exactly) in forward passes inside the block: each
-        function gets the tensor and returns its replacement (same shape, dtype and device) or None (it changed the
-        tensor in place). Activation patching, ablation, steering: `with model.edit({"block.3": lambda t: clean})`.
-        Edits nest (the outer one first) and the decode steps of `generate` run the forward while one is active."""
+        function gets the tensor and returns its replacement (its dtype and device, its shape or one that broadcasts
+        to it) or None (it changed the tensor in place: under no_grad only). Activation patching, ablation,
+        steering: `with model.edit({"block.3": lambda t: clean})`. Edits nest (the outer one first) and the decode
+        steps of `generate` run the forward while one is active."""
         with self._hooked(Editor(edits, self.config.n_layer)):
             yield
 
     @contextlib.contextmanager
     def _hooked(self, hook: Recorder | Editor) -> Iterator[None]:
-        prev = self.taps.rec
-        self.taps.rec = (prev or Hooks()).adding(hook)
+        self.taps.rec = (self.taps.rec or Hooks()).adding(hook)
         try:
             yield
-        finally:
-            self.taps.rec = prev
+        finally:  # this hook only: contexts may end in another order than they began (an ExitStack, a generator)
+            self.taps.rec = self.taps.rec.removing(hook) if self.taps.rec is not None else None
 
     def forward(
         self,
@@ -356,10 +357,10 @@ class GPT2(GenerationMixin, nn.Module):
                 x.requires_grad_()  # parameters that need no gradient: activation gradients start from here
             x = self.taps.rec("embed", x)
         mask = build_mask(attention_mask, T, S, input_ids.device)
-        # not while recording with keep_graph: a recomputation during backward would fire the taps again and
-        # replace the recorded tensors (whose .grad the caller reads) with new ones that never get a gradient
-        keep = self.taps.rec is not None and self.taps.rec.keep_graph
-        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and not keep
+        # not while anything records or edits: a recomputation during backward would fire the taps again, replacing
+        # recorded tensors (whose .grad the caller reads) with new ones that never get a gradient, calling each edit
+        # twice, or, after the `with` has ended, not at all (and silently other gradients)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and self.taps.rec is None
         for block in self.h:
             x = checkpoint(block, x, mask, cache, use_reentrant=False) if recompute else block(x, mask, cache)
         if cache is not None:
@@ -378,8 +379,6 @@ class GPT2(GenerationMixin, nn.Module):
             loss = linear_cross_entropy(x, self.head_weight, bias, targets, num_items_in_batch, self.head_pad_multiple)
             return CausalLMOutput(loss, None)
         logits = self.head(x)  # (B, T, V)
-        if self.taps.rec is not None:
-            logits = self.taps.rec("logits", logits)
         if targets is not None:
             return CausalLMOutput(cross_entropy(logits, targets, num_items=num_items_in_batch), logits)
         return logits
@@ -413,17 +412,22 @@ class GPT2(GenerationMixin, nn.Module):
         return padded_vocab(V, self.head_pad_multiple) if self._fused_loss() else V
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., C) final hidden states -> (..., V) logits. A replaced head (e.g. quantize's int8 head) is a module.
+        """(..., C) final hidden states -> (..., V) logits, through the `logits` tap. A replaced head (e.g. quantize's
+        int8 head) is a module.
 
         One 2-D matmul over the rows, as transformers' head runs: x[:, -1:] is not contiguous, and a 3-D F.linear
         on it with a weight that needs no grad goes through bmm instead (measured: not bit-identical for B > 1,
         and 1.8x slower at 8 x 768 x 50257).
         """
         if self.lm_head is not None and type(self.lm_head) is not nn.Linear:
-            return self.lm_head(x)
-        w = self.head_weight
-        b = None if self.lm_head is None else self.lm_head.bias
-        return linear_wb(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])  # (N, C) -> (..., V)
+            logits = self.lm_head(x)
+        else:
+            w = self.head_weight
+            b = None if self.lm_head is None else self.lm_head.bias
+            logits = linear_wb(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])  # (N, C) -> (..., V)
+        if self.taps.rec is not None:  # the `logits` tap: wherever the head runs (a forward, a decode step, eval)
+            logits = self.taps.rec("logits", logits)
+        return logits
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # a tied head is one parameter, counted once

@@ -29,13 +29,18 @@ def check_positions(
     """UsageError unless the mask is (B, S) of 0s and 1s and the positions (B|1, T) or (T,) integers in
     0..n_positions-1, for input_ids (B, T) after `S - T` cached tokens (shape: B, T, S). values: also read the
     values (a host sync when they are on an accelerator)."""
+    if attention_mask is None and position_ids is None:
+        return  # first: under torch.compile, a size formatted into a message would be specialised
     B, T, S = shape
-    given = f"does not fit input_ids ({B}, {T})" + (f" after {S - T} cached tokens" if S > T else "")
+
+    def given() -> str:
+        return f"does not fit input_ids ({B}, {T})" + (f" after {S - T} cached tokens" if S > T else "")
+
     if attention_mask is not None:
         m = attention_mask
         if tuple(m.shape) != (B, S):
             raise UsageError(
-                f"attention_mask of shape {tuple(m.shape)} {given}: expected ({B}, {S}), 1 for a token, 0 for padding"
+                f"attention_mask of shape {tuple(m.shape)} {given()}: expected ({B}, {S}), 1 for a token, 0 for padding"
             )
         odd = ((m != 0) & (m != 1)) if values else None
         if odd is not None and bool(odd.any()):
@@ -45,10 +50,14 @@ def check_positions(
         if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
             raise UsageError(f"position_ids must hold integer positions, got {p.dtype}")
         if not (p.dim() == 1 and p.shape[0] == T or p.dim() == 2 and p.shape[1] == T and p.shape[0] in (1, B)):
-            raise UsageError(f"position_ids of shape {tuple(p.shape)} {given}: expected ({B}, {T}), (1, {T}) or ({T},)")
-        if values and p.numel() and not (0 <= int(p.min()) and int(p.max()) < n_positions):
-            bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
-            raise UsageError(f"position_ids: {bad} is out of range (expected 0 <= position < {n_positions})")
+            raise UsageError(
+                f"position_ids of shape {tuple(p.shape)} {given()}: expected ({B}, {T}), (1, {T}) or ({T},)"
+            )
+        lo, hi = (int(p.min()), int(p.max())) if values and p.numel() else (0, 0)
+        if lo < 0 or hi >= n_positions:
+            raise UsageError(
+                f"position_ids: {lo if lo < 0 else hi} is out of range (expected 0 <= position < {n_positions})"
+            )
 
 
 def build_mask(attention_mask: torch.Tensor | None, T: int, S: int, device: torch.device) -> torch.Tensor | None:

@@ -100,7 +100,7 @@ class CausalSelfAttention(nn.Module):
         scale = self.head_dim**-0.5
         p_drop = self.attn_dropout.p if self.training else 0.0
         if self.impl == "sdpa" and (rec is None or not any(map(rec.wants, self.manual_points))):
-            causal_only = mask is None and T > 1
+            causal_only = True if mask is None and T > 1 else False  # a branch: a bool where T is symbolic (compile)
             y = attention(x, q, k, v, attn_mask=mask, dropout_p=p_drop, is_causal=causal_only, scale=scale)
         else:  # the reference's eager arithmetic: (q @ k^T) * scale, masked, softmax, dropout, @ v
             att = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, nh, T, S)

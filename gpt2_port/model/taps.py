@@ -65,6 +65,8 @@ def _matcher(
         raise UsageError(
             f"{what}: expected activation names (a list of strings), a predicate or None, got {type(names).__name__}"
         ) from None
+    if not wanted:
+        raise UsageError(f"{what}: no activation names given (None means every one)")
     odd = [w for w in wanted if not isinstance(w, str)]
     if odd:
         raise UsageError(f"{what}: activation names are strings, got {odd[0]!r} ({type(odd[0]).__name__})")
@@ -96,6 +98,8 @@ class Recorder:
         return self._pred is None or self._pred(name)
 
     def __call__(self, name: str, t: torch.Tensor) -> None:
+        if name == "embed":  # a forward begins: the last one's activations go (none is left from an earlier one)
+            self.acts.clear()
         if not self.wants(name):
             return
         if self.keep_graph:
@@ -108,7 +112,8 @@ class Recorder:
 
 class Editor:
     """Replaces named activations: `edits` maps exact names to functions of the tensor that return its replacement
-    (same shape, dtype and device) or None (they changed it in place)."""
+    (same dtype and device, its shape or one that broadcasts to it) or None (they changed it in place: under no_grad
+    only, as autograd refuses in-place changes to q/k/v's views and to the saved probabilities)."""
 
     def __init__(self, edits: Mapping[str, Edit], n_layer: int | None = None) -> None:
         if not isinstance(edits, Mapping) or not edits:
@@ -134,12 +139,21 @@ class Editor:
             return t
         if not isinstance(out, torch.Tensor):
             raise UsageError(f"edit {name!r}: the function returned a {type(out).__name__}, expected a tensor or None")
+        if out.shape != t.shape and _broadcasts(out.shape, t.shape):
+            out = out.expand(t.shape)  # e.g. one clean run's (1, T, C) patched into a batch of B
         if out.shape != t.shape or out.dtype != t.dtype or out.device != t.device:
             raise UsageError(
                 f"edit {name!r}: the function returned a {out.dtype} tensor of shape {tuple(out.shape)} on "
-                f"{out.device}, expected {t.dtype} {tuple(t.shape)} on {t.device}, as given"
+                f"{out.device}, expected {t.dtype} {tuple(t.shape)} (or a shape that broadcasts to it) on {t.device}"
             )
         return out
+
+
+def _broadcasts(shape: torch.Size, to: torch.Size) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, to) == to
+    except RuntimeError:
+        return False
 
 
 class Hooks:
@@ -153,6 +167,11 @@ class Hooks:
         if isinstance(hook, Editor):
             return Hooks(self.recorders, (*self.editors, hook))
         return Hooks((*self.recorders, hook), self.editors)
+
+    def removing(self, hook: Recorder | Editor) -> Hooks | None:
+        """These hooks without `hook` (None when none is left)."""
+        rest = Hooks(tuple(r for r in self.recorders if r is not hook), tuple(e for e in self.editors if e is not hook))
+        return rest if rest.recorders or rest.editors else None
 
     def wants(self, name: str) -> bool:
         return any(h.wants(name) for h in self.editors) or any(h.wants(name) for h in self.recorders)

@@ -403,7 +403,7 @@ class Trainer:
             # 32 tokens: no CUDA graph (its memory pool would stay beside the training's, and a capture while DDP's
             # NCCL threads run is not safe); on CUDA the static step runs eagerly
             seed = self.args.seed + step
-            ids = generate(self.model, prompt, SAMPLE_TOKENS, do_sample=True, top_k=50, seed=seed, cuda_graph=False)
+            ids = generate(self.model, prompt, SAMPLE_TOKENS, do_sample=True, seed=seed, cuda_graph=False)  # top-k 50
         finally:
             self.model.train()
         return self.tokenizer.decode(ids[0, 1:].tolist())
