@@ -36,14 +36,15 @@ from gpt2_port.errors import UsageError
 from gpt2_port.io import adapter
 from gpt2_port.io.checkpoint import Checkpoint
 from gpt2_port.io.load import read_checkpoint
-from gpt2_port.io.tokenizer import load_tokenizer
-from gpt2_port.model import from_pretrained
+from gpt2_port.io.tokenizer import tokenizer_for
+from gpt2_port.model import GPT2, from_pretrained
 
 from .backward_results import BackwardReport, BackwardSweep, LayerResult, StepResult
 from .forward import _as_inputs, _unique, parse_list
 from .grads import PREFIX, Grads, act_points, hf_name_of_scratch, layer_of, layer_order, reference_grads, scratch_grads
 from .metrics import metrics, rel
 from .noise import total_floor, verdict
+from .points import transformed
 from .prompts import Inputs, resolve
 from .reference import amp, exact_matmuls, load_reference, versions
 from .results import PointResult
@@ -94,6 +95,7 @@ class Setup:
     kernels: str
     tc: TrainConfig
     say: Callable[[str], None]
+    transform: Callable[[GPT2], GPT2 | None] | None = None
     moments_root: tempfile.TemporaryDirectory | None = None
     spill_dir: tempfile.TemporaryDirectory | None = None
 
@@ -230,6 +232,7 @@ def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.devic
     scratch, _ = from_pretrained(s.model, dtype=torch.float32, device=dev, revision=s.revision, layout="checkpoint")
     scratch.set_attn_impl(s.attn)  # type: ignore[arg-type]
     scratch.set_kernels(s.kernels).set_dropout(0.0).train().requires_grad_(True)  # type: ignore[arg-type]
+    scratch = transformed(scratch, s.transform)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     s.say(f"scratch {lab}: gradients")
@@ -309,6 +312,7 @@ def run_backward(
     spill_bytes: int | None = SPILL_BYTES,
     disk_moments: bool | None = None,
     kernels: str = "reference",
+    transform: Callable[[GPT2], GPT2 | None] | None = None,
 ) -> BackwardSweep:
     import transformers
 
@@ -325,7 +329,7 @@ def run_backward(
     ckpt, cfg = rep.checkpoint, rep.config
     del sd, rep
     inputs = _as_inputs(prompts)  # the default prompts are stored token ids: no tokenizer needed for them
-    tok = load_tokenizer(tokenizer if tokenizer is not None else ckpt.root) if inputs.needs_tokenizer else None
+    tok = tokenizer_for(ckpt.root, tokenizer) if inputs.needs_tokenizer else None
     s = Setup(
         model=str(model),
         revision=revision,
@@ -340,6 +344,7 @@ def run_backward(
         kernels=kernels,
         tc=tc,
         say=log or (lambda _msg: None),
+        transform=transform,
     )
     if tc.steps:
         if disk_moments is None:  # weights, gradients and AdamW's two moments against what is free

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ from gpt2_port.model import GPT2, from_pretrained
 
 from .metrics import metrics, next_token
 from .noise import verdict
-from .points import capture_reference_points, capture_scratch_points, logit_lens_top1, point_names
+from .points import capture_reference_points, capture_scratch_points, logit_lens_top1, point_names, transformed
 from .prompts import Inputs, default_inputs, resolve
 from .reference import exact_matmuls, load_reference, versions
 from .results import PointResult, Report, Sweep
@@ -101,9 +101,11 @@ def run_detailed(
     attn: str = "auto",
     revision: str | None = None,
     tokenizer: str | None = None,
+    transform: Callable[[GPT2], GPT2 | None] | None = None,
 ) -> Sweep:
     """Compare the scratch model with transformers on `prompts` (texts, Inputs, or None for the default prompts,
-    which are stored as token ids and need no tokenizer). float32 matmuls stay float32 (no TF32) throughout."""
+    which are stored as token ids and need no tokenizer). float32 matmuls stay float32 (no TF32) throughout.
+    transform: a porter's change, applied to the loaded model of each configuration (points.transformed)."""
     with exact_matmuls():
         return _run_detailed(
             model,
@@ -118,6 +120,7 @@ def run_detailed(
             attn,
             revision,
             tokenizer,
+            transform,
         )
 
 
@@ -134,6 +137,7 @@ def _run_detailed(
     attn: str,
     revision: str | None,
     tokenizer: str | None,
+    transform: Callable[[GPT2], GPT2 | None] | None,
 ) -> Sweep:
     import transformers
 
@@ -189,6 +193,7 @@ def _run_detailed(
         if k > 0:
             scratch, _ = from_pretrained(model, dtype=dt, device=dev, revision=revision, layout="checkpoint")
         scratch.set_attn_impl(attn)  # type: ignore[arg-type]
+        scratch = transformed(scratch, transform)
         t_load = time.perf_counter() - t0 if k > 0 else t_scratch
         t0 = time.perf_counter()
         got = Activations()

@@ -8,6 +8,7 @@ and each backward starts from a gradient of exactly 1, as a training step's does
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -15,8 +16,12 @@ import torch
 
 from gpt2_port.config import GPT2Config
 from gpt2_port.io import adapter
+from gpt2_port.io.load import listed
 
+from .points import check_recorded
 from .storage import LazyTensors
+
+log = logging.getLogger(__name__)
 
 PREFIX = "transformer."
 
@@ -115,8 +120,10 @@ def _reference_forward(
 def _scratch_forward(
     model: torch.nn.Module, ids: torch.Tensor, n_layer: int, num_items: int
 ) -> tuple[torch.Tensor, dict]:
-    with model.record(act_points(n_layer, model.kernels == "reference"), keep_graph=True) as acts:
+    names = act_points(n_layer, model.kernels == "reference")
+    with model.record(names, keep_graph=True) as acts:
         loss = model(ids, labels=ids, num_items_in_batch=num_items).loss
+    check_recorded(acts, names)
     return loss, dict(acts)
 
 
@@ -150,8 +157,9 @@ def scratch_grads(model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_la
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     missing = [n for n, g in grads.items() if g is None]
-    if missing:
-        raise AssertionError(f"scratch parameters without a gradient: {missing}")
+    if missing:  # a branch cut from the graph (a detach, a no_grad): zero gradients, which the report then fails
+        log.warning("no gradient reached %s: compared as zeros", listed(missing))
+        grads.update({n: torch.zeros_like(p) for n, p in model.named_parameters() if n in missing})
     # transformers' layout (q/k/v fused, Conv1D transposed), one tensor at a time when read: no second full copy
     mapped = LazyTensors(adapter.hf_tensors(grads, model.config, prefix=PREFIX))
     total, shares = read_losses(losses, loss)

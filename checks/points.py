@@ -23,10 +23,11 @@ ln_f(block output) @ wte.T at every position, computed by each model with its ow
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from gpt2_port.errors import GPT2PortError, UsageError
 from gpt2_port.model import GPT2
 from gpt2_port.model.taps import BLOCK_POINTS, MANUAL_ATTENTION_POINTS
 
@@ -90,11 +91,45 @@ def _add_heads(acts: dict[str, torch.Tensor], names: Sequence[str]) -> None:
             acts[n] = acts[parent][:, int(head[1:])]  # (B, nh, T, hs) -> (B, T, hs)
 
 
+def transformed(model: GPT2, transform: Callable[[GPT2], GPT2 | None] | None) -> GPT2:
+    """The scratch side of a comparison: gpt2_port's model as loaded, or what a porter's `transform` makes of it (the
+    change to check: a patched module, a subclass, other kernels, a cast), applied after the checker's own settings.
+    It returns the model it was given (changed in place, or None) or another GPT2."""
+    if transform is None:
+        return model
+    try:
+        out = transform(model)
+    except GPT2PortError:
+        raise
+    except Exception as e:  # the porter's code: its error is theirs to read, in one line
+        raise UsageError(f"the scratch transform raised {e.__class__.__name__}: {e}") from e
+    out = model if out is None else out
+    if not isinstance(out, GPT2):
+        raise UsageError(
+            f"the scratch transform returned a {type(out).__name__}: expected a GPT2 (the one it was given, changed, "
+            "or a subclass), whose taps the checker records"
+        )
+    return out
+
+
 def capture_scratch(model: GPT2, ids: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """One forward of the scratch model on `ids`, recording the named taps."""
+    """One forward of the scratch model on `ids`, recording the named taps (each must be recorded: a module that
+    replaces one of gpt2_port's passes its tensors through `self.taps.rec` as the one it replaces does)."""
     with torch.inference_mode(), model.record(names) as acts:
         model(ids)
+    check_recorded(acts, names)
     return dict(acts)
+
+
+def check_recorded(acts: Mapping[str, torch.Tensor], names: Sequence[str]) -> None:
+    missing = [n for n in names if n not in acts]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UsageError(
+            f"the scratch model recorded no {missing[0]!r}{more}: a module that replaces one of gpt2_port's must "
+            "pass its tensors through `self.taps.rec(name, t)` as the one it replaces does (gpt2_port/model/"
+            "modules.py), or compare at --detail block"
+        )
 
 
 @torch.inference_mode()

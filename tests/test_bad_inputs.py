@@ -561,14 +561,20 @@ def c_gen_bad_checkpoint(tmp: Path, base: Path) -> dict:
     return {"argv": gen(d, "--greedy"), "expect": ["model.safetensors", "7 bytes", "too short"]}
 
 
-@case
-def c_gen_nan_weight(tmp: Path, base: Path) -> dict:
+def nan_in_c_fc(tmp: Path, base: Path) -> Path:
+    """A copy of the checkpoint with one NaN in h.0.mlp.c_fc.weight."""
     d = copy(base, tmp)
     st = SafetensorsFile(d / "model.safetensors")
     w = st.get("h.0.mlp.c_fc.weight").clone()
     del st
     w[3, 5] = float("nan")
     rewrite(d / "model.safetensors", put={"h.0.mlp.c_fc.weight": w})
+    return d
+
+
+@case
+def c_gen_nan_weight(tmp: Path, base: Path) -> dict:
+    d = nan_in_c_fc(tmp, base)
     # sampled (the default): multinomial would fail on NaN; ids of "a,b" (64, 11, 65) fit the 1000-token vocabulary
     return {
         "argv": gen(d, prompt="a,b"),
@@ -578,12 +584,7 @@ def c_gen_nan_weight(tmp: Path, base: Path) -> dict:
 
 @case
 def c_gen_int8_nan_weight(tmp: Path, base: Path) -> dict:
-    d = copy(base, tmp)
-    st = SafetensorsFile(d / "model.safetensors")
-    w = st.get("h.0.mlp.c_fc.weight").clone()
-    del st
-    w[3, 5] = float("nan")
-    rewrite(d / "model.safetensors", put={"h.0.mlp.c_fc.weight": w})
+    d = nan_in_c_fc(tmp, base)
     return {
         "argv": gen(d, "--quantize", "int8", prompt="a,b"),
         "expect": ["int8: non-finite weights", "h.0.mlp.c_fc.weight", "expected finite values"],

@@ -12,7 +12,7 @@ import sys
 from ..errors import UsageError
 from . import parity_backward
 from .common import add_device_arg, add_model_arg, add_revision_arg, add_tokenizer_arg, human_stream
-from .parity_io import checked_outputs, read_inputs, write_outputs
+from .parity_io import checked_outputs, read_inputs, scratch_transform, write_outputs
 
 OOM_HINT = "fewer or shorter prompts (--prompt, --prompt-file), --no-noise-floor, another --device or a smaller model"
 
@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Load MODEL into the scratch model and into transformers' GPT2LMHeadModel, run both "
         "on the same tokens, and compare the embeddings, every block's output, ln_f and the logits. "
         "The default prompts are stored as token ids: no tokenizer files and no network needed. "
-        "Exit 0 on pass, 1 on a parity failure, 2 on a usage or input error. Needs transformers "
+        "Exit 0 on pass, 1 on a parity failure, 2 on a usage or input error, 3 on an internal error. Needs "
+        "transformers "
         "(pip install 'gpt2-port[check]').",
     )
     add_model_arg(p)
@@ -60,6 +61,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "sdpa", "manual"],
         help="the scratch model's attention path: auto (default) runs the same kind of kernel as the "
         "reference (manual against eager, sdpa against sdpa); sdpa or manual force one",
+    )
+    p.add_argument(
+        "--scratch",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="your change to check: a function given the loaded GPT2 (after --attn and --kernels) that changes it "
+        "in place or returns another GPT2 (e.g. a subclass); MODULE importable (the current directory first) or a "
+        ".py file",
     )
     add_revision_arg(p)
     add_tokenizer_arg(p)
@@ -157,8 +166,9 @@ def run(args: argparse.Namespace) -> int:
     given = [f for f, v in optimizer_flags if v is not None]
     if given and args.train_steps is None:
         raise UsageError(f"{', '.join(given)} set the AdamW steps: it needs --train-steps N (no step is taken without)")
+    transform = scratch_transform(args.scratch)
     if args.backward or args.train_steps is not None:
-        return parity_backward.run(args, outs)
+        return parity_backward.run(args, outs, transform)
     inputs = read_inputs(args)
     detail = "sublayer" if args.per_head else args.detail
     sweep = run_detailed(
@@ -174,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
         attn=args.attn,
         revision=args.revision,
         tokenizer=args.tokenizer,
+        transform=transform,
     )
     human = human_stream(*(p for _, p in outs))  # stderr when stdout carries the JSON or Markdown
     width = shutil.get_terminal_size().columns if human.isatty() else None

@@ -9,6 +9,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 
 from ..errors import UsageError
 from .common import human_stream
@@ -32,8 +33,9 @@ def train_config(args: argparse.Namespace):  # -> gpt2_port_checks.steps.TrainCo
     return TrainConfig(steps=steps or 0, lr=lr, weight_decay=wd, clip=clip)
 
 
-def run(args: argparse.Namespace, outs: list[tuple[str, str]]) -> int:
-    """`outs`: the (option, path) outputs, already checked by the parity command ('-' is stdout)."""
+def run(args: argparse.Namespace, outs: list[tuple[str, str]], transform: Callable | None = None) -> int:
+    """`outs`: the (option, path) outputs, already checked by the parity command ('-' is stdout); `transform`: the
+    --scratch function."""
     from gpt2_port_checks import backward_report as render
     from gpt2_port_checks.backward import run_backward
 
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]]) -> int:
         revision=args.revision,
         tokenizer=args.tokenizer,
         log=log,
+        transform=transform,
     )
     human = human_stream(*(p for _, p in outs))
     width = shutil.get_terminal_size().columns if human.isatty() else None

@@ -95,3 +95,41 @@ def write_outputs(
         wrote.append(f"wrote {path} ({opt.removeprefix('--')})")
     if wrote:
         human.write("\n".join(wrote) + "\n")
+
+
+def scratch_transform(spec: str | None) -> Callable | None:
+    """--scratch MODULE:FUNCTION (MODULE importable, the current directory first, or a .py file) -> the function,
+    imported now, before any work; None without the option."""
+    if spec is None:
+        return None
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise UsageError(f"--scratch {spec!r}: expected MODULE:FUNCTION or FILE.py:FUNCTION (e.g. my_change.py:patch)")
+    try:
+        if where.endswith(".py"):
+            if not Path(where).is_file():
+                raise UsageError(f"--scratch {spec}: no file {where}")
+            found = importlib.util.spec_from_file_location(Path(where).stem, where)
+            module = importlib.util.module_from_spec(found)  # type: ignore[arg-type]
+            found.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(where)
+    except UsageError:
+        raise
+    except ModuleNotFoundError as e:
+        if e.name is not None and where.startswith(e.name):
+            raise UsageError(f"--scratch {spec}: no module {where!r} here or installed (or give a FILE.py)") from None
+        raise UsageError(f"--scratch {spec}: importing {where} failed: {e}") from None
+    except Exception as e:  # noqa: BLE001 (the user's code: any error it raises is theirs to read)
+        raise UsageError(f"--scratch {spec}: importing {where} failed: {e.__class__.__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UsageError(f"--scratch {spec}: {where} has no function {name!r}")
+    return fn

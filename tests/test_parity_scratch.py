@@ -1,0 +1,124 @@
+"""`parity --scratch MODULE:FUNCTION`: a porter's own change to the model, checked against transformers by the same
+report: caught, placed at the sub-layer it is in, judged against the noise, forward and backward."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpt2_port.cli import main
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
+CHANGES = '''
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+def nothing(model):
+    return None
+
+
+def erf_gelu_in_block_1(model):
+    """A porting bug: the erf GELU in block 1's MLP, its tensors still passed through the taps."""
+    mlp = model.h[1].mlp
+
+    def forward(self, x):
+        rec = self.taps.rec
+        h = self.c_fc(x)
+        if rec is not None:
+            h = rec(self.tag + ".pre", h)
+        h = F.gelu(h)
+        if rec is not None:
+            h = rec(self.tag + ".act", h)
+        y = self.c_proj(h)
+        if rec is not None:
+            y = rec(self.tag + ".c_proj", y)
+        return self.dropout(y)
+
+    mlp.forward = types.MethodType(forward, mlp)
+
+
+def fused_mlp_without_taps(model):
+    mlp = model.h[0].mlp
+    mlp.forward = types.MethodType(lambda self, x: self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")), mlp)
+
+
+def detached_attention_in_block_0(model):
+    attn = model.h[0].attn
+    inner = attn.forward
+    attn.forward = lambda *a, **k: inner(*a, **k).detach()
+
+
+def not_a_model(model):
+    return torch.nn.Linear(2, 2)
+'''
+
+
+@pytest.fixture()
+def changes(tmp_path: Path) -> Path:
+    (tmp_path / "changes.py").write_text(CHANGES)
+    return tmp_path / "changes.py"
+
+
+def _parity(tiny_official: Path, tmp_path: Path, capsys, *extra: str) -> tuple[int, dict, str]:  # noqa: ANN001
+    rc = main(["parity", str(tiny_official), *extra, "--json", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    report = json.loads((tmp_path / "r.json").read_text()) if (tmp_path / "r.json").is_file() else {}
+    return rc, report, err
+
+
+def test_a_planted_bug_is_found_at_its_sub_layer(tiny_official: Path, tmp_path: Path, changes: Path, capsys) -> None:
+    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{changes}:nothing")
+    assert rc == 0 and r["passed"] is True
+    rc, r, _ = _parity(
+        tiny_official, tmp_path, capsys, "--detail", "sublayer", "--scratch", f"{changes}:erf_gelu_in_block_1"
+    )
+    assert rc == 1 and r["first_failure"] == "block.1.mlp.act" and r["first_above_noise"] == "block.1.mlp.act"
+    pts = {p["name"]: p for p in r["points"]}
+    assert pts["block.1.mlp.pre"]["norm_rel"] == 0.0 and pts["block.0"]["norm_rel"] == 0.0
+
+
+def test_a_module_name_on_the_path_works_too(
+    tiny_official: Path, tmp_path: Path, changes: Path, capsys, monkeypatch
+) -> None:  # noqa: ANN001
+    monkeypatch.chdir(changes.parent)
+    monkeypatch.syspath_prepend(str(changes.parent))
+    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", "changes:erf_gelu_in_block_1")
+    assert rc == 1 and r["first_failure"] == "block.1"
+
+
+def test_the_backward_reports_a_detached_branch(
+    tiny_official: Path, tmp_path: Path, changes: Path, capsys, caplog
+) -> None:  # noqa: ANN001
+    """Gradients that never reach block 0's attention (a detach) are compared as zeros: a FAIL there, with a warning
+    naming them, not an internal error."""
+    rc, r, _ = _parity(
+        tiny_official, tmp_path, capsys, "--backward", "--scratch", f"{changes}:detached_attention_in_block_0"
+    )
+    assert rc == 1 and r["passed"] is False
+    assert "no gradient reached h.0.ln_1.weight" in caplog.text and "compared as zeros" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nocolon", "expected MODULE:FUNCTION or FILE.py:FUNCTION"),
+        ("{dir}/missing.py:f", "no file"),
+        ("no_such_module_here:f", "no module 'no_such_module_here'"),
+        ("{changes}:nope", "has no function 'nope'"),
+        ("{changes}:not_a_model", "the scratch transform returned a Linear: expected a GPT2"),
+        ("{changes}:fused_mlp_without_taps", "the scratch model recorded no 'block.0.mlp.pre'"),
+    ],
+)
+def test_bad_scratch_options_are_one_line_errors(
+    tiny_official: Path, tmp_path: Path, changes: Path, capsys, spec: str, message: str
+) -> None:
+    spec = spec.format(dir=tmp_path, changes=changes)
+    rc, _, err = _parity(tiny_official, tmp_path, capsys, "--detail", "sublayer", "--scratch", spec)
+    assert rc == 2 and message in err and err.count("\n") == 1, err
