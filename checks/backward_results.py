@@ -152,6 +152,7 @@ class BackwardSweep(Verdicts):
             "passed": self.passed,
             "first_failure": bad.first_failure if bad else None,
             "first_failure_config": bad.label if bad else None,
+            "as_close_as_reference": self.as_close_as_reference,
             "baseline": self.baseline,
             "configurations": [r.to_json() for r in self.reports],
         }

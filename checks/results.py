@@ -125,6 +125,16 @@ class Verdicts:
     def first_failing(self):  # noqa: ANN201
         return next((r for r in self.reports if not r.passed), None)
 
+    @property
+    def as_close_as_reference(self) -> bool | None:
+        """Every configuration as close to the reference as its own noise; None where no floor was measured."""
+        each = [r.as_close_as_reference for r in self.reports]
+        return None if any(v is None for v in each) else all(each)
+
+    def exit_code(self, strict_noise: bool) -> int:
+        """0 when every configuration passed (and, strict_noise, is as close as the reference's noise), else 1."""
+        return 0 if self.passed and (not strict_noise or self.as_close_as_reference) else 1
+
 
 @dataclass
 class Sweep(Verdicts):
@@ -145,6 +155,7 @@ class Sweep(Verdicts):
             "passed": self.passed,
             "first_failure": bad.first_failure if bad else None,
             "first_failure_config": label(bad) if bad else None,
+            "as_close_as_reference": self.as_close_as_reference,
             "baseline": self.baseline,
             "configurations": [{"config": label(r), **r.to_json()} for r in self.reports],
         }

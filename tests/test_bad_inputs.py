@@ -605,6 +605,36 @@ def c_gen_temperature_overflows(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_parity_scratch_not_module_colon_function(tmp: Path, base: Path) -> dict:
+    return {"argv": ["parity", str(base), "--scratch", "patch"], "expect": ["--scratch 'patch'", "MODULE:FUNCTION"]}
+
+
+@case
+def c_parity_scratch_file_missing(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--scratch", f"{tmp}/change.py:patch"],
+        "expect": ["--scratch", "change.py:patch", "no file"],
+    }
+
+
+@case
+def c_parity_scratch_raises(tmp: Path, base: Path) -> dict:
+    (tmp / "change.py").write_text("def patch(model):\n    raise ValueError('not yet')\n")
+    return {
+        "argv": ["parity", str(base), "--ids", "1 2 3", "--scratch", f"{tmp}/change.py:patch"],
+        "expect": ["the scratch transform raised ValueError: not yet"],
+    }
+
+
+@case
+def c_parity_fail_above_noise_without_floor(tmp: Path, base: Path) -> dict:
+    return {
+        "argv": ["parity", str(base), "--fail-above-noise", "--no-noise-floor"],
+        "expect": ["--fail-above-noise", "not with --no-noise-floor"],
+    }
+
+
+@case
 def c_parity_json_dir_missing(tmp: Path, base: Path) -> dict:
     return {
         "argv": ["parity", str(base), "--json", str(tmp / "nodir" / "p.json")],

@@ -187,7 +187,10 @@ def test_only_failures_from_the_cli_with_per_head(tiny_official: Path, capsys):
 
 def test_sweep_json_holds_each_configuration_once():
     d = _sweep({"block.1"}).to_json()
-    assert set(d) == {"model", "passed", "first_failure", "first_failure_config", "baseline", "configurations"}
+    keys = {"model", "passed", "first_failure", "first_failure_config", "as_close_as_reference", "baseline"}
+    assert set(d) == keys | {"configurations"}
+    each = [c.get("as_close_as_reference") for c in d["configurations"]]  # the sweep's verdict is theirs together
+    assert d["as_close_as_reference"] == (None if None in each else all(each))
     assert [c["config"] for c in d["configurations"]] == ["float32/cpu", "bfloat16/cpu"]
     assert d["first_failure_config"] == "bfloat16/cpu" and d["first_failure"] == "block.1" and d["passed"] is False
     single = Sweep("m", _sweep(set()).reports[:1], "b", is_sweep=False).to_json()

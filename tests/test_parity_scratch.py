@@ -55,6 +55,18 @@ def detached_attention_in_block_0(model):
     attn.forward = lambda *a, **k: inner(*a, **k).detach()
 
 
+def handwritten_ln_1_in_block_0(model):
+    """The same LayerNorm, written out: rounded otherwise, before the first attention, where the floor is 0."""
+    ln = model.h[0].ln_1
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        return (x - mu) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+    ln.forward = types.MethodType(forward, ln)
+
+
 def not_a_model(model):
     return torch.nn.Linear(2, 2)
 '''
@@ -103,6 +115,21 @@ def test_the_backward_reports_a_detached_branch(
     )
     assert rc == 1 and r["passed"] is False
     assert "no gradient reached h.0.ln_1.weight" in caplog.text and "compared as zeros" in caplog.text
+
+
+def test_fail_above_noise_makes_a_passing_figure_above_the_floor_fail(
+    tiny_official: Path, tmp_path: Path, changes: Path, capsys
+) -> None:  # noqa: ANN001
+    """A LayerNorm written out passes its tolerances, but rounds otherwise where transformers is exact against itself:
+    exit 0 by default, 1 with --fail-above-noise (for CI), and the JSON says which."""
+    spec = f"{changes}:handwritten_ln_1_in_block_0"
+    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--detail", "sublayer", "--scratch", spec)
+    assert rc == 0 and r["passed"] is True and r["as_close_as_reference"] is False
+    assert r["first_above_noise"] == "block.0.ln_1"
+    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--detail", "sublayer", "--scratch", spec, "--fail-above-noise")
+    assert rc == 1 and r["passed"] is True
+    rc, _, err = _parity(tiny_official, tmp_path, capsys, "--fail-above-noise", "--no-noise-floor")
+    assert rc == 2 and "not with --no-noise-floor" in err
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Load MODEL into the scratch model and into transformers' GPT2LMHeadModel, run both "
         "on the same tokens, and compare the embeddings, every block's output, ln_f and the logits. "
         "The default prompts are stored as token ids: no tokenizer files and no network needed. "
-        "Exit 0 on pass, 1 on a parity failure, 2 on a usage or input error, 3 on an internal error. Needs "
+        "Exit 0 on pass, 1 on a parity failure (with --fail-above-noise also a figure above the noise), 2 on a "
+        "usage or input error, 3 on an internal error. Needs "
         "transformers "
         "(pip install 'gpt2-port[check]').",
     )
@@ -88,6 +89,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also measure transformers against itself (eager vs sdpa; in a sweep, itself in each dtype) "
         "and mark every figure within or above that floor (default: on; one more transformers forward on the "
         "reference already loaded, and in a sweep a copy of it per other dtype or device)",
+    )
+    p.add_argument(
+        "--fail-above-noise",
+        action="store_true",
+        help="exit 1 also when a figure passes its tolerance but lies above the reference's own noise (for CI: "
+        "the port adds error of its own); needs the noise floor",
     )
     p.add_argument(
         "--logit-lens",
@@ -166,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     given = [f for f, v in optimizer_flags if v is not None]
     if given and args.train_steps is None:
         raise UsageError(f"{', '.join(given)} set the AdamW steps: it needs --train-steps N (no step is taken without)")
+    if args.fail_above_noise and not args.noise_floor:
+        raise UsageError("--fail-above-noise judges figures against the noise floor: not with --no-noise-floor")
     transform = scratch_transform(args.scratch)
     if args.backward or args.train_steps is not None:
         return parity_backward.run(args, outs, transform)
@@ -204,4 +213,4 @@ def run(args: argparse.Namespace) -> int:
         markdown_text=lambda: render.render_markdown(sweep, args.only_failures),
         plot=lambda path: plot_errors(sweep, path),
     )
-    return 0 if sweep.passed else 1
+    return sweep.exit_code(args.fail_above_noise)

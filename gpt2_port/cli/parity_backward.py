@@ -90,4 +90,4 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]], transform: Callab
         markdown_text=lambda: render.render_markdown(sweep),
         plot=lambda path: render.plot_gradients(sweep, path),
     )
-    return 0 if sweep.passed else 1
+    return sweep.exit_code(args.fail_above_noise)
