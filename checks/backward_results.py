@@ -78,9 +78,14 @@ class BackwardReport:
 
     @property
     def first_failure(self) -> str | None:
+        """The loss, else the first failing gradient in backprop order (the head's first, the embeddings' last: where
+        an error made in the backward pass enters, every parameter below inheriting it), else an activation
+        gradient, a step, a weight after the steps."""
         if not self.loss_rel <= self.loss_tolerance:
             return "loss"
-        bad = next((p.name for p in self.points if not p.passed), None)
+        params = [p for p in self.points if p.name.startswith("grad.")]  # in the model's order: embeddings first
+        bad = next((p.name for p in reversed(params) if not p.passed), None)
+        bad = bad or next((p.name for p in self.points if not p.passed), None)
         if bad:
             return bad
         bad_step = next((s for s in self.steps if not s.passed), None)

@@ -113,7 +113,8 @@ def test_the_backward_reports_a_detached_branch(
     rc, r, _ = _parity(
         tiny_official, tmp_path, capsys, "--backward", "--scratch", f"{changes}:detached_attention_in_block_0"
     )
-    assert rc == 1 and r["passed"] is False
+    assert rc == 1 and r["passed"] is False and r["first_diverging_layer"] == "h.0"
+    assert r["first_failure"].startswith("grad.transformer.h.0.attn.c_proj.")  # backprop order: where it enters
     assert "no gradient reached h.0.ln_1.weight" in caplog.text and "compared as zeros" in caplog.text
 
 
