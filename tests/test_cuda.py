@@ -254,6 +254,37 @@ def test_generation_under_autocast_runs_through_the_captured_step(tiny_official:
     assert plain.capture_s > 0 and same(plain_eager, plain, 2e-5)  # its own float32 graph
 
 
+@pytest.mark.parametrize("how", ["hook", "edit"])
+def test_a_hook_or_an_edit_keeps_the_captured_step_out(tiny_official: Path, how: str) -> None:
+    """A steering vector added to block 0's output (a forward hook, or model.edit): every step runs the forward, so
+    it steers every token (the captured step calls no module and passes no tap); gone, the graph is back."""
+    import contextlib
+
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full
+
+    m = GPT2.from_pretrained(str(tiny_official), device="cuda")
+    ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
+    d = torch.randn(m.config.n_embd, generator=torch.Generator().manual_seed(0)).cuda() * 3.0
+    plain = generate_full(m, ids, 16, eos_token_id=None)
+    if how == "hook":
+        handle = m.h[0].register_forward_hook(lambda mod, args, out: out + d)
+        ctx = contextlib.nullcontext()
+    else:
+        handle, ctx = None, m.edit({"block.0": lambda t: t + d})
+    with ctx:
+        steered = generate_full(m, ids, 16, eos_token_id=None, output_scores=True)
+        slow = generate_full(m, ids, 16, eos_token_id=None, output_scores=True, use_cache=False)  # all recomputed
+    if handle is not None:
+        handle.remove()
+    assert plain.extra["step"] == "cuda graph" and steered.extra["step"] == "forward"
+    want, got = slow.sequences[:, 5:].cpu(), steered.sequences[:, 5:].cpu()
+    scores = ([s.cpu() for s in slow.scores], [s.cpu() for s in steered.scores])
+    assert min(same_tokens_where_decided(want, scores[0], got, scores[1], 2e-5)) >= 1
+    assert not torch.equal(steered.sequences, plain.sequences)
+    assert generate_full(m, ids, 16, eos_token_id=None).extra["step"] == "cuda graph"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("static", [True, False], ids=["static-step", "growing-keys"])
 def test_low_precision_decoding_never_dispatches_to_cudnn_attention(
