@@ -224,15 +224,30 @@ def _reference_side(s: Setup, noise_floor: bool, spill_bytes: int | None) -> Ref
     return run
 
 
+def _same_parameters(loaded: list[str], changed: list[str]) -> None:
+    """The backward compares every parameter's gradient with transformers': a --scratch change that removes one (a
+    weight kept as a buffer) or adds one (a learned scale) has no counterpart to compare."""
+    gone = [n for n in loaded if n not in set(changed)]
+    new = [n for n in changed if n not in set(loaded)]
+    if gone or new:
+        what = f"has no parameter {gone[0]} (a buffer now?)" if gone else f"has a parameter {new[0]} of its own"
+        raise UsageError(
+            f"the scratch transform's model {what}: the backward compares each parameter's gradient with "
+            "transformers', so it needs the same parameters (the forward report, without --backward, checks the rest)"
+        )
+
+
 def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.device, report: BackwardReport) -> None:
     """2. One configuration of the scratch model against the reference: loss, gradients, steps, weights."""
     L, tol, lab = s.cfg.n_layer, BACKWARD_TOLERANCES[dtype_name(dt)], f"{dtype_name(dt)}/{dev}"
     t0 = time.perf_counter()
     s.say(f"scratch {lab}: load")
     scratch, _ = from_pretrained(s.model, dtype=torch.float32, device=dev, revision=s.revision, layout="checkpoint")
+    loaded = [n for n, _ in scratch.named_parameters()]
+    scratch = transformed(scratch, s.transform)
+    _same_parameters(loaded, [n for n, _ in scratch.named_parameters()])
     scratch.set_attn_impl(s.attn)  # type: ignore[arg-type]
     scratch.set_kernels(s.kernels).set_dropout(0.0).train().requires_grad_(True)  # type: ignore[arg-type]
-    scratch = transformed(scratch, s.transform)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
     s.say(f"scratch {lab}: gradients")
@@ -262,7 +277,7 @@ def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.devic
         s.say(f"scratch {lab}: {s.tc.steps} AdamW steps")
 
         def in_hf_layout(m: torch.nn.Module = scratch) -> Iterator[torch.Tensor]:
-            grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+            grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in m.named_parameters()}
             made = dict(adapter.hf_tensors(grads, m.config, prefix=PREFIX))
             return (made[n]() for n in ref.order if n in made)
 

@@ -192,8 +192,8 @@ def _run_detailed(
         t0 = time.perf_counter()
         if k > 0:
             scratch, _ = from_pretrained(model, dtype=dt, device=dev, revision=revision, layout="checkpoint")
+        scratch = transformed(scratch, transform).eval()
         scratch.set_attn_impl(attn)  # type: ignore[arg-type]
-        scratch = transformed(scratch, transform)
         t_load = time.perf_counter() - t0 if k > 0 else t_scratch
         t0 = time.perf_counter()
         got = Activations()

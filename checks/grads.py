@@ -123,7 +123,7 @@ def _scratch_forward(
     names = act_points(n_layer, model.kernels == "reference")
     with model.record(names, keep_graph=True) as acts:
         loss = model(ids, labels=ids, num_items_in_batch=num_items).loss
-    check_recorded(acts, names)
+    check_recorded(acts, names, hint="")
     return loss, dict(acts)
 
 
@@ -158,7 +158,7 @@ def scratch_grads(model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_la
     grads = {n: p.grad for n, p in model.named_parameters()}
     missing = [n for n, g in grads.items() if g is None]
     if missing:  # a branch cut from the graph (a detach, a no_grad): zero gradients, which the report then fails
-        log.warning("no gradient reached %s: compared as zeros", listed(missing))
+        log.warning("no gradient reached %s (cut from the graph): compared as zeros", listed(missing))
         grads.update({n: torch.zeros_like(p) for n, p in model.named_parameters() if n in missing})
     # transformers' layout (q/k/v fused, Conv1D transposed), one tensor at a time when read: no second full copy
     mapped = LazyTensors(adapter.hf_tensors(grads, model.config, prefix=PREFIX))

@@ -93,10 +93,12 @@ def _add_heads(acts: dict[str, torch.Tensor], names: Sequence[str]) -> None:
 
 def transformed(model: GPT2, transform: Callable[[GPT2], GPT2 | None] | None) -> GPT2:
     """The scratch side of a comparison: gpt2_port's model as loaded, or what a porter's `transform` makes of it (the
-    change to check: a patched module, a subclass, other kernels, a cast), applied after the checker's own settings.
-    It returns the model it was given (changed in place, or None) or another GPT2."""
+    change to check: a patched module, a subclass, other kernels), given the model right after the load; it returns
+    that model (changed in place, or None) or another GPT2 in the same dtype and on the same device, to which the
+    checker's settings (attention, kernels, dropout, mode) then apply."""
     if transform is None:
         return model
+    want = (model.dtype, model.device)  # before: the transform may change the model it is given in place
     try:
         out = transform(model)
     except GPT2PortError:
@@ -108,6 +110,11 @@ def transformed(model: GPT2, transform: Callable[[GPT2], GPT2 | None] | None) ->
         raise UsageError(
             f"the scratch transform returned a {type(out).__name__}: expected a GPT2 (the one it was given, changed, "
             "or a subclass), whose taps the checker records"
+        )
+    if (out.dtype, out.device) != want:
+        raise UsageError(
+            f"the scratch transform left a model in {out.dtype} on {out.device}: this configuration runs "
+            f"{want[0]} on {want[1]} (the checker loads each configuration's model itself: --dtype, --device)"
         )
     return out
 
@@ -121,14 +128,16 @@ def capture_scratch(model: GPT2, ids: torch.Tensor, names: Sequence[str]) -> dic
     return dict(acts)
 
 
-def check_recorded(acts: Mapping[str, torch.Tensor], names: Sequence[str]) -> None:
+def check_recorded(
+    acts: Mapping[str, torch.Tensor], names: Sequence[str], hint: str = ", or compare at --detail block"
+) -> None:
     missing = [n for n in names if n not in acts]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise UsageError(
             f"the scratch model recorded no {missing[0]!r}{more}: a module that replaces one of gpt2_port's must "
             "pass its tensors through `self.taps.rec(name, t)` as the one it replaces does (gpt2_port/model/"
-            "modules.py), or compare at --detail block"
+            f"modules.py){hint}"
         )
 
 

@@ -4,6 +4,7 @@ report: caught, placed at the sub-layer it is in, judged against the noise, forw
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,22 @@ def handwritten_ln_1_in_block_0(model):
     ln.forward = types.MethodType(forward, ln)
 
 
+def same_in_a_subclass(model):
+    """A subclass in place (its methods the porter's to override): the checkpoint's layout kept, nothing else."""
+    model.__class__ = type("Mine", (type(model),), {})
+
+
+def to_bf16(model):
+    model.to(torch.bfloat16)
+
+
+def raising_forward_in_block_0(model):
+    def boom(*a, **k):
+        raise ValueError("my kernel\\nhas a bug")
+
+    model.h[0].mlp.forward = boom
+
+
 def not_a_model(model):
     return torch.nn.Linear(2, 2)
 '''
@@ -79,10 +96,11 @@ def changes(tmp_path: Path) -> Path:
 
 
 def _parity(tiny_official: Path, tmp_path: Path, capsys, *extra: str) -> tuple[int, dict, str]:  # noqa: ANN001
+    (tmp_path / "r.json").unlink(missing_ok=True)
     rc = main(["parity", str(tiny_official), *extra, "--json", str(tmp_path / "r.json")])
-    err = capsys.readouterr().err
+    said = capsys.readouterr()
     report = json.loads((tmp_path / "r.json").read_text()) if (tmp_path / "r.json").is_file() else {}
-    return rc, report, err
+    return rc, report, said.out + said.err
 
 
 def test_a_planted_bug_is_found_at_its_sub_layer(tiny_official: Path, tmp_path: Path, changes: Path, capsys) -> None:
@@ -96,13 +114,34 @@ def test_a_planted_bug_is_found_at_its_sub_layer(tiny_official: Path, tmp_path: 
     assert pts["block.1.mlp.pre"]["norm_rel"] == 0.0 and pts["block.0"]["norm_rel"] == 0.0
 
 
-def test_a_module_name_on_the_path_works_too(
+def test_a_module_on_the_path_and_a_file_of_any_python_work(
     tiny_official: Path, tmp_path: Path, changes: Path, capsys, monkeypatch
 ) -> None:  # noqa: ANN001
-    monkeypatch.chdir(changes.parent)
-    monkeypatch.syspath_prepend(str(changes.parent))
-    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", "changes:erf_gelu_in_block_1")
-    assert rc == 1 and r["first_failure"] == "block.1"
+    """MODULE:FUNCTION through an ordinary import (here PYTHONPATH's folder); FILE.py runs as a module of its own (a
+    dataclass in it needs its module registered); a subclass in place keeps every bit; the JSON names the change."""
+    (tmp_path / "porter_change_mod.py").write_text(CHANGES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "porter_change_mod", raising=False)
+    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", "porter_change_mod:erf_gelu_in_block_1")
+    assert rc == 1 and r["first_failure"] == "block.1" and r["scratch"] == "porter_change_mod:erf_gelu_in_block_1"
+    sys.modules.pop("porter_change_mod", None)
+    dc = tmp_path / "dc.py"
+    dc.write_text(
+        "from __future__ import annotations\nfrom dataclasses import dataclass\n\n\n@dataclass\nclass Cfg:\n"
+        "    scale: float = 1.0\n\n\ndef patch(model):\n    return None\n"
+    )
+    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{dc}:patch")
+    assert rc == 0
+    rc, r, out = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{changes}:same_in_a_subclass")
+    assert rc == 0 and all(p["norm_rel"] == 0.0 for p in r["points"])
+
+
+def test_train_steps_run_with_a_detached_branch(tiny_official: Path, tmp_path: Path, changes: Path, capsys) -> None:
+    """AdamW steps too: the cut parameters' gradients count as zeros in the clip norm; the report fails, no crash."""
+    rc, r, _ = _parity(
+        tiny_official, tmp_path, capsys, "--train-steps", "2", "--scratch", f"{changes}:detached_attention_in_block_0"
+    )
+    assert rc == 1 and r["passed"] is False and len(r["steps"]) == 2
 
 
 def test_the_backward_reports_a_detached_branch(
@@ -127,8 +166,11 @@ def test_fail_above_noise_makes_a_passing_figure_above_the_floor_fail(
     rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--detail", "sublayer", "--scratch", spec)
     assert rc == 0 and r["passed"] is True and r["as_close_as_reference"] is False
     assert r["first_above_noise"] == "block.0.ln_1"
-    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--detail", "sublayer", "--scratch", spec, "--fail-above-noise")
+    rc, r, out = _parity(
+        tiny_official, tmp_path, capsys, "--detail", "sublayer", "--scratch", spec, "--fail-above-noise"
+    )
     assert rc == 1 and r["passed"] is True
+    assert "FAIL (--fail-above-noise): in float32/cpu block.0.ln_1 lies above the reference's own noise" in out
     rc, _, err = _parity(tiny_official, tmp_path, capsys, "--fail-above-noise", "--no-noise-floor")
     assert rc == 2 and "not with --no-noise-floor" in err
 
@@ -141,6 +183,8 @@ def test_fail_above_noise_makes_a_passing_figure_above_the_floor_fail(
         ("no_such_module_here:f", "no module 'no_such_module_here'"),
         ("{changes}:nope", "has no function 'nope'"),
         ("{changes}:not_a_model", "the scratch transform returned a Linear: expected a GPT2"),
+        ("{changes}:to_bf16", "the scratch transform left a model in torch.bfloat16 on cpu: this configuration runs"),
+        ("{changes}:raising_forward_in_block_0", "with --scratch"),
         ("{changes}:fused_mlp_without_taps", "the scratch model recorded no 'block.0.mlp.pre'"),
     ],
 )

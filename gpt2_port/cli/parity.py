@@ -12,7 +12,16 @@ import sys
 from ..errors import UsageError
 from . import parity_backward
 from .common import add_device_arg, add_model_arg, add_revision_arg, add_tokenizer_arg, human_stream
-from .parity_io import checked_outputs, read_inputs, scratch_transform, write_outputs
+from .parity_io import (
+    checked_outputs,
+    gate_line,
+    read_inputs,
+    scratch_errors,
+    scratch_header,
+    scratch_transform,
+    with_scratch,
+    write_outputs,
+)
 
 OOM_HINT = "fewer or shorter prompts (--prompt, --prompt-file), --no-noise-floor, another --device or a smaller model"
 
@@ -67,9 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--scratch",
         default=None,
         metavar="MODULE:FUNCTION",
-        help="your change to check: a function given the loaded GPT2 (after --attn and --kernels) that changes it "
-        "in place or returns another GPT2 (e.g. a subclass); MODULE importable (the current directory first) or a "
-        ".py file",
+        help="your change to check: a function given each configuration's GPT2 right after the load that changes it "
+        "in place or returns another GPT2 (the checker's settings then apply); MODULE importable, or a FILE.py",
     )
     add_revision_arg(p)
     add_tokenizer_arg(p)
@@ -180,24 +188,26 @@ def run(args: argparse.Namespace) -> int:
         return parity_backward.run(args, outs, transform)
     inputs = read_inputs(args)
     detail = "sublayer" if args.per_head else args.detail
-    sweep = run_detailed(
-        args.model,
-        inputs,
-        dtypes=args.dtype,
-        devices=args.device,
-        detail=detail,
-        per_head=args.per_head,
-        noise_floor=args.noise_floor,
-        logit_lens=args.logit_lens,
-        reference_attn=args.reference_attn,
-        attn=args.attn,
-        revision=args.revision,
-        tokenizer=args.tokenizer,
-        transform=transform,
-    )
+    with scratch_errors(args.scratch):
+        sweep = run_detailed(
+            args.model,
+            inputs,
+            dtypes=args.dtype,
+            devices=args.device,
+            detail=detail,
+            per_head=args.per_head,
+            noise_floor=args.noise_floor,
+            logit_lens=args.logit_lens,
+            reference_attn=args.reference_attn,
+            attn=args.attn,
+            revision=args.revision,
+            tokenizer=args.tokenizer,
+            transform=transform,
+        )
     human = human_stream(*(p for _, p in outs))  # stderr when stdout carries the JSON or Markdown
     width = shutil.get_terminal_size().columns if human.isatty() else None
-    human.write(render.render_text(sweep, args.only_failures, width))
+    human.write(scratch_header(args.scratch) + render.render_text(sweep, args.only_failures, width))
+    human.write(gate_line(sweep, args.fail_above_noise))
     timing = ", ".join(
         f"{r.dtype}/{r.device} load {r.timings['scratch_load_s']:.2f}s forward "
         f"{r.timings['forward_s']:.2f}s floor {r.timings['noise_floor_s']:.2f}s"
@@ -209,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     write_outputs(
         outs,
         human,
-        json_text=lambda: json.dumps(sweep.to_json(), indent=2) + "\n",
+        json_text=lambda: json.dumps(with_scratch(sweep.to_json(), args.scratch), indent=2) + "\n",
         markdown_text=lambda: render.render_markdown(sweep, args.only_failures),
         plot=lambda path: plot_errors(sweep, path),
     )

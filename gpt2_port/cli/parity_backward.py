@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ..errors import UsageError
 from .common import human_stream
-from .parity_io import read_inputs, write_outputs
+from .parity_io import gate_line, read_inputs, scratch_errors, scratch_header, with_scratch, write_outputs
 
 
 def train_config(args: argparse.Namespace):  # -> gpt2_port_checks.steps.TrainConfig
@@ -54,24 +54,26 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]], transform: Callab
         if sys.stderr.isatty():
             print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", file=sys.stderr)
 
-    sweep = run_backward(
-        args.model,
-        inputs,
-        dtypes=args.dtype,
-        devices=args.device,
-        reference_attn=args.reference_attn,
-        attn=args.attn,
-        kernels=args.kernels or "reference",
-        noise_floor=args.noise_floor,
-        train=tc,
-        revision=args.revision,
-        tokenizer=args.tokenizer,
-        log=log,
-        transform=transform,
-    )
+    with scratch_errors(args.scratch):
+        sweep = run_backward(
+            args.model,
+            inputs,
+            dtypes=args.dtype,
+            devices=args.device,
+            reference_attn=args.reference_attn,
+            attn=args.attn,
+            kernels=args.kernels or "reference",
+            noise_floor=args.noise_floor,
+            train=tc,
+            revision=args.revision,
+            tokenizer=args.tokenizer,
+            log=log,
+            transform=transform,
+        )
     human = human_stream(*(p for _, p in outs))
     width = shutil.get_terminal_size().columns if human.isatty() else None
-    human.write(render.render_text(sweep, terminal_width=width))
+    human.write(scratch_header(args.scratch) + render.render_text(sweep, terminal_width=width))
+    human.write(gate_line(sweep, args.fail_above_noise))
     t = sweep.reports[0].timings
     print(
         f"transformers load {t['reference_load_s']:.2f}s backward {t['reference_backward_s']:.2f}s "
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace, outs: list[tuple[str, str]], transform: Callab
     write_outputs(
         outs,
         human,
-        json_text=lambda: json.dumps(sweep.to_json(), indent=2) + "\n",
+        json_text=lambda: json.dumps(with_scratch(sweep.to_json(), args.scratch), indent=2) + "\n",
         markdown_text=lambda: render.render_markdown(sweep),
         plot=lambda path: render.plot_gradients(sweep, path),
     )

@@ -4,11 +4,12 @@ forward (parity.py) and backward (parity_backward.py) runs."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-from ..errors import UsageError
+from ..errors import GPT2PortError, UsageError
 from ..files import STDOUT, write_output
 from .common import check_outputs, checkpoint_inputs, file_input, tokenizer_inputs
 
@@ -98,13 +99,13 @@ def write_outputs(
 
 
 def scratch_transform(spec: str | None) -> Callable | None:
-    """--scratch MODULE:FUNCTION (MODULE importable, the current directory first, or a .py file) -> the function,
-    imported now, before any work; None without the option."""
+    """--scratch MODULE:FUNCTION (an importable module: installed, on PYTHONPATH, or the current directory under
+    `python -m gpt2_port`) or FILE.py:FUNCTION (the file run as a module of its own) -> the function, imported now,
+    before any work; None without the option."""
     if spec is None:
         return None
     import importlib
     import importlib.util
-    import os
     import sys
 
     where, sep, name = spec.rpartition(":")
@@ -114,18 +115,20 @@ def scratch_transform(spec: str | None) -> Callable | None:
         if where.endswith(".py"):
             if not Path(where).is_file():
                 raise UsageError(f"--scratch {spec}: no file {where}")
-            found = importlib.util.spec_from_file_location(Path(where).stem, where)
+            unique = f"gpt2_port_scratch_{Path(where).stem}"  # registered first: dataclasses and pickling look it up
+            found = importlib.util.spec_from_file_location(unique, where)
             module = importlib.util.module_from_spec(found)  # type: ignore[arg-type]
+            sys.modules[unique] = module
             found.loader.exec_module(module)  # type: ignore[union-attr]
         else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
             module = importlib.import_module(where)
     except UsageError:
         raise
     except ModuleNotFoundError as e:
-        if e.name is not None and where.startswith(e.name):
-            raise UsageError(f"--scratch {spec}: no module {where!r} here or installed (or give a FILE.py)") from None
+        if e.name is not None and (where == e.name or where.startswith(e.name + ".")):
+            raise UsageError(
+                f"--scratch {spec}: no module {where!r} installed or on PYTHONPATH (or give its FILE.py)"
+            ) from None
         raise UsageError(f"--scratch {spec}: importing {where} failed: {e}") from None
     except Exception as e:  # noqa: BLE001 (the user's code: any error it raises is theirs to read)
         raise UsageError(f"--scratch {spec}: importing {where} failed: {e.__class__.__name__}: {e}") from None
@@ -133,3 +136,46 @@ def scratch_transform(spec: str | None) -> Callable | None:
     if not callable(fn):
         raise UsageError(f"--scratch {spec}: {where} has no function {name!r}")
     return fn
+
+
+@contextlib.contextmanager
+def scratch_errors(spec: str | None) -> Iterator[None]:
+    """An error the run raises with a --scratch change in place names the change (it may be the change's code, or
+    gpt2_port's meeting it), not gpt2_port alone as a bug; out of memory and gpt2_port's own errors stay as they are."""
+    try:
+        yield
+    except GPT2PortError:
+        raise
+    except Exception as e:
+        from ..devices import out_of_memory
+
+        if spec is None or out_of_memory(e):
+            raise
+        raise UsageError(
+            f"with --scratch {spec}: {e.__class__.__name__}: {e} (in the change's code, or in gpt2_port's meeting it: "
+            "the same run without --scratch tells which)"
+        ) from e
+
+
+def scratch_header(spec: str | None) -> str:
+    """The line that says a report is of a --scratch change (the terminal; the JSON carries `scratch`)."""
+    return (
+        f"scratch change: {spec} (applied to gpt2_port's model; transformers runs the checkpoint as it is)\n"
+        if spec
+        else ""
+    )
+
+
+def with_scratch(report: dict, spec: str | None) -> dict:
+    return {**report, "scratch": spec} if spec else report
+
+
+def gate_line(sweep, fail_above_noise: bool) -> str:  # noqa: ANN001 (a forward or backward sweep)
+    """The verdict --fail-above-noise adds where every figure passed but one lies above the reference's noise."""
+    if not fail_above_noise or not sweep.passed or sweep.as_close_as_reference is not False:
+        return ""
+    r = next(r for r in sweep.reports if r.as_close_as_reference is False)
+    return (
+        f"FAIL (--fail-above-noise): in {r.dtype}/{r.device} {r.first_above_noise} lies above the reference's own "
+        "noise\n"
+    )
