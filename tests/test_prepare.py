@@ -70,6 +70,16 @@ def test_shakespeare_gives_nanogpts_published_counts_and_ids(
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]  # no temporary left
 
 
+def test_meta_names_the_shipped_tokenizer_files_by_their_sha256(shakespeare: Path, tmp_path: Path) -> None:
+    """Without --tokenizer the shipped BPE encodes; meta.json holds its files' sha256 (OpenAI's, checked at load)."""
+    from gpt2_port.io.tokenizer import SHIPPED_SHA256, shipped_tokenizer
+
+    f = tmp_path / "t.txt"
+    f.write_bytes(shakespeare.read_bytes()[:4000])
+    meta = prepare([f], tmp_path / "out", shipped_tokenizer())
+    assert meta["tokenizer"]["files_sha256"] == SHIPPED_SHA256 and meta["tokenizer"]["vocab_sha256"]
+
+
 def test_small_chunks_give_the_same_ids_as_encoding_whole_parts(
     shakespeare: Path, tok: Tokenizer, tmp_path: Path
 ) -> None:

@@ -41,9 +41,10 @@ SHIPPED_SHA256 = {
 class Tokenizer:
     """encode/decode identical to transformers' GPT2Tokenizer; `<|endoftext|>` in text encodes to 50256."""
 
-    def __init__(self, enc: tiktoken.Encoding, source: str) -> None:
+    def __init__(self, enc: tiktoken.Encoding, source: str, files: tuple[Path, ...] = ()) -> None:
         self.enc = enc
         self.source = source
+        self.files = files  # what it was read from (vocab.json + merges.txt, or the shipped pair)
         self.eot_id = EOT_ID
         self.n_vocab = enc.n_vocab
 
@@ -166,7 +167,7 @@ def from_files(vocab_json: str | os.PathLike[str], merges_txt: str | os.PathLike
     if not source:
         spelled = "" if (v.name, m.name) == TOKENIZER_FILE_PAIRS[0] else f" as {v.name} + {m.name}"
         source = f"{v.parent} (vocab.json + merges.txt{spelled})"
-    return Tokenizer(enc, source)
+    return Tokenizer(enc, source, (v, m))
 
 
 def find_files(directory: str | os.PathLike[str]) -> tuple[Path, Path] | None:

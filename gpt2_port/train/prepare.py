@@ -156,9 +156,10 @@ def tokenizer_files(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 def tokenizer_info(tokenizer: Tokenizer, directory: str | os.PathLike[str] | None) -> dict:
-    """meta.json's tokenizer entry: its name and source, the sha256 of its files (when read from a directory), and a
-    sha256 of the 50257 tokens' bytes in id order, which identifies the vocabulary whatever files it came from."""
-    files = tokenizer_files(directory) if directory is not None else []
+    """meta.json's tokenizer entry: its name and source, the sha256 of the files it was read from (the shipped pair
+    too), and a sha256 of the 50257 tokens' bytes in id order, which identifies the vocabulary whatever files it
+    came from."""
+    files = list(tokenizer.files) or (tokenizer_files(directory) if directory is not None else [])
     h = hashlib.sha256()
     for i in range(tokenizer.n_vocab):
         b = tokenizer.decode_bytes([i])
