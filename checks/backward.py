@@ -296,7 +296,12 @@ def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.devic
             adapter.hf_tensors({n: p.detach() for n, p in scratch.named_parameters()}, scratch.config, PREFIX)
         )
         for n, y in ref.weights.items():
-            report.weights.append(_point(f"weight.{n}", mine[n], y, tol.weight, ref.weight_floor if floored else None))
+            w = _point(f"weight.{n}", mine[n], y, tol.weight, ref.weight_floor if floored else None)
+            # Where a gradient is near zero (a key bias: softmax ignores it) AdamW turns rounding into steps of about
+            # lr, so a weight may pass its tolerance by that much and still be no further from the reference than
+            # transformers' own run with its other attention kernel is: that weight passes.
+            w.passed = w.passed or w.within_noise is True
+            report.weights.append(w)
         report.train = {
             **asdict(s.tc),
             "optimizer": ADAMW_NAME,

@@ -82,9 +82,13 @@ def steps_table(r: BackwardReport) -> Table:
     if r.weights:
         worst = max(r.weights, key=lambda p: -1.0 if math.isnan(p.norm_rel) else p.norm_rel)
         bad = [p.name for p in r.weights if not p.passed]
+        over = [p for p in r.weights if p.passed and not p.norm_rel <= p.tolerance]  # passed within the noise
+        said = f"{len(bad)} above it, first {bad[0]}" if bad else "all within"
+        if over:
+            said += f" ({len(over)} past it but within transformers' own drift, which passes)"
         t.notes.append(
             f"weights after the last step: worst norm_rel {num(worst.norm_rel)} at {worst.name} "
-            f"(tolerance {worst.tolerance:.0e}); " + (f"{len(bad)} above it, first {bad[0]}" if bad else "all within")
+            f"(tolerance {worst.tolerance:.0e}); {said}"
         )
     if floor:
         ratios = sorted(p.noise_ratio for p in r.weights if p.noise_ratio is not None and not math.isnan(p.noise_ratio))

@@ -104,7 +104,7 @@ def transformed(model: GPT2, transform: Callable[[GPT2], GPT2 | None] | None) ->
     except GPT2PortError:
         raise
     except Exception as e:  # the porter's code: its error is theirs to read, in one line
-        raise UsageError(f"the scratch transform raised {e.__class__.__name__}: {e}") from e
+        raise UsageError(f"the scratch change (--scratch) raised {e.__class__.__name__}: {e}") from e
     out = model if out is None else out
     if not isinstance(out, GPT2):
         raise UsageError(

@@ -132,8 +132,19 @@ class Verdicts:
         return None if any(v is None for v in each) else all(each)
 
     def exit_code(self, strict_noise: bool) -> int:
-        """0 when every configuration passed (and, strict_noise, is as close as the reference's noise), else 1."""
-        return 0 if self.passed and (not strict_noise or self.as_close_as_reference) else 1
+        """0 when every configuration passed (and, strict_noise, is as close as the reference's noise: its figures,
+        and a backward's step losses), else 1."""
+        return 0 if self.passed and (not strict_noise or self.noise_failure() is None) else 1
+
+    def noise_failure(self) -> str | None:
+        """The first configuration's figure above the reference's noise, as `dtype/device name`; None if none is."""
+        for r in self.reports:
+            if r.as_close_as_reference is False:
+                return f"{r.dtype}/{r.device} {r.first_above_noise}"
+            if getattr(r, "steps_as_close_as_reference", None) is False:
+                k = next(s.step for s in r.steps if s.within_noise is False)
+                return f"{r.dtype}/{r.device} the loss of step {k}"
+        return None
 
 
 @dataclass

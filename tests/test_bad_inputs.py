@@ -622,7 +622,7 @@ def c_parity_scratch_raises(tmp: Path, base: Path) -> dict:
     (tmp / "change.py").write_text("def patch(model):\n    raise ValueError('not yet')\n")
     return {
         "argv": ["parity", str(base), "--ids", "1 2 3", "--scratch", f"{tmp}/change.py:patch"],
-        "expect": ["the scratch transform raised ValueError: not yet"],
+        "expect": ["the scratch change (--scratch) raised ValueError: not yet"],
     }
 
 

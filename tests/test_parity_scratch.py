@@ -194,3 +194,15 @@ def test_bad_scratch_options_are_one_line_errors(
     spec = spec.format(dir=tmp_path, changes=changes)
     rc, _, err = _parity(tiny_official, tmp_path, capsys, "--detail", "sublayer", "--scratch", spec)
     assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_the_readme_example_change_runs_as_written(tiny_official: Path, tmp_path: Path, capsys) -> None:
+    """The README's my_change.py, as written: a planted erf GELU, found at block.1.mlp.act."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("### Checking your own change", 1)[1].split("\n### ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_change.py").write_text(code)
+    rc, r, out = _parity(
+        tiny_official, tmp_path, capsys, "--detail", "sublayer", "--scratch", f"{tmp_path}/my_change.py:patch"
+    )
+    assert rc == 1 and r["first_failure"] == "block.1.mlp.act", out

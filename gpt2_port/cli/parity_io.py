@@ -172,10 +172,5 @@ def with_scratch(report: dict, spec: str | None) -> dict:
 
 def gate_line(sweep, fail_above_noise: bool) -> str:  # noqa: ANN001 (a forward or backward sweep)
     """The verdict --fail-above-noise adds where every figure passed but one lies above the reference's noise."""
-    if not fail_above_noise or not sweep.passed or sweep.as_close_as_reference is not False:
-        return ""
-    r = next(r for r in sweep.reports if r.as_close_as_reference is False)
-    return (
-        f"FAIL (--fail-above-noise): in {r.dtype}/{r.device} {r.first_above_noise} lies above the reference's own "
-        "noise\n"
-    )
+    where = sweep.noise_failure() if fail_above_noise and sweep.passed else None
+    return f"FAIL (--fail-above-noise): in {where} lies above the reference's own noise\n" if where else ""
