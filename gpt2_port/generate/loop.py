@@ -131,11 +131,30 @@ def _prepare(
     return input_ids, attention_mask
 
 
-def _check_options(max_new_tokens: int, num_return_sequences: int, stops: list[str], needs_tokenizer: bool) -> None:
-    if number("max_new_tokens", max_new_tokens, int) <= 0:
+def _counts(
+    max_new_tokens: int,
+    num_return_sequences: int,
+    min_new_tokens: int,
+    eos_token_id: int | None,
+    pad_token_id: int | None,
+) -> tuple[int, int, int, int | None, int | None]:
+    """The integer options as Python ints (numpy's too), checked: UsageError naming the option."""
+    n = number("max_new_tokens", max_new_tokens, int)
+    if n <= 0:
         raise UsageError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if number("num_return_sequences", num_return_sequences, int) < 1:
+    r = number("num_return_sequences", num_return_sequences, int)
+    if r < 1:
         raise UsageError(f"num_return_sequences must be a positive integer, got {num_return_sequences!r}")
+    m = number("min_new_tokens", min_new_tokens, int)
+    if m < 0:
+        raise UsageError(f"min_new_tokens must be >= 0, got {m}")
+    # a list of EOS ids is not taken (transformers takes several)
+    eos = None if eos_token_id is None else number("eos_token_id", eos_token_id, int)
+    pad = None if pad_token_id is None else number("pad_token_id", pad_token_id, int)
+    return n, r, m, eos, pad
+
+
+def _check_options(stops: list[str], needs_tokenizer: bool) -> None:
     if any(not s for s in stops):
         raise UsageError("stop strings must be non-empty")
     if needs_tokenizer:
@@ -206,17 +225,10 @@ def generate_full(
     """
     settings = SamplingSettings.from_options(sampling)
     stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or [])
-    _check_options(
-        max_new_tokens, num_return_sequences, stops, (bool(stops) or on_text is not None) and tokenizer is None
+    max_new_tokens, num_return_sequences, min_new_tokens, eos_token_id, pad_token_id = _counts(
+        max_new_tokens, num_return_sequences, min_new_tokens, eos_token_id, pad_token_id
     )
-    max_new_tokens, num_return_sequences = int(max_new_tokens), int(num_return_sequences)
-    if eos_token_id is not None:
-        eos_token_id = number("eos_token_id", eos_token_id, int)  # a list of ids is not taken (transformers takes one)
-    if pad_token_id is not None:
-        pad_token_id = number("pad_token_id", pad_token_id, int)
-    min_new_tokens = number("min_new_tokens", min_new_tokens, int)
-    if min_new_tokens < 0:
-        raise UsageError(f"min_new_tokens must be >= 0, got {min_new_tokens}")
+    _check_options(stops, (bool(stops) or on_text is not None) and tokenizer is None)
     input_ids, attention_mask = _prepare(model, input_ids, attention_mask, num_return_sequences)
     B, T = input_ids.shape
     dev, cfg = model.device, model.config
