@@ -1007,6 +1007,70 @@ def c_eval_choices_label_outside_endings(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_eval_choices_context_only_whitespace(tmp: Path, base: Path) -> dict:
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32)  # GPT-2's vocabulary: the tokens are encoded
+    d = write_demo_checkpoint(tmp / "m", config=cfg, seed=4, tokenizer_dir=base)
+    f = tmp / "c.jsonl"
+    f.write_text('{"ctx": "a", "endings": ["b"], "label": 0}\n{"ctx": "  ", "endings": ["b", "c"], "label": 1}\n')
+    return {"argv": ev(d, tmp, "--choices", str(f)), "expect": ["--choices", "line 2", "context is only whitespace"]}
+
+
+@case
+def c_eval_hellaswag_ending_only_markup(tmp: Path, base: Path) -> dict:
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32)
+    d = write_demo_checkpoint(tmp / "m", config=cfg, seed=4, tokenizer_dir=base)
+    row = {"activity_label": "A", "ctx_a": "b", "ctx_b": "c", "ctx": "b c", "endings": ["d", "[step]"], "label": "0"}
+    f = tmp / "hs.jsonl"
+    f.write_text(json.dumps(row) + "\n")
+    return {"argv": ev(d, tmp, "--choices", str(f)), "expect": ["--choices", "line 1", "ending is empty", "markup"]}
+
+
+@case
+def c_eval_hellaswag_prompt_without_choices(tmp: Path, base: Path) -> dict:
+    f = _text(tmp)
+    return {
+        "argv": ev(base, tmp, "--text", str(f), "--hellaswag-prompt", "raw"),
+        "expect": ["--hellaswag-prompt raw", "--choices only"],
+    }
+
+
+@case
+def c_eval_wikitext_with_stride(tmp: Path, base: Path) -> dict:
+    f = _text(tmp, b" = A = \n b \n")
+    return {"argv": ev(base, tmp, "--wikitext", str(f), "--stride", "8"), "expect": ["--stride", "--text only"]}
+
+
+@case
+def c_eval_wikitext_blank(tmp: Path, base: Path) -> dict:
+    f = _text(tmp, b" \n \n")
+    return {
+        "argv": ev(base, tmp, "--wikitext", str(f)),
+        "expect": ["--wikitext", "in.txt", "holds no text", "wiki.test.raw"],
+    }
+
+
+@case
+def c_eval_wikitext_not_utf8(tmp: Path, base: Path) -> dict:
+    f = _text(tmp, b" = A = \n\xff")
+    return {
+        "argv": ev(base, tmp, "--wikitext", str(f)),
+        "expect": ["--wikitext", "in.txt", "not UTF-8", "byte offset 8"],
+    }
+
+
+@case
+def c_eval_wikitext_pages_without_page(tmp: Path, base: Path) -> dict:
+    f = tmp / "pages.jsonl"
+    f.write_text('{"page": " = A = "}\n{"text": " = B = "}\n')
+    return {"argv": ev(base, tmp, "--wikitext", str(f)), "expect": ["--wikitext", "line 2", "no 'page' field"]}
+
+
+@case
+def c_eval_wikitext_missing(tmp: Path, base: Path) -> dict:
+    return {"argv": ev(base, tmp, "--wikitext", str(tmp / "wiki.test.raw")), "expect": ["--wikitext", "no such file"]}
+
+
+@case
 def c_eval_stride_larger_than_max_length(tmp: Path, base: Path) -> dict:
     f = _text(tmp)
     return {

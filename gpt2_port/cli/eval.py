@@ -31,11 +31,19 @@ partial window on as much context as fits). --stride S: the transformers docs' s
 (windows every S tokens, each scoring only tokens no earlier window scored). Every token is scored exactly once.
 JSON keys: tokens, nll (nats), perplexity (per token), bytes, bits_per_byte, byte_perplexity, words, word_perplexity.
 
+--wikitext FILE: lm-evaluation-harness's wikitext task on WikiText's raw file (wiki.test.raw of wikitext-2-raw-v1 or
+-103; or a .jsonl of {"page": ...}, the EleutherAI/wikitext_document_level pages): one document per article, each
+scored after lm-eval's de-tokenizer with its own rolling windows; words and bytes counted on the article as the file
+has it. JSON keys: as --text, and documents. (--text on the raw file scores WikiText's tokenization as one text.)
+
 --lambada FILE.jsonl: lambada_openai's format ({"text": ...} per line); the target is the last word with its leading
 space. JSON keys: accuracy (every target token is the argmax), perplexity (exp of the mean word NLL), n.
 
 --choices FILE.jsonl: {"ctx": ..., "endings": [...], "label": k} per line; each ending scored after one space.
-JSON keys: acc, acc_norm (log-likelihood divided by the ending's length in characters, lm-eval's), n.
+A HellaSwag row (with activity_label, ctx_a, ctx_b) is asked as lm-eval's hellaswag asks it: "activity_label: ctx_a
+Ctx_b" and the endings without WikiHow's [title]/[step] markup (--hellaswag-prompt raw: ctx and endings as given,
+build-nanogpt's way). JSON keys: acc, acc_norm (log-likelihood divided by the ending's length in characters,
+lm-eval's), n, prompt.
 
 --data DIR: the .bin split `gpt2-port prepare` wrote (--split val by default): its tokens scored like a text's
 (rolling or strided windows, every token once, the first conditioned on <|endoftext|>; between the documents of a
@@ -63,10 +71,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_arg(p)
     task = p.add_mutually_exclusive_group(required=True)
     task.add_argument("--text", metavar="FILE", help="a UTF-8 text: its log-likelihood, perplexity and bits per byte")
+    task.add_argument(
+        "--wikitext", metavar="FILE", help="lm-eval's wikitext: WikiText's raw file (wiki.test.raw), per article"
+    )
     task.add_argument("--lambada", metavar="FILE", help="LAMBADA in lambada_openai's JSONL format")
     task.add_argument("--choices", metavar="FILE", help="multiple choice, HellaSwag's shape, as JSONL")
     task.add_argument("--data", metavar="DIR", help="a split gpt2-port prepare wrote (DIR/val.bin by default)")
     p.add_argument("--split", choices=["val", "train"], default=None, help="--data: which .bin to score (val)")
+    p.add_argument(
+        "--hellaswag-prompt",
+        choices=["lm-eval", "raw"],
+        default=None,
+        help="--choices: HellaSwag rows as lm-eval asks them (default), or their ctx and endings as given",
+    )
     p.add_argument("--max-length", type=int, default=None, metavar="N", help="tokens per window (default: n_positions)")
     p.add_argument("--stride", type=int, default=None, metavar="S", help="--text: strided windows every S tokens")
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="windows per forward pass (default 8)")
@@ -102,6 +119,17 @@ def _rows(task: str, res: dict) -> list[tuple[str, str]]:
         ],
         "lambada": ["n", "accuracy", "perplexity", "accuracy_last_token", "target_tokens"],
         "choices": ["n", "acc", "acc_norm"],
+        "wikitext": [
+            "documents",
+            "tokens",
+            "nll",
+            "perplexity",
+            "bytes",
+            "bits_per_byte",
+            "byte_perplexity",
+            "words",
+            "word_perplexity",
+        ],
     }["text" if task == "data" else task]
     return [
         (k, f"{res[k]:.6g}" if isinstance(res[k], float) else "n/a" if res[k] is None else str(res[k])) for k in keys
@@ -109,7 +137,10 @@ def _rows(task: str, res: dict) -> list[tuple[str, str]]:
 
 
 def _task(args: argparse.Namespace) -> str:
-    return "text" if args.text else "lambada" if args.lambada else "choices" if args.choices else "data"
+    for task in ("text", "wikitext", "lambada", "choices"):
+        if getattr(args, task):
+            return task
+    return "data"
 
 
 def _published_lines(model: str, task: str, res: dict, markdown: bool) -> list[str]:
@@ -136,6 +167,7 @@ def _inputs(args: argparse.Namespace) -> list:
         checkpoint_inputs(args.model)
         + tokenizer_inputs(args.tokenizer)
         + file_input(args.text, "--text")
+        + file_input(args.wikitext, "--wikitext")
         + file_input(args.lambada, "--lambada")
         + file_input(args.choices, "--choices")
         + data_inputs(args.data)
@@ -162,9 +194,11 @@ def run(args: argparse.Namespace) -> int:
         choice_requests,
         evaluate_choices,
         evaluate_lambada,
+        is_hellaswag_row,
         lambada_requests,
         scored_tokens,
     )
+    from ..eval.wikitext import evaluate_wikitext, page_tokens, read_pages
     from ..files import write_output
     from ..io.tokenizer import check_tokenizer_dir, tokenizer_for
     from ..model import from_pretrained
@@ -180,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-length must be a positive integer, got {args.max_length}")
     if args.stride is not None and args.max_length is not None and args.stride > args.max_length:
         raise UsageError(f"--stride {args.stride} is larger than --max-length {args.max_length} (expected <=)")
+    if args.hellaswag_prompt is not None and task != "choices":
+        raise UsageError(f"--hellaswag-prompt {args.hellaswag_prompt} applies to --choices only")
     if args.split is not None and task != "data":
         raise UsageError(f"--split {args.split} applies to --data only (it picks the prepared .bin to score)")
     args.split = args.split or "val"
@@ -191,10 +227,13 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer is not None:
         check_tokenizer_dir(args.tokenizer)
     check_outputs([(o, p) for o, p in (("--json", args.json), ("--markdown", args.markdown)) if p], _inputs(args))
-    docs = None
+    docs = pages = None
     if task == "text":
         check_input_file(args.text, "--text", "a UTF-8 text file")
         check_text_file(args.text)
+    elif task == "wikitext":
+        check_input_file(args.wikitext, "--wikitext", "WikiText's raw file (wiki.test.raw) or JSON lines of pages")
+        pages = read_pages(args.wikitext)
     elif task == "lambada":
         check_input_file(args.lambada, "--lambada", "JSON lines")
         docs = read_jsonl(args.lambada, "--lambada", {"text": str})
@@ -233,13 +272,16 @@ def run(args: argparse.Namespace) -> int:
     reqs = qs = None
     if task == "text":
         total = count_text_tokens(args.text, tok.encode)
+    elif task == "wikitext":
+        total = sum(len(ids) for ids in page_tokens(pages, tok.encode))  # type: ignore[arg-type]
     elif task == "data":
         total = len(split[0])  # type: ignore[index]
     elif task == "lambada":
         reqs = lambada_requests(docs, tok.encode, tok.eot_id, "--lambada " + args.lambada)  # type: ignore[arg-type]
         total = scored_tokens(reqs)
     else:
-        qs = choice_requests(docs, tok.encode, tok.eot_id, "--choices " + args.choices)  # type: ignore[arg-type]
+        as_lm_eval = args.hellaswag_prompt != "raw"
+        qs = choice_requests(docs, tok.encode, tok.eot_id, "--choices " + args.choices, as_lm_eval)  # type: ignore[arg-type]
         total = scored_tokens([r for q in qs for r in q[0]])
     bar = Progress("eval", total, "tokens") if args.progress else None
     update = bar.update if bar is not None else None
@@ -250,6 +292,16 @@ def run(args: argparse.Namespace) -> int:
             if task == "text":
                 results = evaluate_text(
                     scorers, tok.encode, args.text, max_length, tok.eot_id, args.stride, args.batch_size, update
+                )
+            elif task == "wikitext":
+                results = evaluate_wikitext(
+                    scorers,
+                    pages,
+                    tok.encode,
+                    max_length,
+                    tok.eot_id,
+                    args.batch_size,
+                    update,  # type: ignore[arg-type]
                 )
             elif task == "data":
                 results = evaluate_split(
@@ -276,17 +328,25 @@ def run(args: argparse.Namespace) -> int:
     windowed = "rolling (lm-eval loglikelihood_rolling)" if args.stride is None else f"strided (stride {args.stride})"
     method = {
         "text": windowed,
+        "wikitext": "wikitext (lm-eval): one document per article, de-tokenized, rolling windows; words and bytes "
+        "of the article before de-tokenizing",
         "data": f"{windowed} over {Path(args.data or '') / (args.split + '.bin')}",
         "lambada": "lambada_openai (lm-eval): last word, greedy over all its tokens",
         "choices": "multiple choice (lm-eval): ending after one space; acc_norm per character",
     }[task]
 
     res = results["gpt2_port"].to_json()
+    if task == "wikitext":
+        res["documents"] = len(pages)  # type: ignore[arg-type]
+    if task == "choices":
+        asked = "lm-eval hellaswag" if as_lm_eval and any(is_hellaswag_row(d) for d in docs) else "as given"  # type: ignore[union-attr]
+        res["prompt"] = asked
     parity = None
     if args.check:
         from gpt2_port_checks import evaluation as ev
 
-        compare = {"text": ev.compare_text, "data": ev.compare_text, "lambada": ev.compare_lambada}
+        compare = {"text": ev.compare_text, "wikitext": ev.compare_text, "data": ev.compare_text}
+        compare["lambada"] = ev.compare_lambada
         floor = results.get(ev.FLOOR)
         parity = compare.get(task, ev.compare_choices)(results["gpt2_port"], results[ev.REFERENCE], dt, floor)
 

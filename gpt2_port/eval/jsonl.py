@@ -31,6 +31,8 @@ def read_jsonl(path: str | os.PathLike[str], flag: str, fields: dict[str, type])
         for key, typ in fields.items():
             if key not in doc:
                 raise UsageError(f"{flag} {p}: line {n} has no {key!r} field (expected {', '.join(fields)})")
+            if typ is int and isinstance(doc[key], str) and doc[key].strip().isdecimal():
+                doc[key] = int(doc[key])  # a label exported as text ("3"), which lm-eval reads with int()
             if not isinstance(doc[key], typ) or (typ is int and isinstance(doc[key], bool)):
                 raise UsageError(
                     f"{flag} {p}: line {n}: {key!r} is a {type(doc[key]).__name__}, expected a {typ.__name__}"

@@ -19,7 +19,7 @@ from ..errors import UsageError
 from ..io.text import READ_BYTES, TextStats, read_text_pieces
 from ..io.tokens import TokenFile, open_split, read_meta
 from .score import DEFAULT_BATCH_SIZE, Scorer, batched, check_batch_size, score_batch
-from .windows import rolling_requests, strided_requests, token_chunks
+from .windows import Request, rolling_requests, strided_requests, token_chunks
 
 
 def _ratio(f: Callable[[], float], known: bool) -> float | None:
@@ -100,11 +100,24 @@ def evaluate_tokens(
 ) -> dict[str, TextResult]:
     """Score a stream of tokens (arriving in chunks) through rolling (or strided) windows, the first token
     conditioned on <|endoftext|>; every scorer scores the same batches. `progress(tokens scored)` after each batch."""
-    check_batch_size(batch_size)
     if stride is None:
         reqs = rolling_requests(chunks, eot_id, max_length)
     else:
         reqs = strided_requests(chunks, eot_id, max_length, stride)
+    return evaluate_requests(scorers, reqs, max_length, eot_id, batch_size, progress)
+
+
+def evaluate_requests(
+    scorers: Sequence[Scorer],
+    reqs: Iterable[Request],
+    max_length: int,
+    eot_id: int,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, TextResult]:
+    """Score perplexity windows (streamed) in batches of `batch_size`, in order; every scorer scores the same
+    batches. `progress(tokens scored)` after each batch."""
+    check_batch_size(batch_size)
     out = {s.name: TextResult() for s in scorers}
     done = scored = 0
     for batch in batched(reqs, batch_size):

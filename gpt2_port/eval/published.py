@@ -28,28 +28,28 @@ SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 @dataclass(frozen=True)
 class Figure:
-    task: str  # text | lambada | choices
+    tasks: tuple[str, ...]  # the eval tasks it is printed beside: text, wikitext, lambada, choices
     metric: str  # the JSON key it compares with
     value: float
     dataset: str
     source: str
 
 
-def _paper(dataset: str, task: str, metric: str, values: tuple[float, float, float, float]) -> dict[str, Figure]:
-    return {size: Figure(task, metric, v, dataset, PAPER) for size, v in zip(SIZES, values)}
+def _paper(dataset: str, tasks: str, metric: str, values: tuple[float, float, float, float]) -> dict[str, Figure]:
+    return {size: Figure(tuple(tasks.split()), metric, v, dataset, PAPER) for size, v in zip(SIZES, values)}
 
 
 _TABLE: list[dict[str, Figure]] = [
     _paper("LAMBADA", "lambada", "perplexity", (35.13, 15.60, 10.87, 8.63)),
     _paper("LAMBADA", "lambada", "accuracy", (0.4599, 0.5548, 0.6012, 0.6324)),
-    _paper("WikiText-2 (test)", "text", "word_perplexity", (29.41, 22.76, 19.93, 18.34)),
+    _paper("WikiText-2 (test)", "text wikitext", "word_perplexity", (29.41, 22.76, 19.93, 18.34)),
     _paper("PTB (test)", "text", "word_perplexity", (65.85, 47.33, 40.31, 35.76)),
-    _paper("WikiText-103 (test)", "text", "word_perplexity", (37.50, 26.37, 22.05, 17.48)),
+    _paper("WikiText-103 (test)", "text wikitext", "word_perplexity", (37.50, 26.37, 22.05, 17.48)),
     _paper("enwik8 (test)", "text", "bits_per_byte", (1.16, 1.01, 0.97, 0.93)),
     _paper("text8 (test)", "text", "bits_per_byte", (1.17, 1.06, 1.02, 0.98)),
-    {"gpt2": Figure("lambada", "accuracy", 0.3256, "lambada_openai", LM_EVAL_2159)},
-    {"gpt2": Figure("lambada", "perplexity", 40.0554, "lambada_openai", LM_EVAL_2159)},
-    {"gpt2-xl": Figure("lambada", "perplexity", 10.63, "lambada_openai", LM_EVAL_911)},
+    {"gpt2": Figure(("lambada",), "accuracy", 0.3256, "lambada_openai", LM_EVAL_2159)},
+    {"gpt2": Figure(("lambada",), "perplexity", 40.0554, "lambada_openai", LM_EVAL_2159)},
+    {"gpt2-xl": Figure(("lambada",), "perplexity", 10.63, "lambada_openai", LM_EVAL_911)},
 ]
 
 
@@ -64,4 +64,4 @@ def published(model: str, task: str) -> list[Figure]:
     size = official_size(model)
     if size is None:
         return []
-    return [row[size] for row in _TABLE if size in row and row[size].task == task]
+    return [row[size] for row in _TABLE if size in row and task in row[size].tasks]

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -50,12 +51,20 @@ class LambadaResult:
         }
 
 
+def _pair(encode: Callable[[str], list[int]], eot_id: int, context: str, continuation: str, where: str) -> Request:
+    """`encode_pair`, refusing a context of whitespace only: lm-eval moves it onto the continuation and is left with
+    no context to condition on (its scorer asserts); `where` names the line."""
+    if context and not context.strip():
+        raise UsageError(f"{where}: the context is only whitespace (expected some text, or none at all)")
+    return encode_pair(encode, eot_id, context, continuation)
+
+
 def lambada_requests(docs: list[dict], encode: Callable[[str], list[int]], eot_id: int, flag: str) -> list[Request]:
     """lambada_openai: context = the text up to its last space, target = " " + the last word."""
     reqs = []
     for d in docs:
         words = d["text"].split(" ")
-        r = encode_pair(encode, eot_id, " ".join(words[:-1]), " " + words[-1])
+        r = _pair(encode, eot_id, " ".join(words[:-1]), " " + words[-1], f"{flag}: line {d['_line']}")
         if not r.continuation:
             raise UsageError(f"{flag}: line {d['_line']}: the last word encodes to no tokens")
         reqs.append(r)
@@ -111,6 +120,30 @@ class ChoiceResult:
         }
 
 
+# HellaSwag's own rows (rowanz/hellaswag's JSONL, or Rowan/hellaswag exported) carry these fields: lm-eval builds its
+# prompt from them rather than from `ctx`
+HELLASWAG_FIELDS = ("activity_label", "ctx_a", "ctx_b")
+_BRACKETED = re.compile(r"\[.*?\]")
+
+
+def _hellaswag_clean(text: str) -> str:
+    """lm-eval's hellaswag `preprocess`: stripped, " [title]" as a full stop, the other WikiHow markup ([header],
+    [step], [substeps], ...) dropped, double spaces made single (once, as lm-eval does)."""
+    text = text.strip().replace(" [title]", ". ")
+    return _BRACKETED.sub("", text).replace("  ", " ")
+
+
+def is_hellaswag_row(doc: dict) -> bool:
+    return all(isinstance(doc.get(k), str) for k in HELLASWAG_FIELDS)
+
+
+def hellaswag_prompt(doc: dict) -> tuple[str, list[str]]:
+    """lm-eval's hellaswag `process_docs`: the query "activity_label: ctx_a Ctx_b" (ctx_b through str.capitalize,
+    which also lowercases the rest) and each ending, cleaned of WikiHow's markup."""
+    query = _hellaswag_clean(doc["activity_label"] + ": " + doc["ctx_a"] + " " + doc["ctx_b"].capitalize())
+    return query, [_hellaswag_clean(e) for e in doc["endings"]]
+
+
 def check_choice_docs(docs: list[dict], flag: str) -> None:
     """Endings a non-empty list of non-empty strings, and the label one of them (UsageError naming the line)."""
     for d in docs:
@@ -125,15 +158,21 @@ def check_choice_docs(docs: list[dict], flag: str) -> None:
 
 
 def choice_requests(
-    docs: list[dict], encode: Callable[[str], list[int]], eot_id: int, flag: str
+    docs: list[dict], encode: Callable[[str], list[int]], eot_id: int, flag: str, hellaswag: bool = True
 ) -> list[tuple[list[Request], list[int], int]]:
     """Per question: a request per ending (" " + ending after the context), the endings' lengths in characters,
-    and the label. UsageError naming the line for a label outside the endings or an empty ending."""
+    and the label. A HellaSwag row (`is_hellaswag_row`) is asked as lm-eval asks it (`hellaswag_prompt`) unless
+    `hellaswag` is False; any other row by its `ctx` and `endings` as given. UsageError naming the line for a label
+    outside the endings, an empty ending or a context of whitespace only."""
     check_choice_docs(docs, flag)
     out = []
     for d in docs:
-        endings, label = d["endings"], d["label"]
-        reqs = [encode_pair(encode, eot_id, d["ctx"], " " + e) for e in endings]
+        ctx, endings, label = d["ctx"], d["endings"], d["label"]
+        if hellaswag and is_hellaswag_row(d):
+            ctx, endings = hellaswag_prompt(d)
+            if not all(endings):
+                raise UsageError(f"{flag}: line {d['_line']}: an ending is empty once its WikiHow markup is removed")
+        reqs = [_pair(encode, eot_id, ctx, " " + e, f"{flag}: line {d['_line']}") for e in endings]
         out.append((reqs, [len(e) for e in endings], label))
     return out
 
