@@ -29,8 +29,16 @@ from gpt2_port.model import GPT2, from_pretrained
 
 from .metrics import metrics, next_token
 from .noise import verdict
-from .points import capture_reference_points, capture_scratch_points, logit_lens_top1, point_names, transformed
-from .prompts import Inputs, default_inputs, resolve
+from .points import (
+    BATCH,
+    capture_reference_points,
+    capture_scratch_points,
+    logit_lens_top1,
+    point_names,
+    real_positions,
+    transformed,
+)
+from .prompts import Inputs, batch_rows, default_inputs, left_padded, resolve
 from .reference import exact_matmuls, load_reference, versions
 from .results import PointResult, Report, Sweep
 from .tolerances import TOLERANCES, VS_FLOAT32_TOLERANCES, Tolerance
@@ -168,11 +176,18 @@ def _run_detailed(
         tok = tokenizer_for(ckpt.root, tokenizer)
     ids_list = resolve(inputs, lambda text: tok.encode(text), cfg.n_positions, cfg.vocab_size)
     n_tokens = sum(len(i) for i in ids_list)
+    # every prompt alone, then one left-padded batch of them (and a long row), compared at its real tokens
+    batch_ids, batch_mask = left_padded(batch_rows(ids_list, cfg.n_positions))
+
+    def batch(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(batch_ids, device=dev), torch.tensor(batch_mask, device=dev)
 
     def run_ref(ref: torch.nn.Module, dev: torch.device) -> Activations:
         acc = Activations()
         for ids in ids_list:
             acc.add(capture_reference_points(ref, torch.tensor([ids], device=dev), names, detail))
+        ids, mask = batch(dev)
+        acc.add(real_positions(capture_reference_points(ref, ids, names, detail, mask), mask))
         if logit_lens:
             acc.lens = logit_lens_top1(
                 acc.blocks(cfg.n_layer, cfg.n_embd), ref.transformer.ln_f, ref.get_output_embeddings().weight
@@ -199,6 +214,8 @@ def _run_detailed(
         got = Activations()
         for ids in ids_list:
             got.add(capture_scratch_points(scratch, torch.tensor([ids], device=dev), names))
+        ids, mask = batch(dev)
+        got.add(real_positions(capture_scratch_points(scratch, ids, names, mask), mask))
         if logit_lens:
             got.lens = logit_lens_top1(got.blocks(cfg.n_layer, cfg.n_embd), scratch.ln_f, scratch.head_weight)
         t_fwd = time.perf_counter() - t0 + (t_base if k == 0 else 0.0)
@@ -218,11 +235,13 @@ def _run_detailed(
         t_floor = time.perf_counter() - t0
 
         tol = (VS_FLOAT32_TOLERANCES if is_sweep else TOLERANCES)[dtype_name(dt)]
-        r = _report(model, names, got, want, floors, tol, scratch, tok, ids_list, logit_lens, cfg.n_layer)
+        all_names = [*names, *(BATCH + n for n in names)]
+        r = _report(model, all_names, got, want, floors, tol, scratch, tok, ids_list, logit_lens, cfg.n_layer)
         r.dtype, r.device, r.scratch_attn, r.detail = dtype_name(dt), str(dev), attn, detail
         r.reference = f"transformers {tv} GPT2LMHeadModel ({reference_attn})"
         r.reference_dtype, r.reference_device = dtype_name(base[0]), str(base[1])
         r.prompts, r.token_ids, r.n_tokens = list(inputs.texts), [list(i) for i in ids_list], n_tokens
+        r.batch_ids, r.batch_mask = batch_ids, batch_mask
         if noise_floor:
             r.noise_floor = (
                 f"transformers {' / '.join(f for f, _ in floors)} against the reference "

@@ -69,6 +69,20 @@ def point_names(n_layer: int, detail: str = "block", per_head: bool = False, n_h
     return names + ["ln_f", "logits"]
 
 
+BATCH = "batch."  # the prefix of the padded batch's points: batch.embed, batch.block.0, ...
+
+
+def real_positions(acts: Mapping[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The padded batch's activations at its real tokens only, each point renamed `batch.NAME`: (B, T, ...) ->
+    (N real, ...); q/k/v and their heads (B, nh, T, hs) -> (N real, nh, hs)."""
+    keep = mask.bool()
+    out = {}
+    for n, t in acts.items():
+        t = t.transpose(1, 2) if t.dim() == 4 else t  # (B, nh, T, hs) -> (B, T, nh, hs)
+        out[BATCH + n] = t[keep.to(t.device)]
+    return out
+
+
 def is_head_point(name: str) -> bool:
     return name.rsplit(".", 1)[-1].startswith("h") and name.rsplit(".", 1)[-1][1:].isdigit()
 
@@ -119,11 +133,13 @@ def transformed(model: GPT2, transform: Callable[[GPT2], GPT2 | None] | None) ->
     return out
 
 
-def capture_scratch(model: GPT2, ids: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+def capture_scratch(
+    model: GPT2, ids: torch.Tensor, names: Sequence[str], attention_mask: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """One forward of the scratch model on `ids`, recording the named taps (each must be recorded: a module that
     replaces one of gpt2_port's passes its tensors through `self.taps.rec` as the one it replaces does)."""
     with torch.inference_mode(), model.record(names) as acts:
-        model(ids)
+        model(ids, attention_mask=attention_mask)
     check_recorded(acts, names)
     return dict(acts)
 
@@ -150,22 +166,28 @@ def logit_lens_top1(blocks: torch.Tensor, ln_f: torch.nn.Module, head: torch.Ten
 
 
 @torch.inference_mode()
-def capture_scratch_points(model: GPT2, ids: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+def capture_scratch_points(
+    model: GPT2, ids: torch.Tensor, names: Sequence[str], attention_mask: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Named taps for every point in `names`; q/k/v as (B, nh, T, hs)."""
     taps = [n for n in names if not is_head_point(n)]
-    acts = capture_scratch(model, ids, taps)
+    acts = capture_scratch(model, ids, taps, attention_mask)
     _add_heads(acts, names)
     return acts
 
 
 @torch.inference_mode()
 def capture_reference_points(
-    ref: torch.nn.Module, ids: torch.Tensor, names: Sequence[str], detail: str
+    ref: torch.nn.Module,
+    ids: torch.Tensor,
+    names: Sequence[str],
+    detail: str,
+    attention_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The same points from transformers' GPT2LMHeadModel through forward hooks (see the module docstring)."""
     cfg = ref.config
     n_layer, n_head = cfg.n_layer, cfg.n_head
-    acts = capture_reference(ref, ids, _reference_hooks(n_layer, detail))
+    acts = capture_reference(ref, ids, _reference_hooks(n_layer, detail), attention_mask)
     if detail == "sublayer":
         for i in range(n_layer):
             qkv = acts.pop(f"block.{i}.attn.c_attn")  # (B, T, 3C)

@@ -87,3 +87,26 @@ def resolve(inputs: Inputs, encode, n_positions: int, vocab_size: int) -> list[l
         check_ids(ids, label, n_positions, vocab_size, hint)
         out.append(list(ids))
     return out
+
+
+# The batch every parity run compares besides the prompts one by one: prompt k cut to its first len - k tokens (so
+# rows differ in length and are padded), and one long row of the prompts' ids repeated up to BATCH_LONG_TOKENS (or
+# the model's context): positions far beyond the prompts', and hundreds of padding positions before the short rows.
+BATCH_LONG_TOKENS = 256
+
+
+def batch_rows(ids_list: Sequence[Sequence[int]], n_positions: int) -> list[list[int]]:
+    """The rows of the padded batch: each prompt cut by its index (at least one token), then the long row."""
+    rows = [list(ids[: max(1, len(ids) - k)]) for k, ids in enumerate(ids_list)]
+    every = [t for ids in ids_list for t in ids]
+    n = min(n_positions, BATCH_LONG_TOKENS)
+    rows.append((every * (n // len(every) + 1))[:n])
+    return rows
+
+
+def left_padded(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """(ids, attention_mask), each (B, T): every row right-aligned, `pad_id` and mask 0 before it."""
+    T = max(len(r) for r in rows)
+    ids = [[pad_id] * (T - len(r)) + list(r) for r in rows]
+    mask = [[0] * (T - len(r)) + [1] * len(r) for r in rows]
+    return ids, mask

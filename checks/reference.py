@@ -67,9 +67,14 @@ def reference_hooks(n_layer: int) -> dict[str, tuple[str, str]]:
 
 
 def capture_reference(
-    ref: torch.nn.Module, ids: torch.Tensor, hooks: dict[str, tuple[str, str]]
+    ref: torch.nn.Module,
+    ids: torch.Tensor,
+    hooks: dict[str, tuple[str, str]],
+    attention_mask: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One forward of the reference on `ids`; every hooked activation by point name, plus "logits"."""
+    """One forward of the reference on `ids`; every hooked activation by point name, plus "logits". With an
+    `attention_mask`, transformers is given the positions that mask implies (`positions_from_mask`), as its
+    `generate` gives them: its forward alone would number padding as positions."""
     acts: dict[str, torch.Tensor] = {}
     handles = []
 
@@ -86,12 +91,22 @@ def capture_reference(
         handles.append(ref.get_submodule(path).register_forward_hook(make(name, what)))
     try:
         with torch.inference_mode():
-            out = ref(input_ids=ids, use_cache=False)
+            if attention_mask is None:
+                out = ref(input_ids=ids, use_cache=False)
+            else:
+                pos = positions_from_mask(attention_mask)
+                out = ref(input_ids=ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
     finally:
         for h in handles:
             h.remove()
     acts["logits"] = out.logits.detach()
     return acts
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 0/1 mask -> (B, T) positions: each row's real tokens numbered from 0, padding given 0 (as
+    transformers' generate numbers a left-padded batch)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 # torch's per-backend float32 precision settings (torch >= 2.9), parents before children: restored in this order, each

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from .noise import NOISE_MARGIN, Verdict, closeness
 from .results import Report, Sweep, label
 
+# What the `batch.` rows ran, after the batch's shape in the header
+BATCH_NOTE = "the prompts left-padded, with a long row; attention_mask given (transformers: position_ids from it)"
+
 
 @dataclass
 class Table:
@@ -222,7 +225,7 @@ def header(s: Sweep) -> list[str]:
         f"  configurations  {', '.join(label(x) for x in s.reports)}",
         f"  reference       {s.baseline}" + (" (one float32 reference for all)" if s.is_sweep else ""),
         f"  inputs          {len(r.prompts)} prompt(s), {r.n_tokens} tokens",
-    ]
+    ] + ([f"  batch.* rows    {r.batch_shape}: {BATCH_NOTE}"] if r.batch_ids else [])
 
 
 def _hidden_note(t: Table) -> list[str]:
@@ -308,6 +311,7 @@ def render_markdown(s: Sweep, only_failures: bool = False) -> str:
         f"- configurations: {', '.join(label(x) for x in s.reports)}",
         f"- reference: {s.baseline}",
         f"- inputs: {len(r0.prompts)} prompt(s), {r0.n_tokens} tokens",
+        *([f"- batch.* rows: {r0.batch_shape}: {BATCH_NOTE}"] if r0.batch_ids else []),
         f"- versions: {', '.join(f'{k} {v}' for k, v in r0.versions.items())}",
         "",
         "## Summary",

@@ -63,6 +63,16 @@ class Report:
     reference_device: str = ""
     noise_floor: str | None = None  # what the floor is: which transformers runs, against what
     logit_lens: list[dict] = field(default_factory=list)  # per layer: top-1 of ln_f(h) @ wte.T for both models
+    # the left-padded batch the `batch.` points ran: (B, T) ids and attention mask
+    batch_ids: list[list[int]] = field(default_factory=list)
+    batch_mask: list[list[int]] = field(default_factory=list)
+
+    @property
+    def batch_shape(self) -> str:
+        """ "B x T, N real tokens" of the padded batch ("" when none ran)."""
+        if not self.batch_ids:
+            return ""
+        return f"{len(self.batch_ids)} x {len(self.batch_ids[0])}, {sum(map(sum, self.batch_mask))} real tokens"
 
     @property
     def first_above_noise(self) -> str | None:

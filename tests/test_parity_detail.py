@@ -30,14 +30,16 @@ def test_sublayer_points_bit_exact_and_noise_floor_measured(tiny_official: Path)
     s = run_detailed(str(tiny_official), PROMPTS, detail="sublayer", per_head=True, noise_floor=True, logit_lens=True)
     r = s.reports[0]
     names = [p.name for p in r.points]
-    assert names == point_names(N_LAYER, "sublayer", True, N_HEAD)
+    alone = point_names(N_LAYER, "sublayer", True, N_HEAD)
+    assert names == alone + [f"batch.{n}" for n in alone]  # the padded batch at the same points
     for kind in SUBLAYER_KINDS:
-        assert f"block.1.{kind}" in names
-    assert "block.0.attn.v.h3" in names and names[-3:] == ["block.1", "ln_f", "logits"]
+        assert f"block.1.{kind}" in names and f"batch.block.1.{kind}" in names
+    assert "block.0.attn.v.h3" in names and names[-3:] == ["batch.block.1", "batch.ln_f", "batch.logits"]
     assert r.passed and all(p.norm_rel == 0.0 for p in r.points)
     floor = {p.name: p.noise_norm_rel for p in r.points}
     assert floor["embed"] == floor["block.0.attn.q"] == 0.0  # eager and sdpa agree before any attention
     assert floor["block.0.attn.merged"] > 0.0 and floor["logits"] > 0.0
+    assert floor["batch.block.0.attn.q"] == 0.0 and floor["batch.logits"] > 0.0
     assert r.as_close_as_reference is True and r.first_above_noise is None
     assert [e["layer"] for e in r.logit_lens] == [0, 1]
     assert all(e["agreement"] == 1.0 and e["scratch_id"] == e["reference_id"] for e in r.logit_lens)

@@ -86,6 +86,31 @@ def raising_forward_in_block_0(model):
 
 def not_a_model(model):
     return torch.nn.Linear(2, 2)
+
+
+def _wrap_forward(model, change):
+    inner = model.forward
+    model.forward = lambda input_ids, attention_mask=None, position_ids=None, **kw: inner(
+        input_ids, **change(input_ids, attention_mask, position_ids), **kw
+    )
+
+
+def positions_that_ignore_the_mask(model):
+    """The classic padded-batch bug: positions 0..T-1 in every row, padding counted."""
+    _wrap_forward(model, lambda ids, mask, pos: {"attention_mask": mask, "position_ids": pos if mask is None else
+                  torch.arange(ids.shape[1], device=ids.device)[None]})
+
+
+def padding_that_is_attended(model):
+    """Positions from the mask, but the mask not given to attention: the padding is attended."""
+    _wrap_forward(model, lambda ids, mask, pos: {"attention_mask": None, "position_ids": pos if mask is None else
+                  (mask.long().cumsum(-1) - 1).clamp(min=0)})
+
+
+def positions_clamped_at_40(model):
+    """A position table cut short: wrong only past position 40, which no prompt reaches."""
+    wpe = model.wpe
+    wpe.forward = types.MethodType(lambda self, p: F.embedding(p.clamp(max=40), self.weight), wpe)
 '''
 
 
@@ -112,6 +137,27 @@ def test_a_planted_bug_is_found_at_its_sub_layer(tiny_official: Path, tmp_path: 
     assert rc == 1 and r["first_failure"] == "block.1.mlp.act" and r["first_above_noise"] == "block.1.mlp.act"
     pts = {p["name"]: p for p in r["points"]}
     assert pts["block.1.mlp.pre"]["norm_rel"] == 0.0 and pts["block.0"]["norm_rel"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("change", "first"),
+    [
+        ("positions_that_ignore_the_mask", "batch.embed"),
+        ("padding_that_is_attended", "batch.block.0"),
+        ("positions_clamped_at_40", "batch.embed"),
+    ],
+)
+def test_a_bug_of_padded_batches_or_long_inputs_is_found_in_the_batch(
+    tiny_official: Path, tmp_path: Path, changes: Path, capsys, change: str, first: str
+) -> None:
+    """Each prompt alone runs unpadded and short, where these bugs change nothing; the padded batch with its long row
+    (left padding, an attention mask, positions up to the context) finds each at the point it is in."""
+    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{changes}:{change}")
+    assert rc == 1 and r["first_failure"] == first
+    pts = {p["name"]: p for p in r["points"]}
+    assert all(p["norm_rel"] == 0.0 for n, p in pts.items() if not n.startswith("batch."))
+    assert len(r["batch_ids"]) == 4 and len(r["batch_ids"][0]) == 128  # the long row: the context (128) here
+    assert [sum(m) for m in r["batch_mask"]] == [5, 4, 3, 128]
 
 
 def test_a_module_on_the_path_and_a_file_of_any_python_work(
