@@ -1739,6 +1739,17 @@ def c_train_resume_stop_at_a_step_already_done(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_train_resume_a_run_that_has_done_its_steps(tmp: Path, base: Path) -> dict:
+    run = tmp / "run"
+    assert main(train_argv(base, _train_data(tmp), run, "--steps", "2", "--no-progress")) == 0
+    return {
+        "argv": ["train", "--resume", str(run), "--no-plot"],
+        "expect": [f"--resume {run}", "has done its 2 steps already", "--steps N with N > 2"],
+        "after": [_unchanged(run / "trainer_state.json", run / "log.jsonl")],
+    }
+
+
+@case
 def c_train_resume_with_steps_below_the_saved_step(tmp: Path, base: Path) -> dict:
     run = tmp / "run"
     assert main(train_argv(base, _train_data(tmp), run, "--steps", "3", "--stop-at", "2", "--no-progress")) == 0

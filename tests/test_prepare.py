@@ -238,6 +238,27 @@ def test_an_empty_file_among_several_is_skipped_with_a_warning(
     assert ids(tmp_path / "out" / "train.bin").tolist().count(EOT_ID) == 1
 
 
+@pytest.mark.parametrize("read_bytes", [1, 7, 1 << 20])
+def test_a_byte_order_mark_windows_line_endings_and_json_lines_are_named_and_kept(
+    tok: Tokenizer, tmp_path: Path, caplog: pytest.LogCaptureFixture, read_bytes: int
+) -> None:
+    """Each is encoded as the file has it (nanoGPT's tokens), and named once: BOM, the count of \\r\\n (a pair cut by
+    a read counted once), a .jsonl suffix."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.jsonl"
+    a.write_bytes(b"\xef\xbb\xbfOne line.\r\nTwo lines.\r\nThree\r\n")
+    b.write_text('{"text": "plain"}\n')
+    meta = prepare([a, b], tmp_path / "out", tok, val_fraction=0.5, read_bytes=read_bytes)
+    assert caplog.text.count("byte-order mark") == 1 and "a.txt: 3 Windows line ending(s)" in caplog.text
+    assert "b.jsonl: encoded as plain text" in caplog.text and "b.jsonl: starts" not in caplog.text
+    assert ids(tmp_path / "out" / "train.bin").tolist() == tok.encode(a.read_bytes().decode("utf-8"))
+    assert meta["train_tokens"] > 0
+    caplog.clear()
+    c = tmp_path / "c.txt"
+    c.write_text("plain\ntext \r here\n")
+    prepare([c], tmp_path / "out2", tok, val_fraction=0.5, read_bytes=read_bytes)
+    assert "WARNING" not in caplog.text and not caplog.records
+
+
 class Interrupting(Tokenizer):
     """Raises KeyboardInterrupt (Ctrl-C) on the n-th encode call."""
 

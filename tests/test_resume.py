@@ -75,7 +75,7 @@ def test_an_override_is_named_with_its_old_and_new_value(ck: Path, data: Path, t
     out = tmp_path / "run"
     assert train(capsys, "--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "4", "--stop-at", "2",
                  *SETTINGS)[0] == 0  # fmt: skip
-    rc, _, err = train(capsys, "--resume", str(out), "--lr", "1e-3", "--eval-every", "1")
+    rc, _, err = train(capsys, "--resume", str(out), "--lr", "1e-3", "--eval-every", "1", "--stop-at", "3")
     assert rc == 0
     warnings = [ln for ln in err.splitlines() if ln.startswith("WARNING resume:")]
     assert len(warnings) == 2, err
@@ -250,3 +250,24 @@ def test_cuda_generator_states_are_restored_in_device_order_past_ten_devices(mon
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: got.extend(s))
     trainer_state.restore_rng(tensors)
     assert [int(t[0]) for t in got] == list(range(12))
+
+
+def test_data_prepared_again_under_the_same_path_is_named(ck: Path, data: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = ["--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "3", "--stop-at", "1", *SETTINGS]
+    assert train(capsys, *argv)[0] == 0
+    (np.arange(3000) % SMALL.vocab_size).astype("<u2").tofile(data / "train.bin")  # the same path, other tokens
+    rc, _, err = train(capsys, "--resume", str(out))
+    assert rc == 0 and f"the data in {data} changed since the run was saved" in err and "3,000 tokens" in err
+
+
+def test_resuming_a_run_that_has_done_its_steps_says_so(ck: Path, data: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = ["--init", str(ck), "--data", str(data), "--out", str(out), "--steps", "2", *SETTINGS]
+    assert train(capsys, *argv)[0] == 0
+    log_before = (out / "log.jsonl").read_bytes()
+    rc, _, err = train(capsys, "--resume", str(out))
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "has done its 2 steps already" in err and "--steps N with N > 2" in err
+    assert (out / "log.jsonl").read_bytes() == log_before  # nothing rewritten
+    assert train(capsys, "--resume", str(out), "--steps", "3")[0] == 0

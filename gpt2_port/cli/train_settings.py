@@ -73,6 +73,11 @@ def run_settings(args: argparse.Namespace, state, dist, warn) -> Any:  # noqa: A
         saved = TrainArgs.from_saved(state.args, f"{args.resume}/{STATE_JSON}")
         targs = dataclasses.replace(saved, **given)
         state.check_steps(targs.steps, args.resume)  # before any warning about the change: nothing would run
+        if state.step == targs.steps:
+            raise UsageError(
+                f"--resume {args.resume}: the run has done its {targs.steps} steps already (nothing to resume); pass "
+                f"--steps N with N > {targs.steps} to train on"
+            )
         for line in resume_changes(saved, targs, state.world_size, dist.world_size):
             warn(line)
         if "data" not in given and saved.data is not None and not Path(saved.data).is_dir():
@@ -80,14 +85,18 @@ def run_settings(args: argparse.Namespace, state, dist, warn) -> Any:  # noqa: A
                 f"--resume {args.resume}: the run's data directory {saved.data} is gone (moved or deleted); pass "
                 "--data DIR where it is now"
             )
-        if "data" in given and saved.data is not None and Path(saved.data).resolve() != Path(given["data"]).resolve():
-            saved_tokens, now_tokens = state.train_tokens, train_tokens(given["data"])
-            if saved_tokens is not None and now_tokens is not None and saved_tokens != now_tokens:
-                warn(
-                    f"resuming with --data {given['data']} ({now_tokens:,} train tokens) where the saved run used "
-                    f"{saved.data} ({saved_tokens:,}): other data, so the run is no longer the one an uninterrupted "
-                    "run would have been"
-                )
+        data = given.get("data", saved.data)
+        saved_tokens, now_tokens = state.train_tokens, train_tokens(data) if data is not None else None
+        if saved_tokens is not None and now_tokens is not None and saved_tokens != now_tokens:
+            moved = saved.data is not None and Path(saved.data).resolve() != Path(data).resolve()
+            warn(
+                f"resuming with --data {data} ({now_tokens:,} train tokens) where the saved run used {saved.data} "
+                f"({saved_tokens:,}): other data, so the run is no longer the one an uninterrupted run would have been"
+                if moved
+                else f"the data in {data} changed since the run was saved: train.bin holds {now_tokens:,} tokens, "
+                f"the run was trained on {saved_tokens:,} (prepared again?), so the run is no longer the one an "
+                "uninterrupted run would have been"
+            )
     targs.validate()
     if targs.data is None:
         raise UsageError("--data DIR is required (the output of gpt2-port prepare: train.bin, val.bin)")

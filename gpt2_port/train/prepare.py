@@ -16,6 +16,7 @@ Nothing is printed: progress goes to a callback, notes to `logging`.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
@@ -79,18 +80,45 @@ def scan(
     `done` and `total` place this file's bytes in the whole corpus for `progress`."""
     p = check_input(path)
     h = hashlib.sha256()
-    n_bytes = n_chars = 0
+    n_bytes = n_chars = crlf = 0
+    head, last = b"", b""  # the file's first bytes (a byte-order mark?), the block's last one
 
     def on_block(block: bytes) -> None:
-        nonlocal n_bytes
+        nonlocal n_bytes, crlf, head, last
         h.update(block)
+        head = (head + block[:3])[:3]
+        crlf += (last + block[:1]).count(b"\r\n") + block.count(b"\r\n")  # one cut by the block counted once
+        last = block[-1:]
         n_bytes += len(block)
         if progress is not None:
             progress("scan", done + n_bytes, total)
 
     for text in read_utf8(p, str(p), read_bytes, on_block):
         n_chars += len(text)
+    _warn_text_form(p, head == codecs.BOM_UTF8, crlf)
     return Source(str(path), n_bytes, h.hexdigest(), n_chars)
+
+
+def _warn_text_form(p: Path, bom: bool, crlf: int) -> None:
+    """What would be encoded as text but is not: a byte-order mark, Windows line endings, a JSON-lines file. Nothing
+    is changed (the tokens stay those of the file, as nanoGPT's prepare gives them); each is named once."""
+    if bom:
+        log.warning(
+            "%s: starts with a UTF-8 byte-order mark (U+FEFF), which is encoded as text before the first word", p
+        )
+    if crlf:
+        log.warning(
+            "%s: %s Windows line ending(s) (\\r\\n): each \\r is encoded as text (GPT-2 saw \\n only); convert the "
+            "file (dos2unix) unless that is wanted",
+            p,
+            f"{crlf:,}",
+        )
+    if p.suffix.lower() in (".jsonl", ".json", ".ndjson"):
+        log.warning(
+            "%s: encoded as plain text, JSON syntax and keys included (prepare reads text files: extract the text "
+            "field first)",
+            p,
+        )
 
 
 # -- streamed encoding ----------------------------------------------------------------------------------------------
