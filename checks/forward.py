@@ -22,6 +22,7 @@ import torch
 
 from gpt2_port.devices import parse_device, parse_dtype
 from gpt2_port.errors import UsageError
+from gpt2_port.generate.forced import forced_logits
 from gpt2_port.io.checkpoint import locate
 from gpt2_port.io.load import nonfinite_tensors
 from gpt2_port.io.tokenizer import Tokenizer, tokenizer_for
@@ -31,6 +32,7 @@ from .metrics import metrics, next_token
 from .noise import verdict
 from .points import (
     BATCH,
+    DECODE,
     capture_reference_points,
     capture_scratch_points,
     logit_lens_top1,
@@ -38,8 +40,8 @@ from .points import (
     real_positions,
     transformed,
 )
-from .prompts import Inputs, batch_rows, default_inputs, left_padded, resolve
-from .reference import exact_matmuls, load_reference, versions
+from .prompts import Inputs, batch_rows, decode_batch, default_inputs, left_padded, resolve
+from .reference import exact_matmuls, load_reference, reference_forced_logits, versions
 from .results import PointResult, Report, Sweep
 from .tolerances import TOLERANCES, VS_FLOAT32_TOLERANCES, Tolerance
 
@@ -179,15 +181,25 @@ def _run_detailed(
     # every prompt alone, then one left-padded batch of them (and a long row), compared at its real tokens
     batch_ids, batch_mask = left_padded(batch_rows(ids_list, cfg.n_positions))
 
+    # and generate's cached path: the prompts prefilled, then tokens fed one decode step at a time
+    dec_ids, dec_mask, dec_prompt = decode_batch(ids_list, cfg.n_positions)
+
     def batch(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tensor(batch_ids, device=dev), torch.tensor(batch_mask, device=dev)
 
-    def run_ref(ref: torch.nn.Module, dev: torch.device) -> Activations:
+    def decoding(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(dec_ids, device=dev), torch.tensor(dec_mask, device=dev)
+
+    def run_ref(ref: torch.nn.Module, dev: torch.device, impl: str, decode_impl: str) -> Activations:
+        """Every point from `ref` (running `impl`); the cached decoding with `decode_impl`."""
         acc = Activations()
         for ids in ids_list:
             acc.add(capture_reference_points(ref, torch.tensor([ids], device=dev), names, detail))
         ids, mask = batch(dev)
         acc.add(real_positions(capture_reference_points(ref, ids, names, detail, mask), mask))
+        ref.set_attn_implementation(decode_impl)
+        acc.add({DECODE: reference_forced_logits(ref, *decoding(dev), dec_prompt)})
+        ref.set_attn_implementation(impl)
         if logit_lens:
             acc.lens = logit_lens_top1(
                 acc.blocks(cfg.n_layer, cfg.n_embd), ref.transformer.ln_f, ref.get_output_embeddings().weight
@@ -198,7 +210,8 @@ def _run_detailed(
     ref_base = load_reference(locate(model, revision), cfg, base[0], base[1], reference_attn)
     t_ref = time.perf_counter() - t0
     t0 = time.perf_counter()
-    want = run_ref(ref_base, base[1])
+    # the decode plan attends with SDPA: its reference is transformers' sdpa (and the floor of it, eager: below)
+    want = run_ref(ref_base, base[1], reference_attn, "sdpa")
     t_base = time.perf_counter() - t0
     base_desc = f"transformers {tv} GPT2LMHeadModel ({reference_attn}), {dtype_name(base[0])}, {base[1]}"
 
@@ -216,6 +229,10 @@ def _run_detailed(
             got.add(capture_scratch_points(scratch, torch.tensor([ids], device=dev), names))
         ids, mask = batch(dev)
         got.add(real_positions(capture_scratch_points(scratch, ids, names, mask), mask))
+        scratch.set_attn_impl("sdpa")  # generate's own path: the decode plan needs SDPA (the model's default)
+        decoded, decode_path = forced_logits(scratch, *decoding(dev), dec_prompt)
+        scratch.set_attn_impl(attn)  # type: ignore[arg-type]
+        got.add({DECODE: decoded})
         if logit_lens:
             got.lens = logit_lens_top1(got.blocks(cfg.n_layer, cfg.n_embd), scratch.ln_f, scratch.head_weight)
         t_fwd = time.perf_counter() - t0 + (t_base if k == 0 else 0.0)
@@ -229,19 +246,22 @@ def _run_detailed(
                 if same and impl == reference_attn:
                     continue  # that is the reference itself
                 ref_c.set_attn_implementation(impl)
-                floors.append((f"{impl} {dtype_name(dt)} {dev}", run_ref(ref_c, dev)))
+                # the decoding's floor: transformers' other kernel than the decoding's reference (sdpa) in this
+                # configuration, each kernel in another one
+                floors.append((f"{impl} {dtype_name(dt)} {dev}", run_ref(ref_c, dev, impl, "eager" if same else impl)))
             ref_base.set_attn_implementation(reference_attn)
             del ref_c
         t_floor = time.perf_counter() - t0
 
         tol = (VS_FLOAT32_TOLERANCES if is_sweep else TOLERANCES)[dtype_name(dt)]
-        all_names = [*names, *(BATCH + n for n in names)]
+        all_names = [*names, *(BATCH + n for n in names), DECODE]
         r = _report(model, all_names, got, want, floors, tol, scratch, tok, ids_list, logit_lens, cfg.n_layer)
         r.dtype, r.device, r.scratch_attn, r.detail = dtype_name(dt), str(dev), attn, detail
         r.reference = f"transformers {tv} GPT2LMHeadModel ({reference_attn})"
         r.reference_dtype, r.reference_device = dtype_name(base[0]), str(base[1])
         r.prompts, r.token_ids, r.n_tokens = list(inputs.texts), [list(i) for i in ids_list], n_tokens
         r.batch_ids, r.batch_mask = batch_ids, batch_mask
+        r.decode_ids, r.decode_prompt_len, r.decode_path = dec_ids, dec_prompt, decode_path
         if noise_floor:
             r.noise_floor = (
                 f"transformers {' / '.join(f for f, _ in floors)} against the reference "

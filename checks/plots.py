@@ -28,7 +28,7 @@ def tolerance_marks(s: Sweep, names: list[str]) -> list[tuple[list[str], list[fl
 def plot_errors(s: Sweep, path: str | os.PathLike[str]) -> None:
     plt = pyplot()
     r0 = s.reports[0]
-    names = [p.name for p in r0.points if not is_head_point(p.name) and not p.name.startswith("batch.")]
+    names = [p.name for p in r0.points if not is_head_point(p.name) and not p.name.startswith(("batch.", "decode."))]
     x = list(range(len(names)))
     values = [p.norm_rel for r in s.reports for p in r.points] + [
         p.noise_norm_rel or 0.0 for r in s.reports for p in r.points

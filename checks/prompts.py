@@ -110,3 +110,19 @@ def left_padded(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[list[li
     ids = [[pad_id] * (T - len(r)) + list(r) for r in rows]
     mask = [[0] * (T - len(r)) + [1] * len(r) for r in rows]
     return ids, mask
+
+
+# The cached decoding every parity run compares: the prompts left-padded as generate takes them, prefilled, then
+# DECODE_STEPS tokens fed one at a time (the prompts' ids again), through generate's own steps
+DECODE_STEPS = 16
+
+
+def decode_batch(ids_list: Sequence[Sequence[int]], n_positions: int) -> tuple[list[list[int]], list[list[int]], int]:
+    """(ids, attention_mask, prompt_len): the prompts left-padded to the longest, then the same fed tokens after each
+    (at most DECODE_STEPS, and no further than the context)."""
+    prompt_len = max(len(i) for i in ids_list)
+    every = [t for ids in ids_list for t in ids]
+    n = min(DECODE_STEPS, n_positions - prompt_len)
+    fed = (every * (n // len(every) + 1))[:n]
+    ids, mask = left_padded(ids_list)
+    return [r + fed for r in ids], [m + [1] * n for m in mask], prompt_len

@@ -7,6 +7,7 @@ transformers is imported only inside `load_reference`, so importing this module 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import platform
 import tempfile
@@ -101,6 +102,35 @@ def capture_reference(
             h.remove()
     acts["logits"] = out.logits.detach()
     return acts
+
+
+@torch.inference_mode()
+def reference_forced_logits(
+    ref: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, prompt_len: int
+) -> torch.Tensor:
+    """transformers' cached decoding of `ids` (B, T): the prompt's prefill, then one token per forward with
+    `past_key_values`, the mask so far and the positions it implies, as its `generate` feeds them. -> (B, N, V), the
+    last position's logits of each forward (N = T - prompt_len + 1)."""
+    # the cache's argument and output field: `cache` from transformers 5.24 (past_key_values before, deprecated after)
+    name = "cache" if "cache" in inspect.signature(ref.forward).parameters else "past_key_values"
+    pos = positions_from_mask(mask)
+    out = ref(
+        input_ids=ids[:, :prompt_len],
+        attention_mask=mask[:, :prompt_len],
+        position_ids=pos[:, :prompt_len],
+        use_cache=True,
+    )
+    logits = [out.logits[:, -1:]]
+    for t in range(prompt_len, ids.shape[1]):
+        out = ref(
+            input_ids=ids[:, t : t + 1],
+            attention_mask=mask[:, : t + 1],
+            position_ids=pos[:, t : t + 1],
+            use_cache=True,
+            **{name: getattr(out, name)},
+        )
+        logits.append(out.logits[:, -1:])
+    return torch.cat(logits, 1)
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from .results import Report, Sweep, label
 
 # What the `batch.` rows ran, after the batch's shape in the header
 BATCH_NOTE = "the prompts left-padded, with a long row; attention_mask given (transformers: position_ids from it)"
+DECODE_NOTE = "generate's cached path, tokens fed; transformers (sdpa, its floor eager) with its cache"
 
 
 @dataclass
@@ -220,12 +221,16 @@ def summary(s: Sweep) -> list[str]:
 
 def header(s: Sweep) -> list[str]:
     r = s.reports[0]
-    return [
-        f"parity  {s.model}  ({r.detail} detail)",
-        f"  configurations  {', '.join(label(x) for x in s.reports)}",
-        f"  reference       {s.baseline}" + (" (one float32 reference for all)" if s.is_sweep else ""),
-        f"  inputs          {len(r.prompts)} prompt(s), {r.n_tokens} tokens",
-    ] + ([f"  batch.* rows    {r.batch_shape}: {BATCH_NOTE}"] if r.batch_ids else [])
+    return (
+        [
+            f"parity  {s.model}  ({r.detail} detail)",
+            f"  configurations  {', '.join(label(x) for x in s.reports)}",
+            f"  reference       {s.baseline}" + (" (one float32 reference for all)" if s.is_sweep else ""),
+            f"  inputs          {len(r.prompts)} prompt(s), {r.n_tokens} tokens",
+        ]
+        + ([f"  batch.* rows    {r.batch_shape}: {BATCH_NOTE}"] if r.batch_ids else [])
+        + ([f"  decode.logits   {r.decode_shape}: {DECODE_NOTE}"] if r.decode_ids else [])
+    )
 
 
 def _hidden_note(t: Table) -> list[str]:
@@ -312,6 +317,7 @@ def render_markdown(s: Sweep, only_failures: bool = False) -> str:
         f"- reference: {s.baseline}",
         f"- inputs: {len(r0.prompts)} prompt(s), {r0.n_tokens} tokens",
         *([f"- batch.* rows: {r0.batch_shape}: {BATCH_NOTE}"] if r0.batch_ids else []),
+        *([f"- decode.logits: {r0.decode_shape}: {DECODE_NOTE}"] if r0.decode_ids else []),
         f"- versions: {', '.join(f'{k} {v}' for k, v in r0.versions.items())}",
         "",
         "## Summary",

@@ -66,6 +66,19 @@ class Report:
     # the left-padded batch the `batch.` points ran: (B, T) ids and attention mask
     batch_ids: list[list[int]] = field(default_factory=list)
     batch_mask: list[list[int]] = field(default_factory=list)
+    # the cached decoding `decode.logits` ran: (B, T) ids (prompts left-padded, then the fed tokens), the prompt's
+    # length, and generate's step kind that ran it (plan, static, cuda graph)
+    decode_ids: list[list[int]] = field(default_factory=list)
+    decode_prompt_len: int = 0
+    decode_path: str = ""
+
+    @property
+    def decode_shape(self) -> str:
+        """ "B rows, a prefill of P tokens, N decode steps (PATH)" ("" when none ran)."""
+        if not self.decode_ids:
+            return ""
+        B, n = len(self.decode_ids), len(self.decode_ids[0]) - self.decode_prompt_len
+        return f"{B} rows, a prefill of {self.decode_prompt_len} tokens, {n} decode steps ({self.decode_path} steps)"
 
     @property
     def batch_shape(self) -> str:

@@ -479,3 +479,23 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     static.next(seq[:, 3], 3)
     assert seen == [device != "cuda"] * 5
     assert torch.backends.cuda.cudnn_sdp_enabled()  # put back
+
+
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_forced_decoding_gives_the_scores_generate_chose_from(tiny_official: Path, static_cache: bool) -> None:
+    """Fed the tokens greedy generate chose, the teacher-forced decoding (what parity holds against transformers'
+    cached decoding) computes, step for step, the very logits generate chose them from: the same steps run."""
+    from gpt2_port.generate import generate_full
+    from gpt2_port.generate.forced import forced_logits
+    from gpt2_port.model import from_pretrained
+
+    model = from_pretrained(tiny_official)[0].eval()
+    ids = torch.tensor([[0, 0, 464, 2444, 4721], [464, 3797, 26172, 262, 10211]])  # (B, T): row 0 left-padded
+    mask = (torch.arange(5) >= torch.tensor([[2], [0]])).long()
+    gen = generate_full(model, ids, 6, attention_mask=mask, eos_token_id=None, output_scores=True,
+                        fast_head=False, static_cache=static_cache)  # fmt: skip
+    fed = gen.sequences[:, :-1]  # the prompt and the tokens chosen, but the last
+    full_mask = torch.cat([mask, torch.ones(2, fed.shape[1] - 5, dtype=torch.long)], 1)
+    logits, path = forced_logits(model, fed, full_mask, 5, static_cache=static_cache)
+    assert path == ("static" if static_cache else "plan")
+    assert torch.equal(logits.float(), torch.stack(gen.scores, 1))  # (B, 6, V)

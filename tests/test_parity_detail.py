@@ -31,11 +31,16 @@ def test_sublayer_points_bit_exact_and_noise_floor_measured(tiny_official: Path)
     r = s.reports[0]
     names = [p.name for p in r.points]
     alone = point_names(N_LAYER, "sublayer", True, N_HEAD)
-    assert names == alone + [f"batch.{n}" for n in alone]  # the padded batch at the same points
+    assert names == alone + [f"batch.{n}" for n in alone] + ["decode.logits"]  # the padded batch, the cached path
     for kind in SUBLAYER_KINDS:
         assert f"block.1.{kind}" in names and f"batch.block.1.{kind}" in names
-    assert "block.0.attn.v.h3" in names and names[-3:] == ["batch.block.1", "batch.ln_f", "batch.logits"]
-    assert r.passed and all(p.norm_rel == 0.0 for p in r.points)
+    assert "block.0.attn.v.h3" in names and names[-4:] == [
+        "batch.block.1",
+        "batch.ln_f",
+        "batch.logits",
+        "decode.logits",
+    ]
+    assert r.passed and all(p.norm_rel == 0.0 for p in r.points if p.name != "decode.logits")  # the plan: SDPA
     floor = {p.name: p.noise_norm_rel for p in r.points}
     assert floor["embed"] == floor["block.0.attn.q"] == 0.0  # eager and sdpa agree before any attention
     assert floor["block.0.attn.merged"] > 0.0 and floor["logits"] > 0.0

@@ -107,6 +107,26 @@ def padding_that_is_attended(model):
                   (mask.long().cumsum(-1) - 1).clamp(min=0)})
 
 
+def cache_forgets_the_first_key(model):
+    """A decode-step bug no forward meets: each cached step attends with the first cached key and value zeroed."""
+    make = model.decode_plan
+
+    def plan():
+        p = make()
+        if p is not None:
+            step = p.step
+
+            def forgetful(ids, cache, mask=None):
+                cache.k[:, :, :, 0].zero_()
+                cache.v[:, :, :, 0].zero_()
+                return step(ids, cache, mask)
+
+            p.step = forgetful
+        return p
+
+    model.decode_plan = plan
+
+
 def positions_clamped_at_40(model):
     """A position table cut short: wrong only past position 40, which no prompt reaches."""
     wpe = model.wpe
@@ -155,9 +175,23 @@ def test_a_bug_of_padded_batches_or_long_inputs_is_found_in_the_batch(
     rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{changes}:{change}")
     assert rc == 1 and r["first_failure"] == first
     pts = {p["name"]: p for p in r["points"]}
-    assert all(p["norm_rel"] == 0.0 for n, p in pts.items() if not n.startswith("batch."))
+    assert all(p["norm_rel"] == 0.0 for n, p in pts.items() if not n.startswith(("batch.", "decode.")))
     assert len(r["batch_ids"]) == 4 and len(r["batch_ids"][0]) == 128  # the long row: the context (128) here
     assert [sum(m) for m in r["batch_mask"]] == [5, 4, 3, 128]
+
+
+def test_a_bug_of_the_cached_decoding_is_found_there_alone(
+    tiny_official: Path, tmp_path: Path, changes: Path, capsys
+) -> None:
+    """generate's cached path (the decode plan here), fed the same tokens as transformers with its cache: a step
+    that loses a cached key fails decode.logits while every forward point stays 0."""
+    rc, r, out = _parity(tiny_official, tmp_path, capsys)
+    assert rc == 0 and r["decode_path"] == "plan" and r["decode_prompt_len"] == 5
+    assert [len(x) for x in r["decode_ids"]] == [21, 21, 21]  # 5 prompt tokens (left-padded), 16 fed
+    assert "decode.logits   3 rows, a prefill of 5 tokens, 16 decode steps (plan steps)" in out
+    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{changes}:cache_forgets_the_first_key")
+    assert rc == 1 and r["first_failure"] == "decode.logits"
+    assert all(p["norm_rel"] == 0.0 for p in r["points"] if p["name"] != "decode.logits")
 
 
 def test_a_module_on_the_path_and_a_file_of_any_python_work(
@@ -179,7 +213,9 @@ def test_a_module_on_the_path_and_a_file_of_any_python_work(
     rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{dc}:patch")
     assert rc == 0
     rc, r, out = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{changes}:same_in_a_subclass")
-    assert rc == 0 and all(p["norm_rel"] == 0.0 for p in r["points"])
+    plain = _parity(tiny_official, tmp_path, capsys)[1]
+    assert rc == 0 and [p["norm_rel"] for p in r["points"]] == [p["norm_rel"] for p in plain["points"]]
+    assert all(p["norm_rel"] == 0.0 for p in r["points"] if p["name"] != "decode.logits")  # the plan runs SDPA
 
 
 def test_train_steps_run_with_a_detached_branch(tiny_official: Path, tmp_path: Path, changes: Path, capsys) -> None:

@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="per-layer parity report against Hugging Face transformers",
         description="Load MODEL into the scratch model and into transformers' GPT2LMHeadModel, run both "
         "on the same tokens (each prompt alone, then all of them as one left-padded batch with a long row: the "
-        "batch. rows), and compare the embeddings, every block's output, ln_f and the logits. "
+        "batch. rows), and compare the embeddings, every block's output, ln_f and the logits; then generate's cached "
+        "decoding, tokens fed, against transformers' with its cache (decode.logits). "
         "The default prompts are stored as token ids: no tokenizer files and no network needed. "
         "Exit 0 on pass, 1 on a parity failure (with --fail-above-noise also a figure above the noise), 2 on a "
         "usage or input error, 3 on an internal error. Needs "

@@ -27,12 +27,11 @@ import torch
 
 from ..errors import UsageError
 from ..io.tokenizer import EOT_ID, Tokenizer
-from .cache import KVCache
 from .choose import NONFINITE, OK, NextToken, nonfinite_message, overflow_message
 from .protocol import CausalLM
 from .readback import Readback
 from .sampling import SamplingSettings, number, seen_tokens
-from .steps import ForwardSteps, PlanSteps, static_steps
+from .steps import decode_steps
 from .stopping import Rows, TextCallback
 
 log = logging.getLogger(__name__)
@@ -161,23 +160,6 @@ def _check_options(stops: list[str], needs_tokenizer: bool) -> None:
         raise UsageError("stop strings and on_text need a tokenizer (pass tokenizer=...)")
 
 
-def _steps(model: CausalLM, B: int, L: int, seq: torch.Tensor, mask: torch.Tensor | None, how: dict):  # noqa: ANN202
-    """The step kind this generation runs (steps.py): static on CUDA (captured unless cuda_graph=False), the plan
-    elsewhere, the forward where no shortcut may run."""
-    plan = model.decode_plan() if how["use_cache"] and how["fast_step"] else None
-    if plan is None and how["fast_step"] and model.intercepted():
-        log.info("a record, an edit or a module's forward hook is active: every decode step runs the forward")
-    static = how["static_cache"]
-    if static is None:
-        static = model.device.type == "cuda"
-    if plan is not None and static:
-        return static_steps(model, plan, B, L, cuda_graph=how["cuda_graph"] and model.device.type == "cuda")
-    cache = KVCache(model.config, B, L, model.dtype, model.device) if how["use_cache"] else None
-    if plan is not None and cache is not None:
-        return PlanSteps(model, plan, seq, mask, cache)
-    return ForwardSteps(model, seq, mask, cache)
-
-
 @torch.no_grad()  # not inference_mode: callers get ordinary tensors back
 def generate_full(
     model: CausalLM,
@@ -255,7 +237,7 @@ def generate_full(
         full_mask[:, :T] = attention_mask
     seen = seen_tokens(input_ids, cfg.vocab_size, attention_mask) if settings.repetition_penalty != 1.0 else None
     how = {"use_cache": use_cache, "fast_step": fast_step, "static_cache": static_cache, "cuda_graph": cuda_graph}
-    steps = _steps(model, B, L, seq, full_mask, how)
+    steps = decode_steps(model, B, L, seq, full_mask, how)
     scores: list[torch.Tensor] | None = [] if output_scores else None
     hold = (eos_token_id, min_new_tokens) if eos_token_id is not None and min_new_tokens > 0 else None
     choose = NextToken(model, settings, seen, gen, fast_head, scores, hold)

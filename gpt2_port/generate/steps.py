@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import OrderedDict
 
@@ -26,6 +27,8 @@ from ..devices import autocast_dtype, without_cudnn_attention
 from .cache import KVCache, StaticKVCache, static_len
 from .cuda_graph import CapturedStep
 from .protocol import CausalLM
+
+log = logging.getLogger(__name__)
 
 KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_layer x B x L x C values)
 
@@ -128,3 +131,22 @@ def static_steps(model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bo
     while len(kept) > KEEP_CAPTURED:
         kept.popitem(last=False)
     return steps
+
+
+def decode_steps(model: CausalLM, B: int, L: int, seq: torch.Tensor, mask: torch.Tensor | None, how: dict):  # noqa: ANN201
+    """The step kind a generation of B rows and L tokens (prompt and new) runs: static on CUDA (captured unless
+    how["cuda_graph"] is False), the plan elsewhere, the forward where no shortcut may run. `seq`: (B, L) ids the
+    forward and plan steps read their token from; `mask`: (B, L) or None; `how`: use_cache, fast_step, static_cache
+    (None: on CUDA), cuda_graph."""
+    plan = model.decode_plan() if how["use_cache"] and how["fast_step"] else None
+    if plan is None and how["fast_step"] and model.intercepted():
+        log.info("a record, an edit or a module's forward hook is active: every decode step runs the forward")
+    static = how["static_cache"]
+    if static is None:
+        static = model.device.type == "cuda"
+    if plan is not None and static:
+        return static_steps(model, plan, B, L, cuda_graph=how["cuda_graph"] and model.device.type == "cuda")
+    cache = KVCache(model.config, B, L, model.dtype, model.device) if how["use_cache"] else None
+    if plan is not None and cache is not None:
+        return PlanSteps(model, plan, seq, mask, cache)
+    return ForwardSteps(model, seq, mask, cache)

@@ -1,0 +1,37 @@
+"""Teacher-forced decoding: the logits a generation computes at each step when the tokens it feeds are given rather
+than chosen. It runs the steps `generate` runs (steps.py `decode_steps`: the decode plan over a growing cache on the
+CPU, the static cache, captured as a CUDA graph, on CUDA), so a checker can hold the cached path itself against a
+reference's cached decoding, step by step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .protocol import CausalLM
+from .steps import decode_steps
+
+
+@torch.inference_mode()
+def forced_logits(
+    model: CausalLM,
+    ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    prompt_len: int,
+    static_cache: bool | None = None,
+    cuda_graph: bool = True,
+) -> tuple[torch.Tensor, str]:
+    """ids: (B, T) a (left-padded) prompt of `prompt_len` tokens, then the tokens to feed; attention_mask: (B, T), 1
+    over the fed tokens, or None. -> (B, T - prompt_len + 1, V): the logits after the prompt (its prefill), then after
+    each fed token (one decode step each), as generate computes them before choosing; and the step kind that ran
+    (plan, static, cuda graph, forward)."""
+    B, T = ids.shape
+    how = {"use_cache": True, "fast_step": True, "static_cache": static_cache, "cuda_graph": cuda_graph}
+    seq = ids.clone()  # the forward and plan steps read each token from it
+    steps = decode_steps(model, B, T, seq, attention_mask, how)
+    prompt_mask = None if attention_mask is None else attention_mask[:, :prompt_len]
+    hidden = [steps.prefill(seq[:, :prompt_len], prompt_mask)]  # (B, 1, C) each
+    for slot in range(prompt_len, T):
+        hidden.append(steps.next(seq[:, slot], slot))
+    # each step's head on its own (B, 1, C), as generate runs it: one matmul over all N would round otherwise
+    return torch.cat([model.head(h) for h in hidden], 1), steps.name  # (B, N, V)
