@@ -50,7 +50,7 @@ from .reference import amp, exact_matmuls, load_reference, versions
 from .results import PointResult
 from .steps import ADAMW_NAME, StepLoss, TrainConfig, _ref_loss, _scratch_loss, train_steps
 from .storage import DISK_MOMENTS_SHARE, SPILL_BYTES, LazyTensors, SpilledTensors, spills
-from .tolerances import BACKWARD_TOLERANCES
+from .tolerances import BACKWARD_TOLERANCES, TOLERANCES
 
 # -- the run --------------------------------------------------------------------------------------------------------
 
@@ -136,6 +136,7 @@ def _floor_of(
         g = reference_grads(ref, ids_list, n_layer)
     out = {f"grad.{n}": metrics(t, want.params[n]) for n, t in g.params.items()}
     out.update({f"act_grad.{n}": metrics(t, want.acts[n]) for n, t in g.acts.items()})
+    out.update({f"act.{n}": metrics(t, want.values[n]) for n, t in g.values.items()})
     # the loss sums the prompts' losses: its floor sums their distances (noise.total_floor), as eval --check's totals do
     out["loss"] = (total_floor(g.prompt_losses, want.prompt_losses, want.loss),)
     return out
@@ -264,6 +265,9 @@ def _scratch_side(s: Setup, ref: ReferenceRun, dt: torch.dtype, dev: torch.devic
         if dt != torch.float32:  # judged under autocast only, where it is the dtype's distance (BackwardReport)
             v = verdict(report.loss_rel, report.loss_noise_rel)
             report.loss_noise_verdict, report.loss_within_noise = v.text, v.within
+    fwd = TOLERANCES[dtype_name(dt)]  # the forward's activations, under the forward report's tolerances
+    for n in act_points(L, s.kernels == "reference"):
+        report.points.append(_point(f"act.{n}", got.values[n], ref.want.values[n], fwd.for_point(n), fl))
     for n, y in ref.want.params.items():
         report.points.append(_point(f"grad.{n}", got.params[n], y, tol.grad, fl))
     for n in act_points(L, s.kernels == "reference"):

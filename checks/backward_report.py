@@ -14,8 +14,8 @@ from .render import Table, markdown_tables, num, text_document
 
 def layer_table(r: BackwardReport) -> Table:
     floor = r.noise_floor is not None
-    cols = ["layer", "worst gradient", "norm_rel"] + (["noise floor"] if floor else []) + [""]
-    t = Table(f"{r.label}: gradients grouped by layer (worst of each)", cols)
+    cols = ["layer", "worst point", "norm_rel"] + (["noise floor"] if floor else []) + [""]
+    t = Table(f"{r.label}: gradients and forward activations grouped by layer (worst of each)", cols)
     for i, g in enumerate(r.layers):
         row = [g.layer, g.worst_point, num(g.worst_norm_rel)]
         if floor:
@@ -120,7 +120,8 @@ def summary(s: BackwardSweep) -> list[str]:
         if r.passed:
             worst = max(r.points, key=lambda p: p.norm_rel)
             lines.append(
-                f"{r.label}: PASS, loss rel {num(r.loss_rel)}, all {len(r.points)} gradients within {r.dtype} "
+                f"{r.label}: PASS, loss rel {num(r.loss_rel)}, all {len(r.points)} points (gradients and the "
+                f"forward's activations) within {r.dtype} "
                 f"tolerances (worst norm_rel {num(worst.norm_rel)} at {worst.name})"
                 + (f", {len(r.steps)} steps' losses and the weights after them within theirs" if r.steps else "")
             )

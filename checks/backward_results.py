@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from .grads import layer_of
 from .results import PointResult, Verdicts, all_within_noise
 
 
@@ -71,9 +72,19 @@ class BackwardReport:
         return f"{self.dtype}/{self.device}"
 
     @property
+    def forward_failure(self) -> str | None:
+        """The first of the forward's activations (in forward order) past its tolerance: the loss and every gradient
+        then differ from it, and the backward is not where the error is."""
+        return next((p.name for p in self.points if p.name.startswith("act.") and not p.passed), None)
+
+    @property
     def first_diverging_layer(self) -> str | None:
-        """The first layer in backprop order (head, ln_f, the last block ... embed) whose gradients diverge: an
-        error made in the backward pass enters there and flows down to every layer below."""
+        """Where the forward first differs, as "h.0 (in the forward)"; else the first layer in backprop order (head,
+        ln_f, the last block ... embed) whose gradients diverge: an error made in the backward pass enters there and
+        flows down to every layer below."""
+        fwd = self.forward_failure
+        if fwd is not None:
+            return f"{layer_of(fwd)} (in the forward)"
         return next((g.layer for g in reversed(self.layers) if not g.passed), None)
 
     @property
@@ -81,6 +92,8 @@ class BackwardReport:
         """The loss, else the first failing gradient in backprop order (the head's first, the embeddings' last: where
         an error made in the backward pass enters, every parameter below inheriting it), else an activation
         gradient, a step, a weight after the steps."""
+        if self.forward_failure is not None:
+            return self.forward_failure
         if not self.loss_rel <= self.loss_tolerance:
             return "loss"
         params = [p for p in self.points if p.name.startswith("grad.")]  # in the model's order: embeddings first

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,9 +33,10 @@ def act_points(n_layer: int, logits: bool = True) -> list[str]:
 
 
 def layer_of(point: str) -> str:
-    """grad.transformer.h.3.mlp.c_fc.weight -> h.3; act_grad.block.3 -> h.3; wte/wpe/embed -> embed; the head."""
+    """grad.transformer.h.3.mlp.c_fc.weight -> h.3; act_grad.block.3 (or act.block.3) -> h.3; wte/wpe/embed -> embed;
+    the head."""
     kind, _, name = point.partition(".")
-    if kind == "act_grad":
+    if kind in ("act_grad", "act"):
         if name.startswith("block."):
             return "h." + name.split(".")[1]
         return {"embed": "embed", "ln_f": "ln_f", "logits": "head"}[name]
@@ -73,6 +74,7 @@ class Grads:
     params: Mapping[str, torch.Tensor]  # transformers' names, transformers' layout
     acts: dict[str, torch.Tensor]  # point -> activation gradients of every prompt, flattened and concatenated
     prompt_losses: tuple[float, ...]  # each prompt's share of `loss`
+    values: dict[str, torch.Tensor] = field(default_factory=dict)  # point -> the forward's activations, as `acts`
 
 
 def read_losses(per_prompt: torch.Tensor, total: torch.Tensor) -> tuple[float, tuple[float, ...]]:
@@ -147,7 +149,7 @@ def reference_grads(ref: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_la
         params[n] = p.grad
         p.grad = None  # the dict keeps the only reference: no copy
     total, shares = read_losses(losses, loss)
-    return Grads(total, params, _flat_act_grads(acts), shares)
+    return Grads(total, params, _flat(acts, grad=True), shares, _flat(acts, grad=False))
 
 
 def scratch_grads(model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_layer: int) -> Grads:
@@ -163,11 +165,12 @@ def scratch_grads(model: torch.nn.Module, ids_list: Sequence[torch.Tensor], n_la
     # transformers' layout (q/k/v fused, Conv1D transposed), one tensor at a time when read: no second full copy
     mapped = LazyTensors(adapter.hf_tensors(grads, model.config, prefix=PREFIX))
     total, shares = read_losses(losses, loss)
-    return Grads(total, mapped, _flat_act_grads(acts), shares)
+    return Grads(total, mapped, _flat(acts, grad=True), shares, _flat(acts, grad=False))
 
 
-def _flat_act_grads(acts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def _flat(acts: list[dict[str, torch.Tensor]], grad: bool) -> dict[str, torch.Tensor]:
+    """Point -> every prompt's activation gradients (`grad`) or activations, flattened on the CPU and concatenated."""
     out = {}
     for name in acts[0]:
-        out[name] = torch.cat([a[name].grad.detach().to("cpu").flatten() for a in acts])
+        out[name] = torch.cat([(a[name].grad if grad else a[name]).detach().to("cpu").flatten() for a in acts])
     return out

@@ -239,6 +239,18 @@ def test_the_backward_reports_a_detached_branch(
     assert "no gradient reached h.0.ln_1.weight" in caplog.text and "compared as zeros" in caplog.text
 
 
+def test_the_backward_names_a_forward_bug_as_one(tiny_official: Path, tmp_path: Path, changes: Path, capsys) -> None:
+    """The erf GELU in block 1 spoils the loss and every gradient, first seen (in backprop order) far from block 1:
+    the forward's own activations, compared too, place it in the forward at block 1."""
+    rc, r, out = _parity(tiny_official, tmp_path, capsys, "--backward", "--scratch", f"{changes}:erf_gelu_in_block_1")
+    assert rc == 1 and r["first_failure"] == "act.block.1" and r["first_diverging_layer"] == "h.1 (in the forward)"
+    pts = {p["name"]: p for p in r["points"]}
+    assert pts["act.block.0"]["norm_rel"] == 0.0 and pts["act.embed"]["passed"]
+    assert "first diverging layer h.1 (in the forward)" in out
+    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--backward")
+    assert rc == 0 and all(p["norm_rel"] == 0.0 for p in r["points"] if p["name"].startswith("act."))
+
+
 def test_fail_above_noise_makes_a_passing_figure_above_the_floor_fail(
     tiny_official: Path, tmp_path: Path, changes: Path, capsys
 ) -> None:  # noqa: ANN001
