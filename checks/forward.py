@@ -33,6 +33,7 @@ from .noise import verdict
 from .points import (
     BATCH,
     DECODE,
+    DECODE_FORWARD,
     capture_reference_points,
     capture_scratch_points,
     logit_lens_top1,
@@ -190,15 +191,17 @@ def _run_detailed(
     def decoding(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tensor(dec_ids, device=dev), torch.tensor(dec_mask, device=dev)
 
-    def run_ref(ref: torch.nn.Module, dev: torch.device, impl: str, decode_impl: str) -> Activations:
-        """Every point from `ref` (running `impl`); the cached decoding with `decode_impl`."""
+    def run_ref(ref: torch.nn.Module, dev: torch.device, impl: str, decoding_impls: tuple[str, str]) -> Activations:
+        """Every point from `ref` (running `impl`); its two cached decodings with `decoding_impls` (the plan's, the
+        forward steps')."""
         acc = Activations()
         for ids in ids_list:
             acc.add(capture_reference_points(ref, torch.tensor([ids], device=dev), names, detail))
         ids, mask = batch(dev)
         acc.add(real_positions(capture_reference_points(ref, ids, names, detail, mask), mask))
-        ref.set_attn_implementation(decode_impl)
-        acc.add({DECODE: reference_forced_logits(ref, *decoding(dev), dec_prompt)})
+        for point, decode_impl in zip((DECODE, DECODE_FORWARD), decoding_impls):
+            ref.set_attn_implementation(decode_impl)
+            acc.add({point: reference_forced_logits(ref, *decoding(dev), dec_prompt)})
         ref.set_attn_implementation(impl)
         if logit_lens:
             acc.lens = logit_lens_top1(
@@ -211,7 +214,10 @@ def _run_detailed(
     t_ref = time.perf_counter() - t0
     t0 = time.perf_counter()
     # the decode plan attends with SDPA: its reference is transformers' sdpa (and the floor of it, eager: below)
-    want = run_ref(ref_base, base[1], reference_attn, "sdpa")
+    # each cached decoding against transformers running the same kind of kernel (the plan attends with SDPA; the
+    # forward steps with the scratch model's --attn), and its floor the other kind (below)
+    like = ("sdpa", "eager" if attn == "manual" else "sdpa")
+    want = run_ref(ref_base, base[1], reference_attn, like)
     t_base = time.perf_counter() - t0
     base_desc = f"transformers {tv} GPT2LMHeadModel ({reference_attn}), {dtype_name(base[0])}, {base[1]}"
 
@@ -233,6 +239,8 @@ def _run_detailed(
         decoded, decode_path = forced_logits(scratch, *decoding(dev), dec_prompt)
         scratch.set_attn_impl(attn)  # type: ignore[arg-type]
         got.add({DECODE: decoded})
+        # and its other cached path, the forward with the cache (the manual attention, records, hooks), in `attn`
+        got.add({DECODE_FORWARD: forced_logits(scratch, *decoding(dev), dec_prompt, fast_step=False)[0]})
         if logit_lens:
             got.lens = logit_lens_top1(got.blocks(cfg.n_layer, cfg.n_embd), scratch.ln_f, scratch.head_weight)
         t_fwd = time.perf_counter() - t0 + (t_base if k == 0 else 0.0)
@@ -246,15 +254,16 @@ def _run_detailed(
                 if same and impl == reference_attn:
                     continue  # that is the reference itself
                 ref_c.set_attn_implementation(impl)
-                # the decoding's floor: transformers' other kernel than the decoding's reference (sdpa) in this
-                # configuration, each kernel in another one
-                floors.append((f"{impl} {dtype_name(dt)} {dev}", run_ref(ref_c, dev, impl, "eager" if same else impl)))
+                # the decodings' floors: in this configuration transformers' other kernel than each decoding's
+                # reference; in another one, each kernel in its dtype and device, as for every point
+                other = tuple("eager" if k == "sdpa" else "sdpa" for k in like) if same else (impl, impl)
+                floors.append((f"{impl} {dtype_name(dt)} {dev}", run_ref(ref_c, dev, impl, other)))
             ref_base.set_attn_implementation(reference_attn)
             del ref_c
         t_floor = time.perf_counter() - t0
 
         tol = (VS_FLOAT32_TOLERANCES if is_sweep else TOLERANCES)[dtype_name(dt)]
-        all_names = [*names, *(BATCH + n for n in names), DECODE]
+        all_names = [*names, *(BATCH + n for n in names), DECODE, DECODE_FORWARD]
         r = _report(model, all_names, got, want, floors, tol, scratch, tok, ids_list, logit_lens, cfg.n_layer)
         r.dtype, r.device, r.scratch_attn, r.detail = dtype_name(dt), str(dev), attn, detail
         r.reference = f"transformers {tv} GPT2LMHeadModel ({reference_attn})"
@@ -266,6 +275,11 @@ def _run_detailed(
             r.noise_floor = (
                 f"transformers {' / '.join(f for f, _ in floors)} against the reference "
                 f"({reference_attn} {dtype_name(base[0])} {base[1]}); the furthest at each point"
+                + (
+                    "; the decode rows: its other kernel than the one they are held against"
+                    if (dt, dev) == base
+                    else ""
+                )
             )
         r.timings = {
             "scratch_load_s": t_load,

@@ -71,6 +71,7 @@ def point_names(n_layer: int, detail: str = "block", per_head: bool = False, n_h
 
 BATCH = "batch."  # the prefix of the padded batch's points: batch.embed, batch.block.0, ...
 DECODE = "decode.logits"  # the logits of generate's cached path, prefill and each decode step
+DECODE_FORWARD = "decode.forward_steps.logits"  # the same through generate's other cached path, the forward's
 
 
 def real_positions(acts: Mapping[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:

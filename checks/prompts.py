@@ -91,17 +91,26 @@ def resolve(inputs: Inputs, encode, n_positions: int, vocab_size: int) -> list[l
 
 # The batch every parity run compares besides the prompts one by one: prompt k cut to its first len - k tokens (so
 # rows differ in length and are padded), and one long row of the prompts' ids repeated up to BATCH_LONG_TOKENS (or
-# the model's context): positions far beyond the prompts', and hundreds of padding positions before the short rows.
+# the model's context less one: a position one past the end, a common bug, then fails at a point instead of
+# stopping the run with an index error): positions far beyond the prompts', and hundreds of padding positions
+# before the short rows.
 BATCH_LONG_TOKENS = 256
 
 
-def batch_rows(ids_list: Sequence[Sequence[int]], n_positions: int) -> list[list[int]]:
-    """The rows of the padded batch: each prompt cut by its index (at least one token), then the long row."""
-    rows = [list(ids[: max(1, len(ids) - k)]) for k, ids in enumerate(ids_list)]
+def _cut(ids_list: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Prompt k cut to its first len - k tokens (at least one): rows of different lengths, so some are padded."""
+    return [list(ids[: max(1, len(ids) - k)]) for k, ids in enumerate(ids_list)]
+
+
+def _repeated(ids_list: Sequence[Sequence[int]], n: int) -> list[int]:
+    """The prompts' ids one after another, repeated, to `n` tokens."""
     every = [t for ids in ids_list for t in ids]
-    n = min(n_positions, BATCH_LONG_TOKENS)
-    rows.append((every * (n // len(every) + 1))[:n])
-    return rows
+    return (every * (n // len(every) + 1))[:n]
+
+
+def batch_rows(ids_list: Sequence[Sequence[int]], n_positions: int) -> list[list[int]]:
+    """The rows of the padded batch: each prompt cut by its index, then the long row."""
+    return [*_cut(ids_list), _repeated(ids_list, max(1, min(n_positions - 1, BATCH_LONG_TOKENS)))]
 
 
 def left_padded(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -112,17 +121,18 @@ def left_padded(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[list[li
     return ids, mask
 
 
-# The cached decoding every parity run compares: the prompts left-padded as generate takes them, prefilled, then
-# DECODE_STEPS tokens fed one at a time (the prompts' ids again), through generate's own steps
+# The cached decoding every parity run compares: the prompts, each cut by its index as in the batch, left-padded as
+# generate takes them, prefilled, then DECODE_STEPS tokens fed one at a time (the prompts' ids again, the same for
+# every row), through generate's own steps
 DECODE_STEPS = 16
 
 
 def decode_batch(ids_list: Sequence[Sequence[int]], n_positions: int) -> tuple[list[list[int]], list[list[int]], int]:
-    """(ids, attention_mask, prompt_len): the prompts left-padded to the longest, then the same fed tokens after each
-    (at most DECODE_STEPS, and no further than the context)."""
-    prompt_len = max(len(i) for i in ids_list)
-    every = [t for ids in ids_list for t in ids]
-    n = min(DECODE_STEPS, n_positions - prompt_len)
-    fed = (every * (n // len(every) + 1))[:n]
-    ids, mask = left_padded(ids_list)
+    """(ids, attention_mask, prompt_len): the cut prompts left-padded to the longest, then the same fed tokens after
+    each (at most DECODE_STEPS, and short of the context's last position, as the long row)."""
+    rows = _cut(ids_list)
+    prompt_len = max(len(r) for r in rows)
+    n = max(0, min(DECODE_STEPS, n_positions - 1 - prompt_len))
+    fed = _repeated(ids_list, n)
+    ids, mask = left_padded(rows)
     return [r + fed for r in ids], [m + [1] * n for m in mask], prompt_len

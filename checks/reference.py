@@ -135,7 +135,8 @@ def reference_forced_logits(
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """(B, T) 0/1 mask -> (B, T) positions: each row's real tokens numbered from 0, padding given 0 (as
-    transformers' generate numbers a left-padded batch)."""
+    transformers' generate numbers a left-padded batch). Written here rather than taken from gpt2_port.model.masks:
+    what transformers is given must not come from the code under test."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 

@@ -20,7 +20,10 @@ from .results import Report, Sweep, label
 
 # What the `batch.` rows ran, after the batch's shape in the header
 BATCH_NOTE = "the prompts left-padded, with a long row; attention_mask given (transformers: position_ids from it)"
-DECODE_NOTE = "generate's cached path, tokens fed; transformers (sdpa, its floor eager) with its cache"
+DECODE_NOTE = (
+    "generate's cached paths, tokens fed (decode.logits: its default step; decode.forward_steps.logits: the forward "
+    "with the cache); transformers with its cache (for decode.logits: sdpa, the plan's kernel)"
+)
 
 
 @dataclass

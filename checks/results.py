@@ -78,7 +78,8 @@ class Report:
         if not self.decode_ids:
             return ""
         B, n = len(self.decode_ids), len(self.decode_ids[0]) - self.decode_prompt_len
-        return f"{B} rows, a prefill of {self.decode_prompt_len} tokens, {n} decode steps ({self.decode_path} steps)"
+        rows = f"{B} row{'s' if B != 1 else ''}"
+        return f"{rows}, a prefill of {self.decode_prompt_len} tokens, {n} decode steps ({self.decode_path} steps)"
 
     @property
     def batch_shape(self) -> str:

@@ -17,7 +17,8 @@ class Tolerance:
     logprob_max_abs: float
 
     def for_point(self, name: str) -> float:
-        kind = name.removeprefix("batch.").removeprefix("decode.").split(".")[0]
+        name = name.removeprefix("batch.")
+        kind = "logits" if name.startswith("decode.") else name.split(".")[0]
         return {"embed": self.embed, "block": self.block, "ln_f": self.ln_f, "logits": self.logits}.get(
             kind, self.block
         )

@@ -24,7 +24,7 @@ def test_124m_official_layout_float32(ckpt124: Path, tmp_path: Path, capsys):
     r = json.loads(out.read_text())
     names = ["embed", *(f"block.{i}" for i in range(12)), "ln_f", "logits"]
     names += [f"batch.{n}" for n in names]  # the prompts again as one left-padded batch, with a long row
-    names += ["decode.logits"]  # and generate's cached path, tokens fed
+    names += ["decode.logits", "decode.forward_steps.logits"]  # and generate's cached paths, tokens fed
     assert [p["name"] for p in r["points"]] == names
     for p in r["points"]:
         assert set(p) >= {"name", "max_abs", "norm_rel", "cosine", "elementwise_rel"}

@@ -31,16 +31,12 @@ def test_sublayer_points_bit_exact_and_noise_floor_measured(tiny_official: Path)
     r = s.reports[0]
     names = [p.name for p in r.points]
     alone = point_names(N_LAYER, "sublayer", True, N_HEAD)
-    assert names == alone + [f"batch.{n}" for n in alone] + ["decode.logits"]  # the padded batch, the cached path
+    decode = ["decode.logits", "decode.forward_steps.logits"]
+    assert names == alone + [f"batch.{n}" for n in alone] + decode  # the padded batch, the cached paths
     for kind in SUBLAYER_KINDS:
         assert f"block.1.{kind}" in names and f"batch.block.1.{kind}" in names
-    assert "block.0.attn.v.h3" in names and names[-4:] == [
-        "batch.block.1",
-        "batch.ln_f",
-        "batch.logits",
-        "decode.logits",
-    ]
-    assert r.passed and all(p.norm_rel == 0.0 for p in r.points if p.name != "decode.logits")  # the plan: SDPA
+    assert "block.0.attn.v.h3" in names and names[-3:] == ["batch.logits", *decode]
+    assert r.passed and all(p.norm_rel == 0.0 for p in r.points if not p.name.startswith("decode."))
     floor = {p.name: p.noise_norm_rel for p in r.points}
     assert floor["embed"] == floor["block.0.attn.q"] == 0.0  # eager and sdpa agree before any attention
     assert floor["block.0.attn.merged"] > 0.0 and floor["logits"] > 0.0

@@ -104,7 +104,7 @@ def positions_that_ignore_the_mask(model):
 def padding_that_is_attended(model):
     """Positions from the mask, but the mask not given to attention: the padding is attended."""
     _wrap_forward(model, lambda ids, mask, pos: {"attention_mask": None, "position_ids": pos if mask is None else
-                  (mask.long().cumsum(-1) - 1).clamp(min=0)})
+                  (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]})
 
 
 def cache_forgets_the_first_key(model):
@@ -125,6 +125,26 @@ def cache_forgets_the_first_key(model):
         return p
 
     model.decode_plan = plan
+
+
+def cache_that_zeroes_the_first_key(model):
+    """A KV cache bug: the forward, given a cache, attends with the first cached key zeroed (prefill and steps)."""
+    inner = model.forward
+
+    def forward(*args, cache=None, **kw):
+        if cache is not None and not hasattr(cache, "planted"):
+            update = cache.update
+
+            def zeroing(layer, k, v):
+                keys, values = update(layer, k, v)
+                keys = keys.clone()
+                keys[:, :, 0] = 0
+                return keys, values
+
+            cache.update, cache.planted = zeroing, True
+        return inner(*args, cache=cache, **kw)
+
+    model.forward = forward
 
 
 def positions_clamped_at_40(model):
@@ -176,8 +196,8 @@ def test_a_bug_of_padded_batches_or_long_inputs_is_found_in_the_batch(
     assert rc == 1 and r["first_failure"] == first
     pts = {p["name"]: p for p in r["points"]}
     assert all(p["norm_rel"] == 0.0 for n, p in pts.items() if not n.startswith(("batch.", "decode.")))
-    assert len(r["batch_ids"]) == 4 and len(r["batch_ids"][0]) == 128  # the long row: the context (128) here
-    assert [sum(m) for m in r["batch_mask"]] == [5, 4, 3, 128]
+    assert len(r["batch_ids"]) == 4 and len(r["batch_ids"][0]) == 127  # the long row: the context (128) less one
+    assert [sum(m) for m in r["batch_mask"]] == [5, 4, 3, 127]
 
 
 def test_a_bug_of_the_cached_decoding_is_found_there_alone(
@@ -187,11 +207,18 @@ def test_a_bug_of_the_cached_decoding_is_found_there_alone(
     that loses a cached key fails decode.logits while every forward point stays 0."""
     rc, r, out = _parity(tiny_official, tmp_path, capsys)
     assert rc == 0 and r["decode_path"] == "plan" and r["decode_prompt_len"] == 5
-    assert [len(x) for x in r["decode_ids"]] == [21, 21, 21]  # 5 prompt tokens (left-padded), 16 fed
+    assert [len(x) for x in r["decode_ids"]] == [21, 21, 21]  # 5 prompt tokens, 16 fed
+    assert [row[:2] for row in r["decode_ids"]][1:] == [[0, 464], [0, 0]]  # prompts cut by 1 and 2: left-padded
     assert "decode.logits   3 rows, a prefill of 5 tokens, 16 decode steps (plan steps)" in out
     rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{changes}:cache_forgets_the_first_key")
     assert rc == 1 and r["first_failure"] == "decode.logits"
-    assert all(p["norm_rel"] == 0.0 for p in r["points"] if p["name"] != "decode.logits")
+    pts = {p["name"]: p for p in r["points"]}
+    assert all(p["norm_rel"] == 0.0 for n, p in pts.items() if not n.startswith("decode."))
+    assert pts["decode.forward_steps.logits"]["passed"]  # generate's other cached path: the forward's, unchanged
+    rc, r, _ = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{changes}:cache_that_zeroes_the_first_key")
+    pts = {p["name"]: p for p in r["points"]}
+    assert rc == 1 and r["first_failure"] == "decode.logits" and not pts["decode.forward_steps.logits"]["passed"]
+    assert all(p["norm_rel"] == 0.0 for n, p in pts.items() if not n.startswith("decode."))  # no cache there
 
 
 def test_a_module_on_the_path_and_a_file_of_any_python_work(
@@ -215,7 +242,7 @@ def test_a_module_on_the_path_and_a_file_of_any_python_work(
     rc, r, out = _parity(tiny_official, tmp_path, capsys, "--scratch", f"{changes}:same_in_a_subclass")
     plain = _parity(tiny_official, tmp_path, capsys)[1]
     assert rc == 0 and [p["norm_rel"] for p in r["points"]] == [p["norm_rel"] for p in plain["points"]]
-    assert all(p["norm_rel"] == 0.0 for p in r["points"] if p["name"] != "decode.logits")  # the plan runs SDPA
+    assert all(p["norm_rel"] == 0.0 for p in r["points"] if not p["name"].startswith("decode."))
 
 
 def test_train_steps_run_with_a_detached_branch(tiny_official: Path, tmp_path: Path, changes: Path, capsys) -> None:

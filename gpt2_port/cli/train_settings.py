@@ -88,7 +88,7 @@ def run_settings(args: argparse.Namespace, state, dist, warn) -> Any:  # noqa: A
         data = given.get("data", saved.data)
         saved_tokens, now_tokens = state.train_tokens, train_tokens(data) if data is not None else None
         if saved_tokens is not None and now_tokens is not None and saved_tokens != now_tokens:
-            moved = saved.data is not None and Path(saved.data).resolve() != Path(data).resolve()
+            moved = saved.data is None or Path(saved.data).resolve() != Path(data).resolve()
             warn(
                 f"resuming with --data {data} ({now_tokens:,} train tokens) where the saved run used {saved.data} "
                 f"({saved_tokens:,}): other data, so the run is no longer the one an uninterrupted run would have been"

@@ -20,13 +20,15 @@ def forced_logits(
     prompt_len: int,
     static_cache: bool | None = None,
     cuda_graph: bool = True,
+    fast_step: bool = True,
 ) -> tuple[torch.Tensor, str]:
     """ids: (B, T) a (left-padded) prompt of `prompt_len` tokens, then the tokens to feed; attention_mask: (B, T), 1
     over the fed tokens, or None. -> (B, T - prompt_len + 1, V): the logits after the prompt (its prefill), then after
     each fed token (one decode step each), as generate computes them before choosing; and the step kind that ran
-    (plan, static, cuda graph, forward)."""
+    (plan, static, cuda graph, forward). `fast_step=False`: the forward with the cache every step, the path generate
+    takes with the manual attention or while anything records, edits or hooks the model."""
     B, T = ids.shape
-    how = {"use_cache": True, "fast_step": True, "static_cache": static_cache, "cuda_graph": cuda_graph}
+    how = {"use_cache": True, "fast_step": fast_step, "static_cache": static_cache, "cuda_graph": cuda_graph}
     seq = ids.clone()  # the forward and plan steps read each token from it
     steps = decode_steps(model, B, T, seq, attention_mask, how)
     prompt_mask = None if attention_mask is None else attention_mask[:, :prompt_len]
