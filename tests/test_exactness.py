@@ -57,7 +57,8 @@ def test_the_parity_report_stops_saying_bit_exact_when_our_arithmetic_changes_or
 
     js = tmp_path / "r.json"
     assert main(["parity", str(tiny_official), "--json", str(js)]) == 0
-    assert all(p["norm_rel"] == 0.0 for p in json.loads(js.read_text())["points"])
+    forward = [p for p in json.loads(js.read_text())["points"] if not p["name"].startswith("decode.")]
+    assert all(p["norm_rel"] == 0.0 for p in forward)  # (the cached decodings are other calls: within the noise)
 
     def reordered(self, x):  # noqa: ANN001, ANN202 (MLP.forward with c_fc's sum split in two)
         h = modules.gelu_new(_split_k_linear(x, self.c_fc.weight, self.c_fc.bias))

@@ -106,31 +106,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _rows(task: str, res: dict) -> list[tuple[str, str]]:
+    text = ["tokens", "nll", "perplexity", "bytes", "bits_per_byte", "byte_perplexity", "words", "word_perplexity"]
     keys = {
-        "text": [
-            "tokens",
-            "nll",
-            "perplexity",
-            "bytes",
-            "bits_per_byte",
-            "byte_perplexity",
-            "words",
-            "word_perplexity",
-        ],
+        "text": text,
+        "data": text,
+        "wikitext": ["documents", *text],
         "lambada": ["n", "accuracy", "perplexity", "accuracy_last_token", "target_tokens"],
         "choices": ["n", "acc", "acc_norm"],
-        "wikitext": [
-            "documents",
-            "tokens",
-            "nll",
-            "perplexity",
-            "bytes",
-            "bits_per_byte",
-            "byte_perplexity",
-            "words",
-            "word_perplexity",
-        ],
-    }["text" if task == "data" else task]
+    }[task]
     return [
         (k, f"{res[k]:.6g}" if isinstance(res[k], float) else "n/a" if res[k] is None else str(res[k])) for k in keys
     ]
