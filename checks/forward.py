@@ -213,7 +213,6 @@ def _run_detailed(
     ref_base = load_reference(locate(model, revision), cfg, base[0], base[1], reference_attn)
     t_ref = time.perf_counter() - t0
     t0 = time.perf_counter()
-    # the decode plan attends with SDPA: its reference is transformers' sdpa (and the floor of it, eager: below)
     # each cached decoding against transformers running the same kind of kernel (the plan attends with SDPA; the
     # forward steps with the scratch model's --attn), and its floor the other kind (below)
     like = ("sdpa", "eager" if attn == "manual" else "sdpa")

@@ -256,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
     if task == "text":
         total = count_text_tokens(args.text, tok.encode)
     elif task == "wikitext":
-        total = sum(len(ids) for ids in page_tokens(pages, tok.encode))  # type: ignore[arg-type]
+        tokens = page_tokens(pages, tok.encode)  # type: ignore[arg-type]
+        total = sum(len(ids) for ids in tokens)
     elif task == "data":
         total = len(split[0])  # type: ignore[index]
     elif task == "lambada":
@@ -280,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
                 results = evaluate_wikitext(
                     scorers,
                     pages,
-                    tok.encode,
+                    tokens,
                     max_length,
                     tok.eot_id,
                     args.batch_size,

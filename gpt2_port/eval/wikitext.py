@@ -108,33 +108,32 @@ def read_pages(path: str | os.PathLike[str], flag: str = "--wikitext") -> list[s
     return split_pages(text.replace("\r\n", "\n").replace("\r", "\n"))
 
 
-def page_tokens(pages: Sequence[str], encode: Callable[[str], list[int]]) -> Iterator[list[int]]:
-    """Each page's scored tokens: its de-tokenized text encoded."""
-    for page in pages:
-        yield encode(detokenize(page))
+def page_tokens(pages: Sequence[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each page's scored tokens: its de-tokenized text encoded (once: the count for progress and the scoring share
+    them; the pages are held anyway)."""
+    return [encode(detokenize(page)) for page in pages]
 
 
-def page_requests(
-    pages: Sequence[str], encode: Callable[[str], list[int]], eot_id: int, max_length: int
-) -> Iterator[Request]:
+def page_requests(tokens: Sequence[list[int]], eot_id: int, max_length: int) -> Iterator[Request]:
     """Each page's rolling windows (lm-eval's loglikelihood_rolling of one document), page after page."""
-    for ids in page_tokens(pages, encode):
+    for ids in tokens:
         yield from rolling_requests([ids], eot_id, max_length)
 
 
 def evaluate_wikitext(
     scorers: Sequence[Scorer],
     pages: Sequence[str],
-    encode: Callable[[str], list[int]],
+    tokens: Sequence[list[int]],
     max_length: int,
     eot_id: int,
     batch_size: int = DEFAULT_BATCH_SIZE,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, TextResult]:
-    """lm-eval's `wikitext` metrics: the log-likelihood summed over the pages' windows, words and bytes summed over
-    the pages as the file has them (`word_perplexity` = exp(nll / words), lm-eval's weighted_perplexity)."""
+    """lm-eval's `wikitext` metrics over `pages` and their `page_tokens`: the log-likelihood summed over the pages'
+    windows, words and bytes summed over the pages as the file has them (`word_perplexity` = exp(nll / words),
+    lm-eval's weighted_perplexity)."""
     out = evaluate_requests(
-        scorers, page_requests(pages, encode, eot_id, max_length), max_length, eot_id, batch_size, progress
+        scorers, page_requests(tokens, eot_id, max_length), max_length, eot_id, batch_size, progress
     )
     n_words, n_bytes = sum(words(p) for p in pages), sum(len(p.encode("utf-8")) for p in pages)
     for res in out.values():
