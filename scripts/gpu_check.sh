@@ -48,11 +48,14 @@ for phase in "$@"; do
 done
 mkdir -p "$RESULTS" weights
 
-bundle() {  # RESULTS as OUT/gpu-results.tgz where the device machine's OUT is set (and is another folder)
+bundle() {  # bundle [WHO]: RESULTS as OUT/gpu-results.tgz where the device machine's OUT is set (another folder);
+  # each writer its own part file: a step's end kills the 60 s loop, not a tar it has running, which must not
+  # write into the part file the step's own bundle is writing
   [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
   [ "$(cd "$OUT" && pwd)" != "$(cd "$RESULTS" && pwd)" ] || return 0
-  tar czf "$OUT/gpu-results.tgz.part" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" &&
-    mv -f "$OUT/gpu-results.tgz.part" "$OUT/gpu-results.tgz"  # whole: a kill mid-write keeps the last bundle
+  local part="$OUT/.gpu-results.tgz.${1:-step}"
+  tar czf "$part" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" &&
+    mv -f "$part" "$OUT/gpu-results.tgz"  # whole: a kill mid-write keeps the last bundle
 }
 
 if [ "${INSTALL:-1}" = 1 ] && ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$RESULTS/install.log" 2>&1; then
@@ -78,7 +81,7 @@ step() {  # step NAME COMMAND...: run it until the deadline, its output into RES
     return
   fi
   echo "== $name: $*" >&2
-  (while sleep 60; do bundle; done) >/dev/null 2>&1 &  # no pipe of the caller held open by its sleep
+  (while sleep 60; do bundle loop; done) >/dev/null 2>&1 &  # no pipe of the caller held open by its sleep
   bundler=$!
   PYTHONUNBUFFERED=1 timeout -k 10 "$left" "$@" >"$RESULTS/$name.log" 2>&1
   rc=$?

@@ -499,3 +499,32 @@ def test_forced_decoding_gives_the_scores_generate_chose_from(tiny_official: Pat
     logits, path = forced_logits(model, fed, full_mask, 5, static_cache=static_cache)
     assert path == ("static" if static_cache else "plan")
     assert torch.equal(logits.float(), torch.stack(gen.scores, 1))  # (B, 6, V)
+
+
+def test_forced_decoding_reads_each_step_before_a_replay_overwrites_it(tiny_official: Path, monkeypatch) -> None:
+    """On CUDA each step is a replayed graph that returns its one output buffer, overwritten by the next replay: the
+    teacher-forced logits must be taken step by step. Here a stand-in for the graph does the same on the CPU."""
+    from gpt2_port.generate import steps as steps_mod
+    from gpt2_port.generate.forced import forced_logits
+    from gpt2_port.model import from_pretrained
+
+    class Replayed:  # as CapturedStep: one output buffer, written by each call
+        def __init__(self, fn, device, warmup: int = 2) -> None:  # noqa: ANN001
+            self.fn, self.out, self.eager, self.capture_s = fn, None, False, 0.0
+
+        def __call__(self) -> torch.Tensor:
+            y = self.fn()
+            self.out = y.clone() if self.out is None else self.out.copy_(y)
+            return self.out
+
+    model = from_pretrained(tiny_official)[0].eval()
+    ids = torch.tensor([[0, 0, 464, 2444, 4721, 11, 290, 262], [464, 3797, 26172, 262, 10211, 13, 383, 318]])
+    mask = (torch.arange(8) >= torch.tensor([[2], [0]])).long()  # (B, T): row 0 left-padded
+    eager, path = forced_logits(model, ids, mask, 5, static_cache=True, cuda_graph=False)
+    assert path == "static"
+    made = steps_mod.static_steps
+    monkeypatch.setattr(steps_mod, "CapturedStep", Replayed)
+    monkeypatch.setattr(steps_mod, "static_steps", lambda m, plan, B, L, cuda_graph: made(m, plan, B, L, True))
+    replayed, path = forced_logits(model, ids, mask, 5, static_cache=True)
+    assert path == "cuda graph"
+    assert torch.equal(replayed, eager)  # (B, 4, V): the prefill, then 3 steps

@@ -32,8 +32,10 @@ def forced_logits(
     seq = ids.clone()  # the forward and plan steps read each token from it
     steps = decode_steps(model, B, T, seq, attention_mask, how)
     prompt_mask = None if attention_mask is None else attention_mask[:, :prompt_len]
-    hidden = [steps.prefill(seq[:, :prompt_len], prompt_mask)]  # (B, 1, C) each
+    # each step's head on its own (B, 1, C) as soon as the step returns it, as generate runs it: a replayed CUDA
+    # graph returns its one output buffer, which the next replay overwrites (and one matmul over all N would round
+    # otherwise)
+    logits = [model.head(steps.prefill(seq[:, :prompt_len], prompt_mask))]  # (B, 1, V) each
     for slot in range(prompt_len, T):
-        hidden.append(steps.next(seq[:, slot], slot))
-    # each step's head on its own (B, 1, C), as generate runs it: one matmul over all N would round otherwise
-    return torch.cat([model.head(h) for h in hidden], 1), steps.name  # (B, N, V)
+        logits.append(model.head(steps.next(seq[:, slot], slot)))
+    return torch.cat(logits, 1), steps.name  # (B, N, V)
