@@ -237,7 +237,7 @@ def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> tuple[Sid
     # "ours fast": `train`'s defaults for the device (on CUDA the fused head padded to a multiple of 64); beside it
     # the same kernels with the head's own 50257 rows, and without the fused head-and-loss. The sides the goals are
     # stated on come first (a run cut short at a device's time limit keeps them): ours and transformers, compiled and
-    # eager; `run_train` times `train`'s own loop after them, then the rest.
+    # eager; `run_train` times `train`'s own loop before them, the rest after.
     key = {}
     if not a.no_compile:
         key |= {"ours fast compiled": ours("fast", True), "transformers compiled": hf(True)}
@@ -259,7 +259,9 @@ def trainer_loop(
     ck: Path, dev: torch.device, a: argparse.Namespace, batch: int, tmp: Path, overlap: bool | None = None
 ) -> dict:
     """`gpt2-port train`'s loop itself (gpt2_port.train.Trainer) on random uint16 tokens, compiled, its own timing;
-    `overlap` as `--overlap` (None: train's default, on CUDA)."""
+    `overlap` as `--overlap` (None: train's default, on CUDA). As `train` starts it: the attention kernel SDPA picks
+    (its first lines) and, on CUDA, the measured memory check (a dry step, which also compiles) before the run, so
+    the estimate stands beside the run's peak."""
     import numpy as np
 
     from gpt2_port.model import from_pretrained
@@ -278,9 +280,12 @@ def trainer_loop(
 
     os.environ.setdefault("GPT2_PORT_COMPILE_BACKEND", a.compile_backend)
     t = Trainer(m, args, TokenFile(data, m.config.vocab_size), None, tmp / "out", device=dev)
+    attention = t.describe()["attention"]
+    mem = t.check_cuda_memory() if dev.type == "cuda" else None
     res = t.run()
     out = {"tokens_per_s": res.tokens_per_s, "mfu": res.mfu, "peak_GB": peak_GB(dev), "kernels": args.resolved_kernels}
-    return out | {"overlap": t.overlap}
+    estimate = None if mem is None else mem["estimate_bytes"] / 1e9
+    return out | {"overlap": t.overlap, "attention": attention, "memory_estimate_GB": estimate}
 
 
 def head_gemm(dev: torch.device, dtype: str, rows: int, C: int, iters: int = 20) -> dict:
@@ -334,9 +339,22 @@ def _train_side(
     return r
 
 
-def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], None]) -> dict:
+def _loop_side(
+    size: str, name: str, overlap: bool | None, ck: Path, dev: torch.device, a: argparse.Namespace, batch: int
+) -> dict:
+    """`train`'s own loop as one side: its row, or {"error"} leaving the other sides."""
     import tempfile
 
+    free(dev)
+    print(f"[{size}] {name} ...", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            return trainer_loop(ck, dev, a, batch, Path(tmp), overlap)
+        except Exception as e:  # noqa: BLE001 - one side failing (OOM, a compile error) leaves the others
+            return failure(e)
+
+
+def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], None]) -> dict:
     from gpt2_port.train.setup import set_tf32
     from gpt2_port.train.throughput import flops_per_token, peak_flops
 
@@ -363,25 +381,20 @@ def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], N
             _train_side, size, batches=batches, dev=dev, a=a, tokens=batch * T, per_token=per_token, peak=peak
         )
         key, rest = train_sides(ck, dev, a)
+        loop = partial(_loop_side, size, ck=ck, dev=dev, a=a, batch=batch)
+        # train's loop as it runs by default first (the figure the goals are stated on), then the goals' sides, then
+        # (but with --key-only) the loop without overlapped steps, what reading each step before queueing the next
+        # costs, and the rest; each row written as it lands: a run cut short keeps what it measured
+        rows["gpt2-port train loop"] = loop("gpt2-port train loop", None)
+        save(results)
         for name, make in key.items():
             rows[name] = side(name, make)
-            save(results)  # each side's row written as it lands: a run cut short keeps what it measured
-        free(dev)
-        # train's loop as it runs by default, then (but with --key-only) without overlapped steps: what reading each
-        # step before queueing the next costs
-        loops = {"gpt2-port train loop": None, "gpt2-port train loop, --no-overlap": False}
-        for name, overlap in loops.items():
-            if overlap is False and a.key_only:
-                break
-            with tempfile.TemporaryDirectory() as tmp:
-                print(f"[{size}] {name} ...", file=sys.stderr)
-                try:
-                    rows[name] = trainer_loop(ck, dev, a, batch, Path(tmp), overlap)
-                except Exception as e:  # noqa: BLE001
-                    rows[name] = failure(e)
             save(results)
+        free(dev)
         if a.key_only:
             continue
+        rows["gpt2-port train loop, --no-overlap"] = loop("gpt2-port train loop, --no-overlap", False)
+        save(results)
         for name, make in rest.items():
             rows[name] = side(name, make)
             save(results)
@@ -456,6 +469,7 @@ def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], 
             _batch1(a, dev, size, ck, ids, dname, bw, per_dtype, lambda: save(results))
         free(dev)
         results["sizes"][size]["batched"] = batched(a, ck, dev)
+        results["sizes"][size]["batched_dtype"] = "bfloat16" if dev.type == "cuda" else "float32"  # as batched loads
         save(results)
         for dname in [d for d in dtypes if d not in goals]:
             _batch1(a, dev, size, ck, ids, dname, bw, per_dtype, lambda: save(results))
@@ -491,7 +505,7 @@ def _batch1(
         "transformers": partial(greedy_hf, hf, ids, N),
         "transformers, static cache": partial(greedy_hf, hf, ids, N, static=True),
     }
-    if dev.type == "cuda":  # generate compiles the static-cache forward by itself on a GPU only
+    if dev.type == "cuda" and not a.no_hf_compile:  # generate compiles the static-cache forward on a GPU only
         fns["transformers, static cache, compiled"] = partial(greedy_hf, hf, ids, N, static=True, compiled=True)
     param_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
 
@@ -591,6 +605,12 @@ def render(res: dict) -> str:
                 mfu = f"{100 * x['mfu']:.1f}%" if x.get("mfu") is not None else "-"
                 pk = f"{x['peak_GB']:.1f}" if x.get("peak_GB") is not None else "-"
                 out.append(f"| {name} | {tps:,.0f} | {ve} | {vc} | {mfu} | {pk} |")
+            for name, x in rows.items():  # train's own first lines: its attention kernel, its memory check
+                if x.get("attention"):
+                    out += ["", f"{name}: attention {x['attention']}"]
+                if x.get("memory_estimate_GB") and x.get("peak_GB"):
+                    est, pk = x["memory_estimate_GB"], x["peak_GB"]
+                    out.append(f"{name}: memory check {est:.2f} GB beside the run's peak {pk:.2f} GB ({est / pk:.2f}x)")
             if r.get("head_gemm") and "error" in r["head_gemm"]:
                 out += ["", f"Head matmul: {r['head_gemm']['error']}"]
             elif r.get("head_gemm"):
@@ -622,11 +642,12 @@ def render(res: dict) -> str:
                     same = "-" if x["same_tokens"] is None else f"{x['same_tokens']}/{r['new_tokens']}"
                     out.append(f"| {name} | {x['tok_s']:,.1f} | {vs} | {x['tok_s'] / d['cap_tok_s']:.0%} | {same} |")
                 out.append("")
+            sampled_in = f", {r['batched_dtype']}" if "batched_dtype" in r else ""  # older results lack it
             vs32 = _against_float32(r["batch1"])
             if vs32:
                 out += [f"ours in {vs32} ours in float32 (batch 1)", ""]
             out += [
-                f"### {size}: sampled, padded batches (top-k 50)",
+                f"### {size}: sampled, padded batches (top-k 50){sampled_in}",
                 "",
                 "| batch | ours tok/s | transformers tok/s | ratio |",
             ]
@@ -710,6 +731,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtypes",
         default="bfloat16,float32,float16",
         help="decode: the batch-1 dtypes, in order (comma-separated: bfloat16, float32, float16)",
+    )
+    p.add_argument(
+        "--no-hf-compile",
+        action="store_true",
+        help="decode: leave out transformers' compiled static-cache generate (its compile is most of a dtype's time)",
     )
     p.add_argument(
         "--xl-all-dtypes", action="store_true", help="decode: the larger sizes in every --dtypes (else bfloat16 only)"

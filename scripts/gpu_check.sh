@@ -19,10 +19,10 @@
 #               transformers' 48-layer static cache compiled, 64 rows too might not fit one call)
 #     smoke     the same commands at toy sizes on the CPU (checks this script, not the GPU)
 # Phases run in the order given. Device time is short (15 minutes a session, machine starts included, each call at
-# most 10): ask the device's `status` first, give BUDGET_S what is left less a start, put the figures wanted most
-# first (`decode tests` in one call; `train` with TRAIN_ARGS=--key-only, the goals' sides and train's loop, in the
-# next, made at once: a machine idle for 30 s is given back). A step still running at the deadline (BUDGET_S after
-# the start, default 570 s) is stopped, so the bundle after it is made; steps left after the deadline are named as
+# most 10): one full call first, TESTS_ARGS=-vv TRAIN_ARGS=--key-only DECODE_ARGS="--dtypes bfloat16,float32"
+# BUDGET_S=565 (under the call's limit) `tests train decode`, then at once `parity` with what is left (a machine idle
+# for 30 s is given back; none starts with under 4 minutes left). A step still running at the deadline (BUDGET_S
+# after the start, default 570 s) is stopped, so the bundle after it is made; steps left after the deadline are named as
 # not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks rewrite their JSON after every side
 # and round, and `python -m benchmarks.gpu KIND --render-from JSON --markdown M --plot P` renders a cut-short one.
 # Every invocation first writes RESULTS/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
@@ -42,7 +42,7 @@ PY=${PYTHON:-python3}
 DEADLINE=$(($(date +%s) + ${BUDGET_S:-570}))
 RESULTS=${RESULTS:-gpu-results}
 SHARED_FROM=${SHARED_FROM:-$([ -d .gpu_shared ] && echo .gpu_shared)}
-[ $# -gt 0 ] || { sed -n '6,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -gt 0 ] || { awk 'NR >= 6 { if (!/^#/) exit; sub(/^# ?/, ""); print }' "$0"; exit 2; }  # the comment above
 for phase in "$@"; do
   case "$phase" in tests | suite | parity | train | train-xl | decode | decode-xl | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, suite, parity, train, train-xl, decode, decode-xl or smoke)" >&2; exit 2 ;; esac
 done

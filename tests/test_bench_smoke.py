@@ -203,14 +203,18 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     assert gpu.main([*argv, "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png")]) == 0
     t = json.loads((tmp_path / "t.json").read_text())
     rows = t["sizes"]["tiny"]["rows"]
-    # the goals' sides first (a run cut short at the device's time limit keeps them), `train`'s loop after them (as
-    # it runs by default: not overlapped on the CPU; then with --no-overlap)
+    # `train`'s loop as it runs by default first (not overlapped on the CPU), then the goals' sides (a run cut short
+    # at the device's time limit keeps them), then the loop with --no-overlap and the rest
     key = ["ours fast compiled", "transformers compiled", "transformers eager", "ours fast eager"]
     loops = ["gpt2-port train loop", "gpt2-port train loop, --no-overlap"]
-    assert list(rows)[:6] == [*key, *loops] and len(rows) == 11
+    assert list(rows)[:6] == [loops[0], *key, loops[1]] and len(rows) == 11
     assert [rows[n].get("overlap", rows[n]) for n in loops] == [False, False]  # a failed row shows its error
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
-    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG" and "ours fast eager" in (tmp_path / "t.md").read_text()
+    # as train's first lines: the attention kernel; the measured memory check runs on CUDA alone
+    assert rows[loops[0]]["attention"] and rows[loops[0]]["memory_estimate_GB"] is None
+    text = (tmp_path / "t.md").read_text()
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG" and "ours fast eager" in text
+    assert f"gpt2-port train loop: attention {rows[loops[0]]['attention']}" in text
     argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "4", "--batches", "2", "--rounds", "1"]
     assert gpu.main([*argv, "--weights-dir", w, "--out", str(tmp_path / "d.json")]) == 0
     d = json.loads((tmp_path / "d.json").read_text())
@@ -221,6 +225,7 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     rows = d["sizes"]["tiny"]["batch1"]["float32"]["rows"]
     assert rows["ours"]["same_tokens"] == 4 and d["bandwidth_GBps"] > 0
     assert set(d["sizes"]["tiny"]["batched"]["2"]) == {"ours", "transformers"}
+    assert "### tiny: sampled, padded batches (top-k 50), float32" in gpu.render(d)  # the dtype they ran in
     assert d["command"].startswith("python -m benchmarks.gpu decode --device cpu")
 
 
@@ -234,7 +239,7 @@ def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytes
     argv = ["train", "--device", "cpu", "--sizes", "tiny", "--batch", "2", "--block", "16", "--warmup", "0"]
     assert gpu.main([*argv, "--steps", "1", "--no-compile", "--key-only", "--weights-dir", w, "--out", str(out)]) == 0
     t = json.loads(out.read_text())
-    assert list(t["sizes"]["tiny"]["rows"]) == ["transformers eager", "ours fast eager", "gpt2-port train loop"]
+    assert list(t["sizes"]["tiny"]["rows"]) == ["gpt2-port train loop", "transformers eager", "ours fast eager"]
     saved: list[dict] = []
     real_write = gpu.write_output
     seen = lambda p, text, what: saved.append(json.loads(text)) if what == "--out" else real_write(p, text, what)  # noqa: E731
