@@ -1223,6 +1223,17 @@ def c_train_data_without_train_bin(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_train_val_split_shorter_than_a_window(tmp: Path, base: Path) -> dict:
+    """A tiny corpus's val.bin: the ways out named (a smaller --block-size, no val.bin, more text)."""
+    import numpy as np
+
+    d = _train_data(tmp)
+    np.array([5, 6, 7, 8, 9, 10], dtype="<u2").tofile(d / "val.bin")
+    expect = ["val.bin", "holds 6 tokens", "fewer than the 9", "--block-size of at most 5", "no val.bin", "more text"]
+    return {"argv": train_argv(base, d, tmp / "out"), "expect": expect}
+
+
+@case
 def c_train_bin_id_outside_vocabulary(tmp: Path, base: Path) -> dict:
     d = _train_data(tmp, [5] * 50 + [1000] + [7] * 50)  # the checkpoint's vocabulary has 1000 ids
     return {"argv": train_argv(base, d, tmp / "out"), "expect": ["train.bin", "token id 1000 at offset 50", "1000"]}

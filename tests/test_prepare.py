@@ -46,7 +46,9 @@ def test_shakespeare_gives_nanogpts_published_counts_and_ids(
     out = tmp_path / "data" / "shakespeare"
     rc = main(["prepare", str(shakespeare), "--out", str(out), "--tokenizer", str(tokenizer_dir)])
     assert rc == 0
-    assert "301,966 tokens" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "301,966 tokens" in said.out and "from 1 file, 1.1 MB (split at character 1,003,854)" in said.out
+    assert "note:" not in said.err  # both splits hold many 1024-token windows
     train, val = ids(out / "train.bin"), ids(out / "val.bin")
     assert (len(train), len(val)) == (NANOGPT_TRAIN_TOKENS, NANOGPT_VAL_TOKENS)
     assert (out / "train.bin").stat().st_size == 2 * NANOGPT_TRAIN_TOKENS  # no header
@@ -361,3 +363,23 @@ def test_cli_shows_the_bar_when_stderr_is_a_terminal(
     assert main(["prepare", str(shakespeare), "--out", str(tmp_path / "o"), "--tokenizer", str(tokenizer_dir)]) == 0
     err = capsys.readouterr().err
     assert "\rencode [" in err and "100%" in err
+
+
+def test_a_split_shorter_than_one_window_is_named_with_its_ways_out(
+    shakespeare: Path, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A small corpus prepares, but train would refuse a split shorter than its default window (GPT-2's 1024
+    tokens + 1): said at once, with the --block-size that fits, for each split that is short."""
+    text = tmp_path / "t.txt"
+    text.write_text(shakespeare.read_text(encoding="utf-8")[:30_000], encoding="utf-8")
+    assert main(["prepare", str(text), "--out", str(tmp_path / "o"), "--tokenizer", str(tokenizer_dir)]) == 0
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert meta["train_tokens"] > 1024 >= meta["val_tokens"] > 1
+    said = capsys.readouterr()
+    assert "from 1 file, 30.0 kB" in said.out
+    n = meta["val_tokens"]
+    assert said.err.splitlines() == [
+        f"note: val.bin holds {n:,} tokens, fewer than the 1,025 train's default window needs (GPT-2's 1024-token "
+        f"context + 1): train with --block-size {n - 1} or less, without validation (remove val.bin), or prepare "
+        "more text"
+    ]

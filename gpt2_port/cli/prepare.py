@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
-from .common import SPLIT_FILES, add_progress_arg, file_input, tokenizer_inputs
+from ..config import GPT2Config
+from .common import SPLIT_FILES, add_progress_arg, count, file_input, tokenizer_inputs
+
+GPT2_CONTEXT = GPT2Config.n_positions  # every official size's: a split shorter than one window trains nothing
 
 EPILOG = """\
 output: DIR/train.bin and DIR/val.bin hold GPT-2 token ids as little-endian uint16 with no header (nanoGPT's format:
@@ -57,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from ..files import check_dir_outputs
     from ..io.tokenizer import load_tokenizer
     from ..train.prepare import check_val_fraction, prepare, tokenizer_files
-    from .progress import Phases
+    from .progress import Phases, size_text
 
     check_val_fraction(args.val_fraction)
     inputs = [i for f in args.files for i in file_input(f, "TEXT_FILE")] + tokenizer_inputs(args.tokenizer)
@@ -94,6 +98,16 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"wrote {args.out}/train.bin ({meta['train_tokens']:,} tokens), val.bin ({meta['val_tokens']:,} tokens) "
-        f"and meta.json from {len(meta['sources'])} file(s), {n_bytes / 1e6:.1f} MB ({how}) in {seconds:.1f}s"
+        f"and meta.json from {count(len(meta['sources']), 'file')}, {size_text(n_bytes)} ({how}) in {seconds:.1f}s"
     )
+    for split in ("train", "val"):  # train refuses a split shorter than one window: said now, not at its start
+        n = meta[f"{split}_tokens"]
+        if n <= GPT2_CONTEXT:
+            fixes = [f"train with --block-size {n - 1} or less"] if n > 1 else []
+            fixes += ["without validation (remove val.bin)"] if split == "val" else []
+            fixes.append("or prepare more text")
+            sys.stderr.write(
+                f"note: {split}.bin holds {count(n, 'token')}, fewer than the {GPT2_CONTEXT + 1:,} train's default "
+                f"window needs (GPT-2's {GPT2_CONTEXT}-token context + 1): {', '.join(fixes)}\n"
+            )
     return 0

@@ -24,7 +24,8 @@ def file_seconds() -> float:
         return FILE_SECONDS
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """Bytes as people read them: 950 B, 12.3 kB, 1.1 MB, 6.4 GB."""
     for unit in ("B", "kB", "MB", "GB"):
         if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -68,7 +69,7 @@ class Progress:
         self.written: tuple[int, str] | None = None  # (done, note) of the last line written
 
     def _amount(self, n: float) -> str:
-        return _size(n) if self.unit == "B" else _count(n)
+        return size_text(n) if self.unit == "B" else _count(n)
 
     def _line(self, now: float) -> str:
         done, total = self.done, self.total
@@ -80,7 +81,7 @@ class Progress:
         new = done - self.start
         if elapsed > 0 and new > 0:
             r = new / elapsed
-            rate = f"{_size(r)}/s" if self.unit == "B" else f"{_count(r) if r >= 10 else f'{r:.2f}'}{unit}/s"
+            rate = f"{size_text(r)}/s" if self.unit == "B" else f"{_count(r) if r >= 10 else f'{r:.2f}'}{unit}/s"
         if done >= total:
             eta = f"in {clock(elapsed)}"
         else:

@@ -78,7 +78,8 @@ def _meta_tokens(path: Path) -> tuple[int, str] | None:
 class TokenFile:
     """A validated, memory-mapped `.bin` of token ids: every id < `vocab_size`, at least `min_tokens` of them."""
 
-    def __init__(self, path: str | os.PathLike[str], vocab_size: int, min_tokens: int = 2) -> None:
+    def __init__(self, path: str | os.PathLike[str], vocab_size: int, min_tokens: int = 2, also: str = "") -> None:
+        """`also`: one more way out, named when the file is too short (the split it is, left out)."""
         p = Path(path)
         if not p.is_file():
             raise UsageError(f"{p}: no such file (expected token ids as little-endian uint16, nanoGPT's .bin)")
@@ -99,7 +100,13 @@ class TokenFile:
             raise UsageError(f"{p}: {size} bytes is not a whole number of uint16 token ids (truncated?)")
         n = size // BIN_DTYPE.itemsize
         if n < min_tokens:
-            raise UsageError(f"{p}: holds {n} tokens, fewer than the {min_tokens} one window needs (block size + 1)")
+            fixes = [f"a --block-size of at most {n - 1}"] if n > 1 else []
+            fixes += [also] if also else []
+            fixes.append("more text (gpt2-port prepare)")
+            raise UsageError(
+                f"{p}: holds {n} tokens, fewer than the {min_tokens} one window needs (block size + 1); expected "
+                + (f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else fixes[0])
+            )
         self.path, self.vocab_size = p, vocab_size
         self.ids = np.memmap(p, dtype=BIN_DTYPE, mode="r", shape=(n,))
         if recorded is None:
@@ -152,4 +159,5 @@ def open_split(data_dir: str | os.PathLike[str], split: str, vocab_size: int, bl
     f = d / f"{split}.bin"
     if not f.is_file():
         raise UsageError(f"--data {d}: no {split}.bin (expected the output of gpt2-port prepare: train.bin, val.bin)")
-    return TokenFile(f, vocab_size, min_tokens=block_size + 1)
+    also = "no val.bin (training without a validation loss)" if split == "val" else ""
+    return TokenFile(f, vocab_size, min_tokens=block_size + 1, also=also)
