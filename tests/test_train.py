@@ -1143,6 +1143,8 @@ def test_a_repeated_sigterm_still_saves(
     o, e = capsys.readouterr()
     assert rc == 130, e
     assert "stopped at once" not in e and f"interrupted at step 4/10: state saved in {out}" in o
+    assert "SIGTERM: stopping after this step (a resumable state is saved); Ctrl-C to stop now without saving" in e
+    assert e.count("stopping after") == 1  # the second is the same request: said once
     assert trainer_state.load(out).step == 4 and [r["step"] for r in log(out)] == [1, 2, 3, 4]
 
 

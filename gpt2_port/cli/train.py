@@ -417,8 +417,10 @@ def run(args: argparse.Namespace) -> int:
                 if bar is not None:
                     bar.abandon()
                 when = "the steps already queued" if trainer.overlap else "this step"  # type: ignore[union-attr]
+                term = signum == signal.SIGTERM
                 sys.stderr.write(
-                    f"stopping after {when} (a resumable state is saved); Ctrl-C again to stop now without saving\n"
+                    f"{'SIGTERM: ' if term else ''}stopping after {when} (a resumable state is saved); "
+                    f"Ctrl-C {'' if term else 'again '}to stop now without saving\n"
                 )
                 sys.stderr.flush()
 
