@@ -489,7 +489,7 @@ def test_generate_and_eval_commands_run_on_cuda(tiny_official: Path, tmp_path: P
     device's peak memory, the device and the dtype; `eval` in float32 gives the CPU's perplexity to rounding."""
     js = tmp_path / "g.json"
     argv = ["generate", str(tiny_official), "The cat", "--device", "cuda", "--dtype", "bf16", "--max-new-tokens", "8"]
-    assert main([*argv, "--seed", "0", "--json", str(js)]) == 0
+    assert main([*argv, "--min-new-tokens", "8", "--seed", "0", "--json", str(js)]) == 0  # no sampled EOS ends it
     err = capsys.readouterr().err
     g = json.loads(js.read_text())
     assert g["decode_step"] == "cuda graph" and g["cuda_graph_capture_s"] > 0 and g["peak_device_mb"] > 0, g
