@@ -256,12 +256,19 @@ def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> tuple[Sid
 
 
 def trainer_loop(
-    ck: Path, dev: torch.device, a: argparse.Namespace, batch: int, tmp: Path, overlap: bool | None = None
+    ck: Path,
+    dev: torch.device,
+    a: argparse.Namespace,
+    batch: int,
+    tmp: Path,
+    overlap: bool | None = None,
+    compiled: bool = True,
 ) -> dict:
-    """`gpt2-port train`'s loop itself (gpt2_port.train.Trainer) on random uint16 tokens, compiled, its own timing;
-    `overlap` as `--overlap` (None: train's default, on CUDA). As `train` starts it: the attention kernel SDPA picks
-    (its first lines) and, on CUDA, the measured memory check (a dry step, which also compiles) before the run, so
-    the estimate stands beside the run's peak."""
+    """`gpt2-port train`'s loop itself (gpt2_port.train.Trainer) on random uint16 tokens, its own timing: with
+    `--compile` unless `compiled` is False or the benchmark runs --no-compile; `overlap` as `--overlap` (None:
+    train's default, on CUDA). As `train` starts it: the attention kernel SDPA picks (its first lines) and, on CUDA,
+    the measured memory check (a dry step, which also compiles) before the run, so the estimate stands beside the
+    run's peak."""
     import numpy as np
 
     from gpt2_port.model import from_pretrained
@@ -272,7 +279,8 @@ def trainer_loop(
     np.random.default_rng(0).integers(0, 50257, 4_000_000, dtype=np.uint16).tofile(data)
     args = TrainArgs(
         data=str(tmp), steps=a.warmup + a.steps, batch_size=batch, block_size=a.block, dtype=a.dtype,
-        kernels="auto", dropout=0.0, eval_every=0, compile=not a.no_compile, schedule="constant", overlap=overlap,
+        kernels="auto", dropout=0.0, eval_every=0, compile=compiled and not a.no_compile, schedule="constant",
+        overlap=overlap,
     )  # fmt: skip
     m, _ = from_pretrained(ck, device=dev)
     prepare_model(m, args, dev)
@@ -285,7 +293,7 @@ def trainer_loop(
     res = t.run()
     out = {"tokens_per_s": res.tokens_per_s, "mfu": res.mfu, "peak_GB": peak_GB(dev), "kernels": args.resolved_kernels}
     estimate = None if mem is None else mem["estimate_bytes"] / 1e9
-    return out | {"overlap": t.overlap, "attention": attention, "memory_estimate_GB": estimate}
+    return out | {"overlap": t.overlap, "compile": args.compile, "attention": attention, "memory_estimate_GB": estimate}
 
 
 def head_gemm(dev: torch.device, dtype: str, rows: int, C: int, iters: int = 20) -> dict:
@@ -340,7 +348,14 @@ def _train_side(
 
 
 def _loop_side(
-    size: str, name: str, overlap: bool | None, ck: Path, dev: torch.device, a: argparse.Namespace, batch: int
+    size: str,
+    name: str,
+    overlap: bool | None,
+    ck: Path,
+    dev: torch.device,
+    a: argparse.Namespace,
+    batch: int,
+    compiled: bool = True,
 ) -> dict:
     """`train`'s own loop as one side: its row, or {"error"} leaving the other sides."""
     import tempfile
@@ -349,7 +364,7 @@ def _loop_side(
     print(f"[{size}] {name} ...", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            return trainer_loop(ck, dev, a, batch, Path(tmp), overlap)
+            return trainer_loop(ck, dev, a, batch, Path(tmp), overlap, compiled)
         except Exception as e:  # noqa: BLE001 - one side failing (OOM, a compile error) leaves the others
             return failure(e)
 
@@ -382,11 +397,16 @@ def run_train(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], N
         )
         key, rest = train_sides(ck, dev, a)
         loop = partial(_loop_side, size, ck=ck, dev=dev, a=a, batch=batch)
-        # train's loop as it runs by default first (the figure the goals are stated on), then the goals' sides, then
-        # (but with --key-only) the loop without overlapped steps, what reading each step before queueing the next
-        # costs, and the rest; each row written as it lands: a run cut short keeps what it measured
+        # train's loop first, with --compile (the figure the goals are stated on) and without it, then the goals'
+        # sides, then (but with --key-only) the loop without overlapped steps, what reading each step before queueing
+        # the next costs, and the rest; each row written as it lands: a run cut short keeps what it measured
         rows["gpt2-port train loop"] = loop("gpt2-port train loop", None)
         save(results)
+        if not a.no_compile:
+            rows["gpt2-port train loop, no --compile"] = loop(
+                "gpt2-port train loop, no --compile", None, compiled=False
+            )
+            save(results)
         for name, make in key.items():
             rows[name] = side(name, make)
             save(results)

@@ -203,12 +203,13 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     assert gpu.main([*argv, "--markdown", str(tmp_path / "t.md"), "--plot", str(tmp_path / "t.png")]) == 0
     t = json.loads((tmp_path / "t.json").read_text())
     rows = t["sizes"]["tiny"]["rows"]
-    # `train`'s loop as it runs by default first (not overlapped on the CPU), then the goals' sides (a run cut short
-    # at the device's time limit keeps them), then the loop with --no-overlap and the rest
+    # `train`'s loop first, with --compile and without (not overlapped on the CPU), then the goals' sides (a run cut
+    # short at the device's time limit keeps them), then the loop with --no-overlap and the rest
     key = ["ours fast compiled", "transformers compiled", "transformers eager", "ours fast eager"]
-    loops = ["gpt2-port train loop", "gpt2-port train loop, --no-overlap"]
-    assert list(rows)[:6] == [loops[0], *key, loops[1]] and len(rows) == 11
-    assert [rows[n].get("overlap", rows[n]) for n in loops] == [False, False]  # a failed row shows its error
+    loops = ["gpt2-port train loop", "gpt2-port train loop, no --compile", "gpt2-port train loop, --no-overlap"]
+    assert list(rows)[:7] == [*loops[:2], *key, loops[2]] and len(rows) == 12
+    assert [rows[n].get("overlap", rows[n]) for n in loops] == [False] * 3  # a failed row shows its error
+    assert [rows[n]["compile"] for n in loops] == [True, False, True]
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     # as train's first lines: the attention kernel; the measured memory check runs on CUDA alone
     assert rows[loops[0]]["attention"] and rows[loops[0]]["memory_estimate_GB"] is None
