@@ -232,15 +232,26 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
 
 def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The JSON is rewritten after every side (train) and every round (decode): a run killed at the device's time
-    limit leaves the rows it timed, and `--render-from` makes its Markdown and plot here; `--key-only` runs the goals'
-    sides and `train`'s loop alone."""
+    limit leaves the rows it timed, and `--render-from` makes its Markdown and plot here; `--key-only` runs `train`'s
+    loop and the goals' sides, then the eager rest: no loop with --no-overlap, no compiled rest."""
     from benchmarks import gpu
 
     w, out = str(tmp_path / "w"), tmp_path / "t.json"
     argv = ["train", "--device", "cpu", "--sizes", "tiny", "--batch", "2", "--block", "16", "--warmup", "0"]
     assert gpu.main([*argv, "--steps", "1", "--no-compile", "--key-only", "--weights-dir", w, "--out", str(out)]) == 0
     t = json.loads(out.read_text())
-    assert list(t["sizes"]["tiny"]["rows"]) == ["gpt2-port train loop", "transformers eager", "ours fast eager"]
+    eager_rest = ["ours reference eager", "ours fast eager, head not padded", "ours fast eager, no fused loss"]
+    key = ["gpt2-port train loop", "transformers eager", "ours fast eager"]
+    assert list(t["sizes"]["tiny"]["rows"]) == key + eager_rest
+    a = gpu.build_parser().parse_args(["train", "--key-only"])  # compiled sides too: the rest stays eager
+    key, rest = gpu.train_sides(tmp_path, torch.device("cpu"), a)  # factories: nothing is built here
+    assert list(key) == ["ours fast compiled", "transformers compiled", "transformers eager", "ours fast eager"]
+    assert list(rest) == eager_rest
+    a = gpu.build_parser().parse_args(["train"])
+    assert list(gpu.train_sides(tmp_path, torch.device("cpu"), a)[1])[3:] == [
+        "ours reference compiled",
+        "ours fast compiled, head not padded",
+    ]
     saved: list[dict] = []
     real_write = gpu.write_output
     seen = lambda p, text, what: saved.append(json.loads(text)) if what == "--out" else real_write(p, text, what)  # noqa: E731
