@@ -7,24 +7,26 @@
 #     tests     the `cuda` tests (tests/test_cuda.py)
 #     suite     the whole suite on that machine (its CPU and its torch: the image's torch 2.11 and transformers 5.17
 #               are pyproject's floors, which CI tests too)
-#     parity    gpt2-port parity --device cuda: 124M and 1.5B float32 forward (expect 0 at every point), 124M
-#               backward with 10 AdamW steps (reference kernels: bit-identical; fast: within the noise), 124M bf16;
-#               then gpt2-port eval --check on 100 kB of tiny shakespeare, 124M, float32 and bf16 (each NLL's
-#               difference from transformers beside transformers' own eager-to-sdpa floor)
+#     parity    gpt2-port parity --device cuda: 1.5B float32 forward (expect 0 at every forward point), 124M
+#               backward with 10 AdamW steps (reference kernels: bit-identical), 124M bf16; gpt2-port eval --check
+#               on 100 kB of tiny shakespeare, 124M, float32 and bf16 (each NLL's difference from transformers
+#               beside transformers' own eager-to-sdpa floor); then 124M's forward and fast-kernel backward reports
 #     train     python -m benchmarks.gpu train --sizes gpt2 (tokens/s, MFU, peak memory beside transformers, eager
 #               and compiled), then the fused head padded and not, and its chunk sizes (benchmarks.head_padding)
 #     train-xl  the eager sides and `train`'s own loop for gpt2-xl (its 48-layer compiles would not fit one call)
 #     decode    python -m benchmarks.gpu decode --sizes gpt2 (tokens/s beside transformers' generate)
 #     decode-xl the same for gpt2-xl, bf16 (sampled batches of 8 and 32: with the 6.4 GB checkpoint written and
-#               transformers' 48-layer static cache compiled, 64 rows too might not fit one call)
+#               transformers' 48-layer static cache compiled, 64 rows too might not fit one call; with
+#               DECODE_ARGS="--no-hf-compile --batches=" batch 1 alone beside transformers eager, a minute or two)
 #     smoke     the same commands at toy sizes on the CPU (checks this script, not the GPU)
 # Phases run in the order given. Device time is short (15 minutes a session, machine starts included, each call at
 # most 10): one full call first, TESTS_ARGS=-vv TRAIN_ARGS=--key-only DECODE_ARGS="--dtypes bfloat16,float32"
-# BUDGET_S=565 (under the call's limit) `tests train decode`, then at once `parity` with what is left (a machine idle
-# for 30 s is given back; none starts with under 4 minutes left). A step still running at the deadline (BUDGET_S
-# after the start, default 570 s) is stopped, so the bundle after it is made; steps left after the deadline are named as
-# not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks rewrite their JSON after every side
-# and round, and `python -m benchmarks.gpu KIND --render-from JSON --markdown M --plot P` renders a cut-short one.
+# BUDGET_S=565 (under the call's limit) `tests train decode`, then at once DECODE_ARGS="--no-hf-compile --batches="
+# `parity decode-xl` with what is left (a machine idle for 30 s is given back; none starts with under 4 minutes
+# left). A step still running at the deadline (BUDGET_S after the start, default 570 s) is stopped, so the bundle
+# after it is made; steps left after the deadline are named as not run. While a step runs, RESULTS is bundled every
+# 60 s too; the benchmarks rewrite their JSON after every side and round, and `python -m benchmarks.gpu KIND
+# --render-from JSON --markdown M --plot P` renders a cut-short one.
 # Every invocation first writes RESULTS/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
 #
 # Environment: RESULTS (default gpu-results), PYTHON (default python3), INSTALL=0 to skip `pip install -e .` (if it
@@ -152,15 +154,17 @@ for phase in "$@"; do
     parity)
       checkpoint gpt2
       checkpoint gpt2-xl
-      step parity-124m "${G[@]}" parity weights/gpt2-random --device cuda --json "$RESULTS/parity-124m.json"
+      # what no `cuda` test shows first (the tests phase checks 124M's forward): 1.5B, the 124M backward and its
+      # AdamW steps, bf16, eval --check; then 124M's forward report and the fast kernels' backward
       step parity-1.5b "${G[@]}" parity weights/gpt2-xl-random --device cuda --json "$RESULTS/parity-1.5b.json"
       step parity-124m-backward "${G[@]}" parity weights/gpt2-random --device cuda --backward --train-steps 10 \
         --json "$RESULTS/parity-124m-backward.json"
-      step parity-124m-backward-fast "${G[@]}" parity weights/gpt2-random --device cuda --backward --train-steps 10 \
-        --kernels fast --json "$RESULTS/parity-124m-backward-fast.json"
       step parity-124m-bf16 "${G[@]}" parity weights/gpt2-random --device cuda --dtype float32,bfloat16 --backward \
         --json "$RESULTS/parity-124m-bf16.json"
       eval_check cuda 100000 float32 bfloat16
+      step parity-124m "${G[@]}" parity weights/gpt2-random --device cuda --json "$RESULTS/parity-124m.json"
+      step parity-124m-backward-fast "${G[@]}" parity weights/gpt2-random --device cuda --backward --train-steps 10 \
+        --kernels fast --json "$RESULTS/parity-124m-backward-fast.json"
       ;;
     train)
       checkpoint gpt2

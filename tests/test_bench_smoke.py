@@ -375,6 +375,10 @@ def test_the_gpu_check_scripts_commands_parse() -> None:
         parser = parsers[tool]()
         assert "$" not in " ".join(argv), argv
         parser.parse_args(argv)
+    # the plan's DECODE_ARGS for decode-xl (in the script's help), after the phase's own --batches
+    xl = next(argv for tool, argv in cmds if tool == "benchmarks.gpu" and "gpt2-xl" in argv and argv[0] == "decode")
+    a = gpu.build_parser().parse_args([*xl, "--no-hf-compile", "--batches="])
+    assert a.no_hf_compile and a.batches == "" and a.sizes == "gpt2-xl"
 
 
 def test_the_gpu_check_script_refuses_an_unknown_phase() -> None:
