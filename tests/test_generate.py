@@ -161,6 +161,36 @@ def test_eos_stops_rows_like_transformers(model: GPT2, hf_model) -> None:
     assert g.sequences.shape[1] < T + 30 or "length" in g.stop_reasons
 
 
+def test_greedy_with_a_repetition_penalty_equals_transformers(model: GPT2, hf_model) -> None:
+    """The penalty counts the prompt and every token made so far (each step's seen tokens), and greedy decoding with
+    it never takes the fast head, which knows no penalty: transformers' tokens, as it penalises."""
+    ids, mask = _left_pad(PROMPTS)
+    ref = hf_greedy(hf_model, ids, mask, 30, repetition_penalty=1.5)
+    g = _same_as_transformers(model, ids, mask, 30, ref, repetition_penalty=1.5)
+    assert not g.extra["fast_head"]
+    plain = model.generate(ids, max_new_tokens=30, attention_mask=mask)
+    assert not torch.equal(plain, g.sequences)  # the penalty changed the text: a meaningful comparison
+
+
+def test_rows_that_end_are_padded_with_eos_unless_a_pad_id_is_given(model: GPT2) -> None:
+    """As transformers: without pad_token_id a finished row's later positions hold its EOS."""
+    ids, mask = _left_pad(PROMPTS)
+    T = ids.shape[1]
+    free = model.generate(ids, max_new_tokens=12, attention_mask=mask, eos_token_id=None)
+    eos = int(free[1, T + 3])  # a token row 1 makes at step 3: call it EOS
+    g = generate_full(model, ids, 12, attention_mask=mask, eos_token_id=eos)
+    n = len(g.new_ids[1])
+    assert g.stop_reasons[1] == "eos" and g.sequences.shape[1] > T + n  # another row ran on after it
+    assert g.sequences[1, T + n :].tolist() == [eos] * (g.sequences.shape[1] - T - n)
+
+
+def test_decode_tokens_count_every_rows_tokens(model: GPT2) -> None:
+    """decode_tokens (the tokens/s the commands report): every row's tokens after the prefill's."""
+    ids, mask = _left_pad(PROMPTS)
+    g = generate_full(model, ids, 6, attention_mask=mask, eos_token_id=None)
+    assert [len(r) for r in g.new_ids] == [6, 6, 6] and g.decode_tokens == 3 * 5
+
+
 def test_min_new_tokens_holds_eos_back_like_transformers(model: GPT2, hf_model) -> None:
     """No EOS before min_new_tokens (its score -inf, in the scores kept too), then EOS ends rows as before: the tokens
     and scores of transformers' generate(min_new_tokens=...)."""
@@ -202,18 +232,24 @@ def test_processed_distributions_equal_transformers(hf_model) -> None:
         dict(do_sample=True, temperature=1.3, top_k=200, top_p=0.8, repetition_penalty=1.2),
         dict(do_sample=True, temperature=0.5, top_k=0, top_p=1.0),
     ]
-    for c in cases:
+    # uniform scores: top-p 0.5 reaches its border exactly (the tokens up to it kept, not one more); a top-p below
+    # every token's share keeps the most likely one (transformers' min_tokens_to_keep)
+    flat = torch.full((B, V), -float("inf"))
+    flat[:, :4] = 0.0  # four tokens of 1/4 each: cumulative shares 0.25, 0.5, 0.75, 1 exactly
+    more = [(dict(do_sample=True, top_k=0, top_p=0.5), flat), (dict(do_sample=True, top_k=0, top_p=1e-9), scores)]
+    for c, sc in [(c, scores) for c in cases] + more:
         # what hf.generate(**c) runs with, its defaults filled in (top-k 50 when sampling), as ours are
         gc = hf_model._prepare_generation_config(None, **c, eos_token_id=50256, pad_token_id=50256)[0]
         procs = hf_model._get_logits_processor(
             generation_config=gc, input_ids_seq_length=12, logits_processor=LogitsProcessorList(), device="cpu"
         )
-        ref = torch.softmax(procs(input_ids, scores.clone()), dim=-1)
+        ref = torch.softmax(procs(input_ids, sc.clone()), dim=-1)
         s = SamplingSettings(**c)
-        got = torch.softmax(process_logits(scores.clone(), seen_tokens(input_ids, V), s), dim=-1)
+        got = torch.softmax(process_logits(sc.clone(), seen_tokens(input_ids, V), s), dim=-1)
         assert len(procs) > 0, c
         assert torch.equal((got > 0), (ref > 0)), c  # the same tokens are kept
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-9, msg=f"{c}")
+    assert int((got > 0).sum()) == B  # top-p 1e-9: one token a row
 
 
 def test_a_draw_is_torch_multinomials_draw() -> None:
@@ -338,6 +374,32 @@ def test_stop_strings_and_streaming(model: GPT2, tok) -> None:
     assert g.texts == [text[:cut]] == ["".join(t for _, t in pieces)]
     assert g.new_ids[0] == free.new_ids[0][: len(g.new_ids[0])]  # the same tokens, up to the one completing STR
     assert len(tok.decode(g.new_ids[0])) >= cut > len(tok.decode(g.new_ids[0][:-1]))
+
+
+def test_the_stop_string_that_comes_first_ends_the_row_and_an_eos_flushes_a_begun_character(tok) -> None:
+    """The host's side of each row: two stop strings completed by one token cut the text at the first one found; a
+    stop string spanning tokens is found when a shorter one is set too; a row ending at EOS still emits the bytes of
+    a character its last token began (the text is the decode of its tokens, streamed whole)."""
+    from gpt2_port.generate.stopping import Rows
+
+    def run(ids: list[int], stops: list[str], eos: int | None = None) -> tuple[Rows, list[str]]:
+        streamed: list[str] = []
+        rows = Rows(1, torch.device("cpu"), eos, stops, tok, lambda r, t: streamed.append(t))
+        for t in ids:
+            if rows.any_running:
+                rows.accept([t])
+        rows.close(context_limited=False)
+        return rows, streamed
+
+    rows, streamed = run(tok.encode(" hello"), ["llo", "he"])
+    assert rows.texts == [" he"] == ["".join(streamed)] and rows.reasons == ["stop"]
+    rows, _ = run(tok.encode(" hello world again"), ["lo wo", "x"])
+    assert rows.texts == [" hello wo"] and rows.reasons == ["stop"]
+    emoji = tok.encode("ok \U0001f600")
+    ids = [*emoji[:-1], EOT_ID]  # the emoji's last byte never comes
+    assert tok.decode(emoji[:-1]).endswith("\ufffd")
+    rows, streamed = run(ids, [], eos=EOT_ID)
+    assert rows.reasons == ["eos"] and rows.texts == [tok.decode(emoji[:-1])] == ["".join(streamed)]
 
 
 def test_a_row_ended_by_a_stop_string_is_padded_while_the_others_run(model: GPT2, tok) -> None:
