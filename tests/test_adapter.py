@@ -55,6 +55,9 @@ def test_not_causal_mask_rejected():
     sd["h.1.attn.bias"] = torch.ones(1, 1, 16, 16)
     with pytest.raises(CheckpointError, match=r"h\.1\.attn\.bias.*not a causal"):
         hf_to_scratch(sd, CFG)
+    sd["h.1.attn.bias"] = 2 * torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16)  # causal, but not 0/1
+    with pytest.raises(CheckpointError, match=r"h\.1\.attn\.bias.*not a causal \(lower-triangular 0/1\)"):
+        hf_to_scratch(sd, CFG)
 
 
 def test_prefixed_layout_and_errors():

@@ -334,6 +334,12 @@ class Successor:
         )
 
 
+def test_a_tie_between_choices_goes_to_the_first_as_numpys_argmax_gives_it() -> None:
+    from gpt2_port.eval.tasks import _argmax
+
+    assert _argmax([1.0, 2.0, 2.0]) == 1 and _argmax([3.0, 3.0]) == 0 and _argmax([-1.0]) == 0
+
+
 def test_lambada_accuracy_needs_every_target_token_to_be_the_argmax() -> None:
     s = Successor().scorer()
     reqs = [Request([5], [6, 7, 8]), Request([5], [9, 10]), Request([5], [6, 9])]
@@ -374,6 +380,11 @@ def test_lambada_target_is_the_last_word_encoded_with_its_context(tok) -> None:
     assert r.context == tok.encode("He looked at the sky and saw an")
     assert r.context + r.continuation == whole and tok.decode(r.continuation) == " albatross"
     assert len(r.continuation) > 1  # a multi-token word: all of its tokens are the target
+    # lm-eval splits on " " alone: a newline stays in the context, and a double space leaves one at the context's
+    # end, which encode_pair moves to the target
+    (r,) = lambada_requests([{"text": "He said\nhello  there", "_line": 2}], tok.encode, tok.eot_id, "--lambada x")
+    assert tok.decode(r.context) == "He said\nhello" and tok.decode(r.continuation) == "  there"
+    assert r.context + r.continuation == tok.encode("He said\nhello  there")
 
 
 def test_encode_pair_moves_trailing_spaces_to_the_continuation(tok) -> None:

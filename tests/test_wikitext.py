@@ -12,7 +12,7 @@ import pytest
 
 from gpt2_port.cli import main
 from gpt2_port.eval.tasks import hellaswag_prompt
-from gpt2_port.eval.wikitext import detokenize, split_pages, words
+from gpt2_port.eval.wikitext import detokenize, is_title, split_pages, words
 
 pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
 
@@ -53,6 +53,10 @@ def test_the_raw_file_is_cut_into_its_articles_with_their_sections() -> None:
     assert pages[0].startswith(" = Robert Boulter = \n") and " = = Career = = " in pages[0]
     assert " = = = 2000 – 2005 = = = " in pages[0] and pages[1].startswith(" = Du Fu = \n")
     assert "\n".join(pages) == RAW[len(" \n") :]  # nothing lost but the blank line before the first title
+    # a title is "= X =" as a whole line; a line of text that starts with "= " is not one
+    assert is_title(" = Du Fu = \n") and not is_title(" = = Career = = ")
+    assert not is_title(" = 2 + 2 is four , a line of text ")
+    assert len(split_pages(" = A = \n = 2 + 2 is four , a line \n")) == 1
 
 
 def test_the_detokenizer_gives_plain_text() -> None:
