@@ -1301,3 +1301,108 @@ def test_train_takes_the_dtype_names_the_other_commands_use(given: str, dtype: s
 
     args = build_parser().parse_args(["train", "--init", "m", "--data", "d", "--out", "o", "--dtype", given])
     assert given_settings(args)["dtype"] == dtype
+
+
+# -- behaviour a mutation run found unguarded ------------------------------------------------------------------------
+def test_the_optimizer_decays_matrices_only() -> None:
+    """The AdamW the trainer builds (not only param_groups): weight decay on the 2-D weights, none on biases and
+    LayerNorm, every parameter in exactly one group."""
+    from gpt2_port.train.schedule import make_optimizer
+
+    m = GPT2(SMALL)
+    opt = make_optimizer(m, 1e-3, 0.1, (0.9, 0.95), 1e-8, "cpu")
+    decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    names = dict(m.named_parameters())
+    assert len(decay) == len(names) == sum(len(g["params"]) for g in opt.param_groups)
+    assert decay[id(names["wte.weight"])] == 0.1 and decay[id(names["h.0.mlp.c_fc.weight"])] == 0.1
+    assert decay[id(names["ln_f.weight"])] == decay[id(names["h.1.mlp.c_proj.bias"])] == 0.0
+
+
+def test_the_default_min_lr_is_a_tenth_of_lr(tmp_path: Path) -> None:
+    a = TrainArgs(data=str(tmp_path), lr=1e-3, steps=100, warmup=0)
+    assert a.final_min_lr == pytest.approx(1e-4)
+    assert lr_at(99, a.lr, a.final_min_lr, 0, 100) == pytest.approx(1e-4)
+
+
+def test_each_step_and_micro_batch_draws_its_own_dropout_masks() -> None:
+    from types import SimpleNamespace
+
+    t = SimpleNamespace(args=SimpleNamespace(seed=7, grad_accum=2), dist=SimpleNamespace(world_size=1, rank=0))
+    assert len({Trainer._dropout_seed(t, s, m) for s in range(3) for m in range(2)}) == 6  # type: ignore[arg-type]
+
+
+def test_the_sampler_reaches_the_last_window_and_the_first() -> None:
+    """Offsets in [0, n - T - 1]: the last window's target ends on the file's last token; a file of exactly one
+    window (T + 1 tokens) draws offset 0."""
+    assert GlobalBatchSampler(17, 16, 4, 1, 1, 0).next_step(0).tolist() == [[0, 0, 0, 0]]
+    s = GlobalBatchSampler(40, 16, 64, 1, 1, 0)
+    drawn = torch.cat([s.next_step(0).flatten() for _ in range(20)])
+    assert int(drawn.min()) == 0 and int(drawn.max()) == 40 - 16 - 1
+
+
+def test_each_sample_is_seeded_by_its_step(small_ckpt: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The text sampled during training: seed + step, so samples differ from step to step and repeat across runs."""
+    from gpt2_port.train import loop as train_loop
+
+    seeds = []
+    monkeypatch.setattr(train_loop, "generate", lambda *a, seed, **k: seeds.append(seed) or torch.zeros(1, 2).long())
+
+    class Tok:
+        def decode(self, ids: list[int]) -> str:
+            return ""
+
+    data = tmp_path / "d"
+    write_bin(data / "train.bin", list(range(200)))
+    t = Trainer(from_pretrained(small_ckpt)[0], TrainArgs(data=str(data), seed=3), TokenFile(data / "train.bin", 512),
+                None, tmp_path / "out", device=torch.device("cpu"), tokenizer=Tok())  # fmt: skip
+    t.sample(10)
+    t.sample(20)
+    assert seeds == [13, 23]
+
+
+def test_gradient_accumulation_gives_the_step_of_the_whole_batch(small_ckpt: Path, small_data: Path, tmp_path: Path):
+    """--batch-size 1 --grad-accum 2 draws the windows --batch-size 2 draws (one generator for the global batch) and
+    sums each micro-batch's share of the mean: the same loss and gradient norm, to float32 rounding."""
+    runs = {}
+    for name, split in (("whole", ["--batch-size", "2"]), ("accum", ["--batch-size", "1", "--grad-accum", "2"])):
+        out = tmp_path / name
+        argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "2", *FAST]
+        assert train(*argv, *split, "--eval-every", "0", "--dropout", "0") == 0
+        runs[name] = log(out)
+    for a, b in zip(runs["whole"], runs["accum"]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_a_resume_keeps_the_best_validation_loss_it_had(
+    small_ckpt: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation losses 4, 5 | resume | 6, 7: the best stays step 1's (the resumed run must not take its first
+    evaluation as the best and overwrite OUT/best with worse weights)."""
+    from gpt2_port.train.loop import Trainer
+
+    vals = iter([4.0, 5.0, 6.0, 7.0])
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: next(vals))
+    out = tmp_path / "run"
+    common = ["--data", str(small_data), *FAST, "--eval-every", "1", "--steps", "4"]
+    assert train("--init", str(small_ckpt), "--out", str(out), "--stop-at", "2", *common) == 0
+    best = _weights_of(out / "best")
+    assert train("--resume", str(out), *common) == 0
+    st = trainer_state.load(out)
+    assert (st.best_val_loss, st.best_step) == (4.0, 1)
+    after = _weights_of(out / "best")
+    assert all(torch.equal(best[k], after[k]) for k in best)  # OUT/best still holds step 1's weights
+
+
+def _weights_of(d: Path) -> dict[str, torch.Tensor]:
+    from gpt2_port.io.safetensors_io import SafetensorsFile
+
+    st = SafetensorsFile(d / "model.safetensors")
+    return {k: st.get(k).clone() for k in st.keys()}
+
+
+def test_the_last_step_is_evaluated_when_the_cadence_skips_it(small_ckpt: Path, small_data: Path, tmp_path: Path):
+    out = tmp_path / "run"
+    argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "3", *FAST]
+    assert train(*argv, "--eval-every", "2") == 0
+    assert [r["step"] for r in log(out) if r.get("val_loss") is not None] == [2, 3]
