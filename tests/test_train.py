@@ -1406,3 +1406,13 @@ def test_the_last_step_is_evaluated_when_the_cadence_skips_it(small_ckpt: Path, 
     argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(out), "--steps", "3", *FAST]
     assert train(*argv, "--eval-every", "2") == 0
     assert [r["step"] for r in log(out) if r.get("val_loss") is not None] == [2, 3]
+
+
+def test_restoring_the_generators_puts_torchs_cpu_generator_back() -> None:
+    """The training loop reseeds what it draws, but a resumed process's global generator is the saved one too (a
+    callback or a user's code drawing from it continues the same sequence)."""
+    saved = trainer_state.rng_tensors(torch.tensor([1, 2]))
+    expected = torch.rand(3)
+    torch.rand(5)  # the generator moves on
+    assert torch.equal(trainer_state.restore_rng(saved), torch.tensor([1, 2]))
+    assert torch.equal(torch.rand(3), expected)
