@@ -1283,6 +1283,13 @@ def c_eval_data_bin_written_as_int32(tmp: Path, base: Path) -> dict:
 
 
 @case
+def c_eval_data_val_bin_empty(tmp: Path, base: Path) -> dict:
+    d = _train_data(tmp)
+    (d / "val.bin").write_bytes(b"")
+    return {"argv": ["eval", str(base), "--data", str(d)], "expect": ["val.bin", "holds 0 tokens", "more text"]}
+
+
+@case
 def c_eval_data_without_val_bin(tmp: Path, base: Path) -> dict:
     d = _train_data(tmp)
     (d / "val.bin").unlink()

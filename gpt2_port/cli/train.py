@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     train_data = open_split(targs.data, "train", cfg.vocab_size, block)
     val_data = None
     if (Path(targs.data) / "val.bin").is_file():
-        val_data = open_split(targs.data, "val", cfg.vocab_size, block)
+        val_data = open_split(targs.data, "val", cfg.vocab_size, block, optional=True)
     elif dist.is_main:
         sys.stderr.write(f"note: {targs.data} has no val.bin: no validation loss, no OUT/best\n")
     mem = None

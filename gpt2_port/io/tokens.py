@@ -79,7 +79,7 @@ class TokenFile:
     """A validated, memory-mapped `.bin` of token ids: every id < `vocab_size`, at least `min_tokens` of them."""
 
     def __init__(self, path: str | os.PathLike[str], vocab_size: int, min_tokens: int = 2, also: str = "") -> None:
-        """`also`: one more way out, named when the file is too short (the split it is, left out)."""
+        """`also`: one more way out, named beside a smaller block size and more text when the file is too short."""
         p = Path(path)
         if not p.is_file():
             raise UsageError(f"{p}: no such file (expected token ids as little-endian uint16, nanoGPT's .bin)")
@@ -99,6 +99,8 @@ class TokenFile:
         if size % BIN_DTYPE.itemsize:
             raise UsageError(f"{p}: {size} bytes is not a whole number of uint16 token ids (truncated?)")
         n = size // BIN_DTYPE.itemsize
+        if n == 0:
+            raise UsageError(f"{p}: holds 0 tokens; expected more text (gpt2-port prepare)")
         if n < min_tokens:
             fixes = [f"a --block-size of at most {n - 1}"] if n > 1 else []
             fixes += [also] if also else []
@@ -151,13 +153,16 @@ class TokenFile:
         return torch.from_numpy(self.ids[idx].astype(np.int64))
 
 
-def open_split(data_dir: str | os.PathLike[str], split: str, vocab_size: int, block_size: int) -> TokenFile:
-    """DIR/{split}.bin, as `gpt2-port prepare` writes it; a missing file names what the directory should hold."""
+def open_split(
+    data_dir: str | os.PathLike[str], split: str, vocab_size: int, block_size: int, optional: bool = False
+) -> TokenFile:
+    """DIR/{split}.bin, as `gpt2-port prepare` writes it; a missing file names what the directory should hold.
+    `optional`: the caller runs without the file too (train without val.bin), a way out a short file names."""
     d = Path(data_dir)
     if not d.is_dir():
         raise UsageError(f"--data {d}: not a directory (expected the output of gpt2-port prepare: train.bin, val.bin)")
     f = d / f"{split}.bin"
     if not f.is_file():
         raise UsageError(f"--data {d}: no {split}.bin (expected the output of gpt2-port prepare: train.bin, val.bin)")
-    also = "no val.bin (training without a validation loss)" if split == "val" else ""
+    also = f"no {split}.bin (training without a validation loss)" if optional else ""
     return TokenFile(f, vocab_size, min_tokens=block_size + 1, also=also)
