@@ -11,12 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy, same_tokens_where_decided
+from conftest import hf_greedy, same_tokens_where_decided, weights
 
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
 from gpt2_port.io.demo import write_demo_checkpoint
-from gpt2_port.io.safetensors_io import SafetensorsFile
 
 pytestmark = [pytest.mark.cuda, pytest.mark.exactness]
 SMALL = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=512)
@@ -45,11 +44,6 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _log(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
-
-
-def _weights(d: Path) -> dict[str, torch.Tensor]:
-    st = SafetensorsFile(d / "model.safetensors")
-    return {k: st.get(k).clone() for k in st.keys()}
 
 
 def _train(ck: Path, data: Path, out: Path, *extra: str) -> int:
@@ -108,7 +102,7 @@ def test_training_runs_on_cuda_and_resumes_exactly(small: tuple[Path, Path], tmp
     assert main(["train", "--resume", str(part), "--device", "cuda", "--no-plot"]) == 0
     a, b = _log(full), _log(part)
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
-    wa, wb = _weights(full), _weights(part)
+    wa, wb = weights(full), weights(part)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     from gpt2_port.train.throughput import peak_flops
 
@@ -168,7 +162,7 @@ def test_bf16_training_on_cuda_pads_the_fused_head_by_default_and_keeps_the_real
         common = ["--device", "cuda", "--dtype", "bf16", "--steps", "4", "--dropout", "0", "--json", str(js)]
         assert _train(ck, data, tmp_path / pad, *common, "--pad-vocab", pad) == 0
         runs[pad] = (_log(tmp_path / pad), json.loads(js.read_text()))
-        assert _weights(tmp_path / pad)["wte.weight"].shape[0] == SMALL.vocab_size
+        assert weights(tmp_path / pad)["wte.weight"].shape[0] == SMALL.vocab_size
     assert runs["1"][1]["head_vocab"] == 512 and runs["96"][1]["head_vocab"] == 576
     assert len(runs["1"][0]) == len(runs["96"][0]) == 4
     for a, b in zip(runs["1"][0], runs["96"][0]):

@@ -1386,19 +1386,12 @@ def test_a_resume_keeps_the_best_validation_loss_it_had(
     out = tmp_path / "run"
     common = ["--data", str(small_data), *FAST, "--eval-every", "1", "--steps", "4"]
     assert train("--init", str(small_ckpt), "--out", str(out), "--stop-at", "2", *common) == 0
-    best = _weights_of(out / "best")
+    best = weights(out / "best")
     assert train("--resume", str(out), *common) == 0
     st = trainer_state.load(out)
     assert (st.best_val_loss, st.best_step) == (4.0, 1)
-    after = _weights_of(out / "best")
+    after = weights(out / "best")
     assert all(torch.equal(best[k], after[k]) for k in best)  # OUT/best still holds step 1's weights
-
-
-def _weights_of(d: Path) -> dict[str, torch.Tensor]:
-    from gpt2_port.io.safetensors_io import SafetensorsFile
-
-    st = SafetensorsFile(d / "model.safetensors")
-    return {k: st.get(k).clone() for k in st.keys()}
 
 
 def test_the_last_step_is_evaluated_when_the_cadence_skips_it(small_ckpt: Path, small_data: Path, tmp_path: Path):
