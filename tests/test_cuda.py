@@ -325,7 +325,7 @@ def _syncs(fn) -> int:  # noqa: ANN001
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in seen) + len(events)
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in seen) + len(events)
 
 
 def test_reading_a_steps_ids_waits_for_their_copy_not_for_the_work_queued_after_it() -> None:
