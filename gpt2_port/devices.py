@@ -46,6 +46,13 @@ def host_readable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not compiling()
 
 
+def value_range(t: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty integer tensor, read in one transfer: one device sync where `int(t.min())` and
+    `int(t.max())` would wait twice."""
+    lo, hi = torch.stack(torch.aminmax(t)).tolist()
+    return lo, hi
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast casts matmul inputs to on this device type, or None when autocast is off (or this device
     type has none: meta; named, as torch.amp.is_autocast_available would be a graph break under torch.compile)."""

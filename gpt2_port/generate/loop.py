@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..devices import value_range
 from ..errors import UsageError
 from ..io.tokenizer import EOT_ID, Tokenizer
 from .choose import NONFINITE, OK, NextToken, nonfinite_message, overflow_message
@@ -81,7 +82,7 @@ def _check_prompt(model: CausalLM, input_ids: torch.Tensor, attention_mask: torc
     B, T = input_ids.shape
     if B == 0 or T == 0:
         raise UsageError("empty prompt: input_ids holds no tokens (expected at least one token per row)")
-    lo, hi = int(input_ids.min()), int(input_ids.max())
+    lo, hi = value_range(input_ids)
     if lo < 0 or hi >= cfg.vocab_size:
         bad = lo if lo < 0 else hi
         raise UsageError(f"input_ids: token id {bad} is out of range (expected 0 <= id < {cfg.vocab_size})")

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import GPT2Config
-from ..devices import compiling, host_readable
+from ..devices import compiling, host_readable, value_range
 from ..errors import UsageError
 from ..generate.cache import KVCache
 from ..generate.int8 import is_quantized
@@ -324,7 +324,7 @@ class GPT2(GenerationMixin, nn.Module):
                 "input_ids.to(model.device) (and the same for attention_mask, labels and targets)"
             )
         if input_ids.numel() and host_readable(input_ids):
-            lo, hi = int(input_ids.min()), int(input_ids.max())
+            lo, hi = value_range(input_ids)
             if lo < 0 or hi >= V:
                 raise UsageError(f"input_ids: token id {lo if lo < 0 else hi} is out of range (expected 0 <= id < {V})")
         if labels is not None and targets is not None:

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ..devices import value_range
 from ..errors import UsageError
 
 
@@ -53,7 +54,7 @@ def check_positions(
             raise UsageError(
                 f"position_ids of shape {tuple(p.shape)} {given()}: expected ({B}, {T}), (1, {T}) or ({T},)"
             )
-        lo, hi = (int(p.min()), int(p.max())) if values and p.numel() else (0, 0)
+        lo, hi = value_range(p) if values and p.numel() else (0, 0)
         if lo < 0 or hi >= n_positions:
             raise UsageError(
                 f"position_ids: {lo if lo < 0 else hi} is out of range (expected 0 <= position < {n_positions})"
