@@ -74,6 +74,39 @@ def greedy_hf(
     return out[:, ids.shape[1] :]
 
 
+@torch.inference_mode()
+def first_difference(ref: torch.nn.Module, ids: torch.Tensor, theirs: list[int], ours: list[int]) -> dict:
+    """Where our greedy continuation of the (1, P) prompt `ids` leaves transformers' (`theirs`, from `greedy_hf` on
+    `ref`), and how far apart the two tokens were in transformers' own scores at that step: the scores `generate`
+    chose from (its greedy run again, to that step, with output_scores), its token's minus ours. 0 is a tie in
+    transformers' own arithmetic, which its argmax broke by the lower id: a token either side of a tie is as right as
+    the other, and the texts part there. `reference_top2_gap`: its best score minus its second best."""
+    k = same_prefix(ours, theirs)
+    if k == min(len(ours), len(theirs)):
+        raise ValueError("first_difference: the two continuations do not differ")
+    out = ref.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=k + 1,
+        min_new_tokens=None,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=50256,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    if out.sequences[0, ids.shape[1] :].tolist() != theirs[: k + 1]:
+        raise RuntimeError("transformers' greedy run did not repeat its own tokens: its kernels are not deterministic")
+    scores = out.scores[k][0].float()  # (V,)
+    top2 = scores.topk(2).values
+    return {
+        "step": k,
+        "reference_margin": float(scores[theirs[k]] - scores[ours[k]]),
+        "reference_top2_gap": float(top2[0] - top2[1]),
+    }
+
+
 def same_prefix(a: list[int], b: list[int]) -> int:
     """How many tokens two greedy continuations share before their first difference (after it, positions compare
     continuations of different texts: counting matches there would mean nothing)."""

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode import greedy_hf, greedy_ours, same_prefix, sampled_ours
+from benchmarks.decode import first_difference, greedy_hf, greedy_ours, same_prefix, sampled_ours
 from gpt2_port.config import PRESETS, GPT2Config
 from gpt2_port.devices import out_of_memory, parse_device
 from gpt2_port.errors import GPT2PortError, UsageError
@@ -533,7 +533,15 @@ def _batch1(
         into[dname] = _decode_rows(runs, N, bw, param_bytes, peak_GB(dev))
         save()
 
-    _interleaved(fns, dev, a.rounds, record)
+    runs = _interleaved(fns, dev, a.rounds, record)
+    theirs = runs.get("transformers", {}).get("tokens")
+    for name, r in runs.items():  # where a path's tokens leave transformers': by how much transformers chose its own
+        if theirs and r.get("tokens") and r["tokens"] != theirs and name in into.get(dname, {}).get("rows", {}):
+            try:
+                into[dname]["rows"][name]["first_difference"] = first_difference(hf, ids, theirs, r["tokens"])
+            except Exception as e:  # noqa: BLE001 - the figures measured stand without it
+                into[dname]["rows"][name]["first_difference"] = failure(e)
+    save()
 
 
 def _decode_rows(runs: dict[str, dict], N: int, bw: float, param_bytes: int, peak: float | None) -> dict:
@@ -660,6 +668,7 @@ def render(res: dict) -> str:
                         continue
                     vs = f"{x['tok_s'] / base:.2f}x" if base else "-"
                     same = "-" if x["same_tokens"] is None else f"{x['same_tokens']}/{r['new_tokens']}"
+                    same += _parting(x.get("first_difference"))
                     out.append(f"| {name} | {x['tok_s']:,.1f} | {vs} | {x['tok_s'] / d['cap_tok_s']:.0%} | {same} |")
                 out.append("")
             sampled_in = f", {r['batched_dtype']}" if "batched_dtype" in r else ""  # older results lack it
@@ -680,6 +689,16 @@ def render(res: dict) -> str:
                 out.append(f"| {B} | {o:,.0f} | {h:,.0f} | {o / h:.2f}x |")
             out.append("")
     return "\n".join(out) + "\n"
+
+
+def _parting(d: dict | None) -> str:
+    """ " (then a tie in transformers' scores)" or " (transformers' token ahead by 0.031)": how the tokens parted."""
+    if not d or "reference_margin" not in d:
+        return ""
+    if d["reference_margin"] == 0:
+        return " (then a tie in transformers' own scores)"
+    lead, gap = d["reference_margin"], d["reference_top2_gap"]
+    return f" (then transformers' token ahead by {lead:.3g}; its top two {gap:.3g} apart)"
 
 
 def _against_float32(batch1: dict) -> str:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from benchmarks.__main__ import main as bench_main
-from benchmarks.decode import greedy_hf, greedy_ours, same_prefix
+from benchmarks.decode import first_difference, greedy_hf, greedy_ours, same_prefix
 from benchmarks.report import BEGIN, END, update_markdown
 from gpt2_port.model import from_pretrained
 
@@ -43,6 +43,34 @@ def test_greedy_loops_agree(tiny_official: Path) -> None:
     assert same_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2 and same_prefix([1, 2], [1, 2]) == 2
     with pytest.raises(ValueError, match="static cache only"):
         greedy_hf(ref, ids, 6, compiled=True)
+
+
+def test_where_tokens_part_the_row_says_by_how_much_transformers_chose_its_own(tiny_official: Path) -> None:
+    """first_difference reads transformers' own scores at the step where another path's greedy tokens leave its own:
+    0 where two tokens tie there (here two identical rows of the tied head: their scores are equal at every step), a
+    positive lead otherwise; the table says which."""
+    from transformers import GPT2LMHeadModel
+
+    from benchmarks.gpu import _parting
+
+    ref = GPT2LMHeadModel.from_pretrained(tiny_official).eval()
+    ref.generation_config.eos_token_id = None
+    ids = torch.randint(0, 50257, (1, 5), generator=torch.Generator().manual_seed(1))
+    theirs = greedy_hf(ref, ids, 6)[0].tolist()
+    k, i = 3, theirs[3]
+    j = next(t for t in range(i + 1, 50257) if t not in ids[0].tolist() + theirs)  # a higher id, seen nowhere
+    with torch.no_grad():
+        ref.transformer.wte.weight[j] = ref.transformer.wte.weight[i]  # j's score is i's: argmax keeps the lower id
+    assert greedy_hf(ref, ids, 6)[0].tolist() == theirs
+    tie = first_difference(ref, ids, theirs, theirs[:k] + [j, 1, 2])
+    assert tie == {"step": k, "reference_margin": 0.0, "reference_top2_gap": 0.0}
+    assert _parting(tie) == " (then a tie in transformers' own scores)"
+    other = next(t for t in range(50257) if t not in (i, j))
+    lead = first_difference(ref, ids, theirs, theirs[:k] + [other])
+    assert lead["step"] == k and lead["reference_margin"] > 0 and lead["reference_top2_gap"] == 0
+    assert _parting(lead).startswith(" (then transformers' token ahead by ")
+    with pytest.raises(ValueError, match="do not differ"):
+        first_difference(ref, ids, theirs, theirs)
 
 
 def test_the_compiled_transformers_row_is_an_error_where_generate_did_not_compile(tiny_official: Path) -> None:
@@ -547,6 +575,30 @@ def test_a_decode_loop_failing_in_a_timed_round_is_left_out_not_fatal() -> None:
     out = gpu._interleaved({"steady": lambda: torch.tensor([[1, 2]]), "flaky": flaky}, torch.device("cpu"), 4)
     assert len(out["steady"]["times"]) == 4 and out["steady"]["tokens"] == [1, 2]
     assert out["flaky"] == {"error": "out of memory"} and calls["flaky"] == 3
+
+
+def test_a_path_whose_tokens_leave_transformers_gets_where_and_by_how_much(tmp_path: Path, monkeypatch) -> None:
+    """The decode benchmark adds first_difference to a row whose tokens part from transformers' (here ours with its
+    last token changed): the step, transformers' lead there, in the JSON and in the table; rows that agree get none."""
+    from benchmarks import gpu
+
+    real = gpu.greedy_ours
+
+    def parts_at_the_last(*args, **kwargs) -> torch.Tensor:  # noqa: ANN002, ANN003
+        out = real(*args, **kwargs).clone()
+        out[:, -1] = (out[:, -1] + 1) % 50257
+        return out
+
+    monkeypatch.setattr(gpu, "greedy_ours", parts_at_the_last)
+    argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "4", "--batches", "", "--rounds", "1"]
+    argv += ["--dtypes", "float32", "--weights-dir", str(tmp_path / "w"), "--out", str(tmp_path / "d.json")]
+    assert gpu.main(argv) == 0
+    d = json.loads((tmp_path / "d.json").read_text())
+    rows = d["sizes"]["tiny"]["batch1"]["float32"]["rows"]
+    assert rows["ours"]["same_tokens"] == 3 and rows["ours"]["first_difference"]["step"] == 3
+    assert rows["ours"]["first_difference"]["reference_margin"] > 0
+    assert "first_difference" not in rows["transformers, static cache"]
+    assert "| 3/4 (then transformers' token ahead by " in gpu.render(d)
 
 
 def test_the_dtype_decode_script_times_each_dtype_with_and_without_the_fast_head(tiny_official: Path) -> None:
