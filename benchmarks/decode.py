@@ -15,11 +15,17 @@ from gpt2_port.model import GPT2
 
 
 @torch.inference_mode()
-def greedy_ours(model: GPT2, ids: torch.Tensor, new_tokens: int, cuda_graph: bool = True) -> torch.Tensor:
+def greedy_ours(
+    model: GPT2, ids: torch.Tensor, new_tokens: int, cuda_graph: bool = True, compile_step: str | None = None
+) -> torch.Tensor:
     """(B, P) prompt -> (B, new_tokens) greedy continuation through `generate` (the product path), no EOS stop. On
     CUDA with `cuda_graph` a step that was not replayed as a CUDA graph (its capture failed: the same step ran
-    eagerly) is an error, so the row timed under the graph's name is the graph."""
-    g = generate_full(model, ids, new_tokens, do_sample=False, eos_token_id=None, cuda_graph=cuda_graph)
+    eagerly) is an error, so the row timed under the graph's name is the graph; with `compile_step` (a torch.compile
+    backend: `generate --compile`) so is a step that did not run compiled."""
+    opts = dict(do_sample=False, eos_token_id=None, cuda_graph=cuda_graph, compile_step=compile_step or False)
+    g = generate_full(model, ids, new_tokens, **opts)
+    if compile_step and not g.extra["step"].endswith("(compiled)"):
+        raise RuntimeError(f"the decode step ran as {g.extra['step']!r}, not compiled (see the log)")
     return _continuation(model, g, ids, new_tokens, cuda_graph)
 
 
@@ -37,7 +43,7 @@ def _continuation(model: GPT2, g: Generation, ids: torch.Tensor, new_tokens: int
     """The new tokens of `generate_full`'s result `g`, checked: exactly `new_tokens` of them, and on CUDA with
     `cuda_graph` every step replayed as the CUDA graph (a failed capture runs the same step eagerly, and a row timed
     under the graph's name must not time that)."""
-    if cuda_graph and model.device.type == "cuda" and g.extra["step"] != "cuda graph":
+    if cuda_graph and model.device.type == "cuda" and not g.extra["step"].startswith("cuda graph"):
         raise RuntimeError(f"the decode step ran as {g.extra['step']!r}, not as a CUDA graph (see the log)")
     out = g.sequences
     if out.shape[1] != ids.shape[1] + new_tokens:

@@ -519,12 +519,12 @@ def _batch1(
     ours, _ = from_pretrained(ck, dtype=dt, device=dev)
     hf = _hf(ck, dev).to(dt).eval()
     hf.generation_config.eos_token_id = None
-    fns = {
-        "ours": partial(greedy_ours, ours, ids, N),
-        "ours, no cuda graph": partial(greedy_ours, ours, ids, N, cuda_graph=False),
-        "transformers": partial(greedy_hf, hf, ids, N),
-        "transformers, static cache": partial(greedy_hf, hf, ids, N, static=True),
-    }
+    fns = {"ours": partial(greedy_ours, ours, ids, N)}
+    if not a.no_compile:  # `generate --compile`: the step compiled (on CUDA, then recorded as the graph)
+        fns["ours, compiled"] = partial(greedy_ours, ours, ids, N, compile_step=a.compile_backend)
+    fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
+    fns["transformers"] = partial(greedy_hf, hf, ids, N)
+    fns["transformers, static cache"] = partial(greedy_hf, hf, ids, N, static=True)
     if dev.type == "cuda" and not a.no_hf_compile:  # generate compiles the static-cache forward on a GPU only
         fns["transformers, static cache, compiled"] = partial(greedy_hf, hf, ids, N, static=True, compiled=True)
     param_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
@@ -755,7 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=5, help="train: steps before timing (compilation happens here)")
     p.add_argument("--steps", type=int, default=20, help="train: timed steps")
-    p.add_argument("--no-compile", action="store_true", help="train: the eager sides only")
+    p.add_argument(
+        "--no-compile", action="store_true", help="train: the eager sides only; decode: leave out ours compiled"
+    )
     p.add_argument(
         "--key-only",
         action="store_true",

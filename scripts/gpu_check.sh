@@ -199,7 +199,7 @@ for phase in "$@"; do
       step smoke-head-padding "$PY" -m benchmarks.head_padding --device cpu --rows 8 --width 16 --vocab 97 \
         --rounds 1 --chunk-rows 3,8 --json "$RESULTS/smoke-head-padding.json"
       step smoke-decode "$PY" -m benchmarks.gpu decode --device cpu --sizes tiny --new-tokens 8 --batches 2 \
-        --rounds 1 --out "$RESULTS/smoke-decode.json"
+        --rounds 1 --compile-backend eager --out "$RESULTS/smoke-decode.json"
       eval_check cpu 2000 float32
       ;;
   esac

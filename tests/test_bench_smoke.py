@@ -245,6 +245,7 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG" and "ours fast eager" in text
     assert f"gpt2-port train loop: attention {rows[loops[0]]['attention']}" in text
     argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "4", "--batches", "2", "--rounds", "1"]
+    argv += ["--compile-backend", "eager"]  # dynamo's graphs, eager kernels: no inductor compile here
     assert gpu.main([*argv, "--weights-dir", w, "--out", str(tmp_path / "d.json")]) == 0
     d = json.loads((tmp_path / "d.json").read_text())
     b1 = d["sizes"]["tiny"]["batch1"]
@@ -253,6 +254,7 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     assert f"ours in bfloat16 {vs[0]:.2f}x, float16 {vs[1]:.2f}x of ours in float32 (batch 1)" in gpu.render(d)
     rows = d["sizes"]["tiny"]["batch1"]["float32"]["rows"]
     assert rows["ours"]["same_tokens"] == 4 and d["bandwidth_GBps"] > 0
+    assert rows["ours, compiled"]["same_tokens"] == 4  # `generate --compile`'s step (here dynamo's eager backend)
     assert set(d["sizes"]["tiny"]["batched"]["2"]) == {"ours", "transformers"}
     assert "### tiny: sampled, padded batches (top-k 50), float32" in gpu.render(d)  # the dtype they ran in
     assert d["command"].startswith("python -m benchmarks.gpu decode --device cpu")
@@ -284,6 +286,7 @@ def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytes
     real_write = gpu.write_output
     seen = lambda p, text, what: saved.append(json.loads(text)) if what == "--out" else real_write(p, text, what)  # noqa: E731
     argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "3", "--batches", "1", "--rounds", "2"]
+    argv += ["--compile-backend", "eager"]  # dynamo's graphs, eager kernels: no inductor compile here
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gpu, "write_output", seen)
         assert gpu.main([*argv, "--weights-dir", w, "--out", str(tmp_path / "d.json")]) == 0
@@ -354,6 +357,7 @@ def test_a_failing_side_leaves_the_others_and_fp16_trains_with_a_grad_scaler(tmp
 
     monkeypatch.setattr(gpu, "greedy_hf", no_static)
     argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "3", "--batches", "", "--rounds", "1"]
+    argv += ["--compile-backend", "eager"]  # dynamo's graphs, eager kernels: no inductor compile here
     assert gpu.main([*argv, "--weights-dir", w, "--out", str(out), "--markdown", str(tmp_path / "d.md")]) == 0
     rows = json.loads(out.read_text())["sizes"]["tiny"]["batch1"]["float32"]["rows"]
     assert rows["transformers, static cache"] == {"error": "ValueError: static cache refused"}
@@ -591,6 +595,7 @@ def test_a_path_whose_tokens_leave_transformers_gets_where_and_by_how_much(tmp_p
 
     monkeypatch.setattr(gpu, "greedy_ours", parts_at_the_last)
     argv = ["decode", "--device", "cpu", "--sizes", "tiny", "--new-tokens", "4", "--batches", "", "--rounds", "1"]
+    argv += ["--compile-backend", "eager"]  # dynamo's graphs, eager kernels: no inductor compile here
     argv += ["--dtypes", "float32", "--weights-dir", str(tmp_path / "w"), "--out", str(tmp_path / "d.json")]
     assert gpu.main(argv) == 0
     d = json.loads((tmp_path / "d.json").read_text())

@@ -194,6 +194,33 @@ def test_the_cuda_graph_decode_gives_the_eager_steps_tokens(tiny_official: Path)
         assert first.capture_s > 0 and graph.capture_s == 0 and graph.decode_s > 0  # recorded once, not counted
 
 
+def test_the_compiled_step_recorded_as_a_cuda_graph_gives_the_uncompiled_graphs_tokens(tiny_official: Path) -> None:
+    """`compile_step=True` (`generate --compile`): inductor's triton kernels, compiled once during the graph's warm-up
+    and recorded in it; float32 and bf16 tokens are the uncompiled graph's wherever the scores decide them, the step
+    is traced once for the whole generation, and the second generation replays the kept graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full
+
+    for dtype in (torch.float32, torch.bfloat16):
+        m = GPT2.from_pretrained(str(tiny_official), dtype=dtype, device="cuda")
+        ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
+        opts = dict(eos_token_id=None, output_scores=True)
+        plain = generate_full(m, ids, 40, **opts)
+        inductor = CompileCounterWithBackend("inductor")
+        first = generate_full(m, ids, 40, compile_step=inductor, **opts)
+        again = generate_full(m, ids, 40, compile_step=inductor, **opts)
+        assert plain.extra["step"] == "cuda graph"
+        assert first.extra["step"] == again.extra["step"] == "cuda graph (compiled)", first.extra
+        assert inductor.frame_count == 1 and first.capture_s > 0 and again.capture_s == 0
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        want, want_scores = plain.sequences[:, 5:].cpu(), [s.cpu() for s in plain.scores]
+        for g in (first, again):
+            got, got_scores = g.sequences[:, 5:].cpu(), [s.cpu() for s in g.scores]
+            assert min(same_tokens_where_decided(want, want_scores, got, got_scores, tol)) >= 1, dtype
+
+
 @pytest.mark.parametrize("rows", [8, 32, 64])
 def test_a_padded_sampled_batch_runs_through_the_captured_step_with_the_eager_steps_tokens(
     tiny_official: Path, rows: int

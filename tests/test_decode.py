@@ -469,7 +469,7 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     fwd = ForwardSteps(model, seq, None, None)
     fwd.prefill(seq[:, :3], None)
     fwd.next(seq[:, 3], 3)
-    plan = SimpleNamespace(step=call, static_step=lambda cache: call())
+    plan = SimpleNamespace(step=call, static_step=lambda cache, views: call(), cache_views=lambda cache: None)
     PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
     # the static step's prefill (a new prompt length, a new shape) and its fixed-shape step
     cache = SimpleNamespace(k=torch.zeros(1), v=torch.zeros(1), length=0, start=lambda mask, n: None)
@@ -524,7 +524,7 @@ def test_forced_decoding_reads_each_step_before_a_replay_overwrites_it(tiny_offi
     assert path == "static"
     made = steps_mod.static_steps
     monkeypatch.setattr(steps_mod, "CapturedStep", Replayed)
-    monkeypatch.setattr(steps_mod, "static_steps", lambda m, plan, B, L, cuda_graph: made(m, plan, B, L, True))
+    monkeypatch.setattr(steps_mod, "static_steps", lambda m, plan, B, L, graph, compiled: made(m, plan, B, L, True))
     replayed, path = forced_logits(model, ids, mask, 5, static_cache=True)
     assert path == "cuda graph"
     assert torch.equal(replayed, eager)  # (B, 4, V): the prefill, then 3 steps

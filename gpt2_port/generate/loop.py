@@ -105,6 +105,24 @@ def _check_prompt(model: CausalLM, input_ids: torch.Tensor, attention_mask: torc
             raise UsageError("attention_mask must be left-padded (zeros first, then ones) in every row")
 
 
+def _backend(compile_step: bool | str | Callable) -> str | Callable | None:
+    """generate's compile_step as a torch.compile backend (a name, or a backend callable as torch.compile takes), or
+    None (not compiled)."""
+    if compile_step is True:
+        return "inductor"
+    if not compile_step:
+        return None
+    if callable(compile_step):
+        return compile_step
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if compile_step not in known:
+        raise UsageError(
+            f"compile_step: {compile_step!r} is not a torch.compile backend (expected True, or a name that "
+            "torch._dynamo.list_backends() gives, such as 'inductor')"
+        )
+    return str(compile_step)
+
+
 def _prepare(
     model: CausalLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, num_return_sequences: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -181,6 +199,7 @@ def generate_full(
     fast_step: bool = True,
     static_cache: bool | None = None,
     cuda_graph: bool = True,
+    compile_step: bool | str | Callable = False,
     progress: Callable[[int], None] | None = None,
     output_scores: bool = False,
     **sampling: object,
@@ -196,6 +215,11 @@ def generate_full(
     static_cache: decode over fixed-size buffers with a mask, every shape the same for the whole generation (None:
     on CUDA, where it lets the step be captured; elsewhere the plan over a growing cache is faster).
     cuda_graph: on CUDA, record the static step once as a CUDA graph and replay it (False: run it eagerly).
+    compile_step: torch.compile the static step (True: inductor, which fuses each block's elementwise work into a few
+    kernels; a name or a callable: another backend, as torch.compile takes it), compiled once per kept step (batch,
+    length bucket, dtype) and then, on CUDA, recorded as the CUDA graph. Implies the static cache unless static_cache
+    is False. The compiled step computes the same function with other roundings (its tokens, not its bits, are the
+    uncompiled step's); a compile that fails is logged and the step runs uncompiled.
     progress: called after each step with the number of new tokens made so far (all rows).
     output_scores: keep each step's scores in `Generation.scores` (the fast greedy head is then off: it makes no
     logits; the tokens are the same, as it proves).
@@ -238,6 +262,7 @@ def generate_full(
         full_mask[:, :T] = attention_mask
     seen = seen_tokens(input_ids, cfg.vocab_size, attention_mask) if settings.repetition_penalty != 1.0 else None
     how = {"use_cache": use_cache, "fast_step": fast_step, "static_cache": static_cache, "cuda_graph": cuda_graph}
+    how["compile_step"] = _backend(compile_step)
     steps = decode_steps(model, B, L, seq, full_mask, how)
     scores: list[torch.Tensor] | None = [] if output_scores else None
     hold = (eos_token_id, min_new_tokens) if eos_token_id is not None and min_new_tokens > 0 else None

@@ -13,13 +13,18 @@
   the eager fallback run the same kernel either way. A captured step is kept on the
   model for the next call with the same batch, length bucket (cache.static_len) and dtype; it holds the model only
   weakly, so `del model` frees the model, its kept caches and their graphs without waiting for the garbage collector.
+  With `compile_step` (`generate --compile`) the static step goes through torch.compile first (`CompiledStep`: one
+  graph, static shapes, traced once per kept step; inductor fuses each block's layer norms, GELU and residual adds
+  into a few kernels, where the eager step launches about 20 a block), then is captured as above.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -69,24 +74,67 @@ class PlanSteps(ForwardSteps):
             return self.plan.step(self.seq[:, slot:S], self.cache, mask)
 
 
+class CompiledStep:
+    """`fn` through torch.compile (`backend`, one whole graph, static shapes: the static step's every shape is the
+    generation's), compiled on the first call. A compile or a compiled call that fails (no C compiler, no triton, a
+    backend error; out of memory aside) is logged once and `fn` runs eagerly from then on: the same step uncompiled."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], backend: str | Callable) -> None:
+        self.fn, self.backend = fn, backend
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+        self.failed = False
+        self.compile_s = 0.0  # the first call's time: the compile (waited for where it runs eagerly)
+
+    def __call__(self) -> torch.Tensor:
+        if not self.failed:
+            try:
+                if self.compile_s == 0.0:
+                    t0 = time.perf_counter()
+                    out = self.compiled()
+                    self.compile_s = time.perf_counter() - t0
+                    return out
+                return self.compiled()
+            except torch.cuda.OutOfMemoryError:
+                raise  # the eager step would need the memory too
+            except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager step, which is the same
+                log.warning("the decode step could not be compiled (%s: %s); it runs uncompiled", type(e).__name__, e)
+                self.failed = True
+        return self.fn()
+
+
 class StaticSteps:
-    def __init__(self, model: CausalLM, plan, cache: StaticKVCache, cuda_graph: bool) -> None:  # noqa: ANN001
+    def __init__(  # noqa: ANN001
+        self,
+        model: CausalLM,
+        plan,
+        cache: StaticKVCache,
+        cuda_graph: bool,
+        compile_step: str | Callable | None = None,
+    ) -> None:
         self._model = weakref.ref(model)  # kept on the model: a strong reference would be a cycle
         self.plan, self.cache = plan, cache
         device = model.device  # type: ignore[attr-defined]
+        views = plan.cache_views(cache)
 
         def step() -> torch.Tensor:
             with without_cudnn_attention(device):  # the kernel the graph records, and the same when run eagerly
-                return plan.static_step(cache)
+                return plan.static_step(cache, views)
 
-        self.run = CapturedStep(step, cache.k.device) if cuda_graph else step
+        self.compiled = CompiledStep(step, compile_step) if compile_step else None
+        body = self.compiled or step
+        self.run = CapturedStep(body, cache.k.device) if cuda_graph else body
 
     @property
     def name(self) -> str:
-        """The step as generate reports it: cuda graph, static, or static (capture failed)."""
+        """The step as generate reports it: "cuda graph", "static", or "static (capture failed)"; with
+        " (compiled)" or " (compile failed)" after it where compiling was asked for."""
         if not isinstance(self.run, CapturedStep):
-            return "static"
-        return "static (capture failed)" if self.run.eager else "cuda graph"
+            name = "static"
+        else:
+            name = "static (capture failed)" if self.run.eager else "cuda graph"
+        if self.compiled is not None:
+            name += " (compile failed)" if self.compiled.failed else " (compiled)"
+        return name
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.cache.length = 0
@@ -100,7 +148,11 @@ class StaticSteps:
 
     @property
     def capture_s(self) -> float:
-        return self.run.capture_s if isinstance(self.run, CapturedStep) else 0.0
+        """The time spent making the step, not decoding: the CUDA graph's warm-up (which compiles, where asked) and
+        capture, or the uncaptured compiled step's first call."""
+        if isinstance(self.run, CapturedStep):
+            return self.run.capture_s
+        return self.compiled.compile_s if self.compiled is not None else 0.0
 
     def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
         self.cache.feed(tok, slot)
@@ -109,7 +161,9 @@ class StaticSteps:
         return h
 
 
-def static_steps(model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bool) -> StaticSteps:  # noqa: ANN001
+def static_steps(  # noqa: ANN001
+    model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bool, compile_step: str | Callable | None = None
+) -> StaticSteps:
     """The model's static step for this batch, length and dtype: made (and captured) on first use, then reused. Its
     cache has `static_len(max_len)` slots, so nearby lengths share it. A captured graph reads the weights where they
     were: a model whose parameters were replaced or moved (`.to(...)`) gets a new one, and the steps kept for its old
@@ -120,14 +174,15 @@ def static_steps(model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bo
     # inference mode makes inference tensors, which a later call outside it may not write: kept apart; a graph
     # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
     amp = autocast_dtype(model.device.type)
-    key = (batch, length, model.dtype, str(model.device), cuda_graph, torch.is_inference_mode_enabled(), amp, weights)
+    key = (batch, length, model.dtype, str(model.device), cuda_graph, compile_step, torch.is_inference_mode_enabled())
+    key += (amp, weights)
     if key in kept:
         kept.move_to_end(key)
         return kept[key]
     for old in [k for k in kept if k[-1] != weights]:
         del kept[old]
     cache = StaticKVCache(model.config, batch, length, model.dtype, model.device)
-    kept[key] = steps = StaticSteps(model, plan, cache, cuda_graph)
+    kept[key] = steps = StaticSteps(model, plan, cache, cuda_graph, compile_step)
     while len(kept) > KEEP_CAPTURED:
         kept.popitem(last=False)
     return steps
@@ -137,15 +192,22 @@ def decode_steps(model: CausalLM, B: int, L: int, seq: torch.Tensor, mask: torch
     """The step kind a generation of B rows and L tokens (prompt and new) runs: static on CUDA (captured unless
     how["cuda_graph"] is False), the plan elsewhere, the forward where no shortcut may run. `seq`: (B, L) ids the
     forward and plan steps read their token from; `mask`: (B, L) or None; `how`: use_cache, fast_step, static_cache
-    (None: on CUDA), cuda_graph."""
+    (None: on CUDA or when compiling), cuda_graph, compile_step (a torch.compile backend for the static step, or
+    None)."""
     plan = model.decode_plan() if how["use_cache"] and how["fast_step"] else None
     if plan is None and how["fast_step"] and model.intercepted():
         log.info("a record, an edit or a module's forward hook is active: every decode step runs the forward")
     static = how["static_cache"]
     if static is None:
-        static = model.device.type == "cuda"
+        static = model.device.type == "cuda" or bool(how["compile_step"])
+    if how["compile_step"] and (plan is None or not static):
+        log.info(
+            "compile_step compiles the static step: this generation's step (%s) runs uncompiled",
+            "the forward" if plan is None else "the plan over a growing cache",
+        )
     if plan is not None and static:
-        return static_steps(model, plan, B, L, cuda_graph=how["cuda_graph"] and model.device.type == "cuda")
+        cuda_graph = how["cuda_graph"] and model.device.type == "cuda"
+        return static_steps(model, plan, B, L, cuda_graph, how["compile_step"] or None)
     cache = KVCache(model.config, B, L, model.dtype, model.device) if how["use_cache"] else None
     if plan is not None and cache is not None:
         return PlanSteps(model, plan, seq, mask, cache)

@@ -41,6 +41,7 @@ from .modules import Block, gelu_new, wants_grad
 Linear = Callable[[torch.Tensor], torch.Tensor]  # (..., in) -> (..., out)
 # attend(layer, q, k, v): q, k, v (B, nh, 1, hs) of this token -> (B, nh, 1, hs); stores k and v wherever it keeps them
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+CacheViews = tuple[list[torch.Tensor], list[torch.Tensor]]  # each layer's keys and values, (B, nh, max_len, hs) each
 
 
 def _linear(m: nn.Module) -> Linear:
@@ -139,7 +140,7 @@ class DecodePlan:
 
         mask: (B, 1, 1, S) from `build_mask` (left padding), or None (every key visible). Does not advance the cache.
         """
-        ks, vs = self._cache_views(cache)
+        ks, vs = self.cache_views(cache)
         past, S, scale = cache.length, cache.length + 1, self.scale
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -150,14 +151,14 @@ class DecodePlan:
 
         return attend
 
-    def static_attention(self, cache: StaticKVCache) -> Attend:
+    def static_attention(self, cache: StaticKVCache, views: CacheViews | None = None) -> Attend:
         """Attend over all `max_len` slots of a StaticKVCache: store k, v at its slot tensor (index_copy_), SDPA with
         the (B, 1, 1, max_len) mask of the slots each row sees. Every shape is the generation's: capturable.
 
         The mask goes to SDPA as the additive one SDPA would make of the boolean (0 where seen, -inf elsewhere, in
         q's dtype), made once per step at the first layer: the same values, so the same arithmetic, without SDPA's
         conversion in every layer (two scalar tensors and a where each, ops a captured step would replay per token)."""
-        ks, vs = self._cache_views(cache)
+        ks, vs = views or self.cache_views(cache)
         keys, slot, scale = cache.keys, cache.slot, self.scale
         bias: list[torch.Tensor] = []  # this step's additive mask, (B, 1, 1, max_len)
 
@@ -172,13 +173,15 @@ class DecodePlan:
 
         return attend
 
-    def static_step(self, cache: StaticKVCache) -> torch.Tensor:
+    def static_step(self, cache: StaticKVCache, views: CacheViews | None = None) -> torch.Tensor:
         """One token per row from the cache's device inputs (tok, pos, slot, keys) -> (B, 1, C) ln_f output. No host
-        value is read, so a CUDA graph can record it once and replay it for every token."""
-        return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache))
+        value is read, so a CUDA graph can record it once and replay it for every token. `views`: the cache's
+        `cache_views`, passed by a caller that keeps them (a compiled step then reads no state of the plan that
+        another cache's step changes, which would make torch.compile trace it again)."""
+        return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views))
 
-    def _cache_views(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer (B, nh, max_len, hs) views of the cache, made once per cache."""
+    def cache_views(self, cache: KVCache) -> CacheViews:
+        """Per-layer (B, nh, max_len, hs) views of the cache, made once per cache (the last cache's kept)."""
         key = id(cache.k)
         if self._views is None or self._views[0] != key:
             n = len(self.layers)

@@ -1,0 +1,96 @@
+"""The compiled decode step (`generate(..., compile_step=...)`, `gpt2-port generate --compile`): torch.compile of the
+static step, compiled once per kept step and then (on CUDA) recorded as the CUDA graph; tests/test_cuda.py replays it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, chaotic_model, same_tokens_where_decided
+from torch._dynamo.testing import CompileCounter
+
+from gpt2_port.cli import main
+from gpt2_port.errors import UsageError
+from gpt2_port.generate import generate_full
+from gpt2_port.model import from_pretrained
+
+pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
+
+# Inductor's step against the uncompiled one, as a fraction of their largest |score| (conftest.same_tokens_where_
+# decided): its fused kernels round elsewhere. Worst seen on this CPU: 2.7e-7 (default configuration), 3.5e-7 (second).
+COMPILED_SCORES = 2e-5
+
+IDS = torch.tensor([[5, 17, 42, 7, 99, 3], [0, 0, 0, 8, 11, 12]])
+MASK = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_the_compiled_step_is_the_static_step_compiled_once(sample: bool) -> None:
+    """Through the `eager` backend (dynamo's one graph, run by the same aten ops) the compiled step's scores are the
+    uncompiled static step's bit for bit, on a left-padded batch, greedy and sampled; the step is traced once for the
+    whole generation (no recompile as the slot, the positions and the mask change: they are device tensors), a
+    second generation of the same batch and length bucket reuses it, and one of another batch, traced once too, leaves
+    the first's trace valid. (The step reads its cache's per-layer views, made before the first trace: made inside
+    it, they would change what the trace read, and the second token would trace the step again.)"""
+    m = chaotic_model(TINY, 3)
+    opts = dict(attention_mask=MASK, eos_token_id=None, do_sample=sample, seed=3, output_scores=True)
+    ref = generate_full(m, IDS, 30, static_cache=True, **opts)
+    counter = CompileCounter()
+    got = generate_full(m, IDS, 30, compile_step=counter, **opts)
+    assert ref.extra["step"] == "static" and got.extra["step"] == "static (compiled)"
+    assert counter.frame_count == 1 and counter.op_count > 0
+    assert torch.equal(ref.sequences, got.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.scores, got.scores, strict=True))
+    again = generate_full(m, IDS, 25, compile_step=counter, **opts)  # 31 and 36 tokens: one 64-slot bucket
+    assert counter.frame_count == 1 and torch.equal(again.sequences, got.sequences[:, :31])
+    # another batch is another kept step, traced once; going back to the first reads nothing the second changed
+    one = dict(opts, attention_mask=MASK[:1])
+    generate_full(m, IDS[:1], 30, compile_step=counter, **one)
+    back = generate_full(m, IDS, 30, compile_step=counter, **opts)
+    assert counter.frame_count == 2 and torch.equal(back.sequences, got.sequences)
+
+
+def test_inductor_compiles_the_step_on_the_cpu_with_the_same_tokens(tiny_official: Path) -> None:
+    """The real backend, as `--compile` runs it: inductor's fused kernels (C++ on the CPU, triton on a GPU) compute the
+    same function with other roundings, so the tokens are the uncompiled step's wherever the scores decide them; the
+    official layout's one c_attn matmul is what it compiles."""
+    m, _ = from_pretrained(tiny_official)
+    opts = dict(attention_mask=MASK, eos_token_id=None, output_scores=True)
+    ref = generate_full(m, IDS, 24, static_cache=True, **opts)
+    got = generate_full(m, IDS, 24, compile_step=True, **opts)
+    assert got.extra["step"] == "static (compiled)" and got.capture_s > 0  # the compile, not counted as decoding
+    new_ref, new_got = ref.sequences[:, 6:], got.sequences[:, 6:]
+    assert min(same_tokens_where_decided(new_ref, ref.scores, new_got, got.scores, COMPILED_SCORES)) >= 1
+
+
+def test_a_compile_that_fails_leaves_the_uncompiled_step(caplog: pytest.LogCaptureFixture) -> None:
+    """A backend that fails (no C compiler or triton where inductor needs one, say) is logged once and the step runs
+    uncompiled: the same tokens, and the step's name says so."""
+
+    def broken(gm: torch.fx.GraphModule, example_inputs: list) -> None:  # noqa: ARG001
+        raise RuntimeError("no C compiler found")
+
+    m = chaotic_model(TINY, 3)
+    ref = generate_full(m, IDS, 12, attention_mask=MASK, eos_token_id=None, static_cache=True)
+    with caplog.at_level(logging.WARNING, logger="gpt2_port.generate.steps"):
+        got = generate_full(m, IDS, 12, attention_mask=MASK, eos_token_id=None, compile_step=broken)
+    assert got.extra["step"] == "static (compile failed)" and torch.equal(ref.sequences, got.sequences)
+    warned = [r.getMessage() for r in caplog.records if "could not be compiled" in r.getMessage()]
+    assert len(warned) == 1 and "no C compiler found" in warned[0], warned
+
+
+def test_compile_step_names_a_backend_torch_knows() -> None:
+    m = chaotic_model(TINY, 3)
+    with pytest.raises(UsageError, match="'indcutor' is not a torch.compile backend"):
+        generate_full(m, IDS[:1], 4, compile_step="indcutor")
+    assert generate_full(m, IDS[:1], 4, compile_step=False).extra["step"] == "plan"  # the CPU's default
+
+
+def test_generate_compile_on_the_command_line(tiny_official: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`gpt2-port generate --compile` names the compiled step and the compile's time, not counted in decode tok/s."""
+    assert main(["generate", str(tiny_official), "Hello", "--greedy", "--max-new-tokens", "6", "--compile"]) == 0
+    err = capsys.readouterr().err
+    assert "step: static (compiled)" in err and "step compiled in " in err, err
