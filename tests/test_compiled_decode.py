@@ -22,6 +22,10 @@ pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a sec
 # Inductor's step against the uncompiled one, as a fraction of their largest |score| (conftest.same_tokens_where_
 # decided): its fused kernels round elsewhere. Worst seen on this CPU: 2.7e-7 (default configuration), 3.5e-7 (second).
 COMPILED_SCORES = 2e-5
+# A bf16 model's compiled step (F.linear in bf16) against its eager one, which may take the CPU's packed bf16 kernels
+# or float32 products rounded once (model/lowp.py): bf16 rounding apart where it does. Worst seen on this CPU: 0 in
+# both configurations (this tiny model at 2 rows takes F.linear eagerly too).
+BF16_SCORES = 2e-2
 
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3], [0, 0, 0, 8, 11, 12]])
 MASK = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
@@ -64,6 +68,19 @@ def test_inductor_compiles_the_step_on_the_cpu_with_the_same_tokens(tiny_officia
     assert got.extra["step"] == "static (compiled)" and got.capture_s > 0  # the compile, not counted as decoding
     new_ref, new_got = ref.sequences[:, 6:], got.sequences[:, 6:]
     assert min(same_tokens_where_decided(new_ref, ref.scores, new_got, got.scores, COMPILED_SCORES)) >= 1
+
+
+def test_a_bf16_model_compiles_on_the_cpu_too() -> None:
+    """The CPU's low-precision shortcuts (packed weights, float32 copies: model/lowp.py) read the CPU's capabilities,
+    which dynamo will not trace: under torch.compile they step aside for F.linear, so a bf16 model's step compiles
+    (it ran uncompiled before) and its tokens are the eager step's wherever the bf16 scores decide them."""
+    m = chaotic_model(TINY, 3).to(torch.bfloat16)
+    opts = dict(attention_mask=MASK, eos_token_id=None, output_scores=True)
+    ref = generate_full(m, IDS, 16, static_cache=True, **opts)
+    got = generate_full(m, IDS, 16, compile_step="eager", **opts)
+    assert got.extra["step"] == "static (compiled)"
+    new_ref, new_got = ref.sequences[:, 6:], got.sequences[:, 6:]
+    assert min(same_tokens_where_decided(new_ref, ref.scores, new_got, got.scores, BF16_SCORES)) >= 1
 
 
 def test_a_compile_that_fails_leaves_the_uncompiled_step(caplog: pytest.LogCaptureFixture) -> None:

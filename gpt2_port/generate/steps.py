@@ -97,7 +97,12 @@ class CompiledStep:
             except torch.cuda.OutOfMemoryError:
                 raise  # the eager step would need the memory too
             except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager step, which is the same
-                log.warning("the decode step could not be compiled (%s: %s); it runs uncompiled", type(e).__name__, e)
+                root: BaseException = e  # a backend's own error, which dynamo wraps (BackendCompilerFailed)
+                while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+                    root = inner
+                why = (str(root).strip().splitlines() or [""])[0]  # dynamo's messages run on for lines of hints
+                name = type(root).__name__
+                log.warning("the decode step could not be compiled (%s: %s); it runs uncompiled", name, why)
                 self.failed = True
         return self.fn()
 

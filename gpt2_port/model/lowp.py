@@ -139,7 +139,10 @@ def _packed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 def _shortcut(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x @ weight^T + bias as autocast's float32-product stand-in under CPU autocast where it applies
     (`autocast_linear`), from float32 copies where `upcasts` says so, else on the packed weight where there is one;
-    None where F.linear is the call (see the module's docstring)."""
+    None where F.linear is the call (see the module's docstring). None under torch.compile: these are eager kernels'
+    stand-ins, and the compiler picks its own (tracing them would read CPU capabilities dynamo will not trace)."""
+    if compiling():
+        return None
     y = autocast_linear(x, weight, bias)
     if y is not None:
         return y
