@@ -14,19 +14,23 @@
 #     train     python -m benchmarks.gpu train --sizes gpt2 (tokens/s, MFU, peak memory beside transformers, eager
 #               and compiled), then the fused head padded and not, and its chunk sizes (benchmarks.head_padding)
 #     train-xl  the eager sides and `train`'s own loop for gpt2-xl (its 48-layer compiles would not fit one call)
-#     decode    python -m benchmarks.gpu decode --sizes gpt2 (tokens/s beside transformers' generate)
+#     decode    python -m benchmarks.gpu decode --sizes gpt2 (tokens/s beside transformers' generate; ours also
+#               compiled first, as `generate --compile` runs it: inductor's compile runs in the warm-ups, before the
+#               first timed round, and DECODE_ARGS=--no-compile leaves it out)
 #     decode-xl the same for gpt2-xl, bf16 (sampled batches of 8 and 32: with the 6.4 GB checkpoint written and
 #               transformers' 48-layer static cache compiled, 64 rows too might not fit one call; with
-#               DECODE_ARGS="--no-hf-compile --batches=" batch 1 alone beside transformers eager, a minute or two)
+#               DECODE_ARGS="--no-hf-compile --batches=" batch 1 alone beside transformers eager: 57 s on an H200
+#               before ours compiled joined it, whose 48-layer compile is not yet timed)
 #     smoke     the same commands at toy sizes on the CPU (checks this script, not the GPU)
 # Phases run in the order given. Device time is short (15 minutes a session, machine starts included, each call at
 # most 10): one full call first, TESTS_ARGS=-vv TRAIN_ARGS=--key-only DECODE_ARGS="--dtypes bfloat16,float32"
 # BUDGET_S=565 (under the call's limit) `tests train decode`, then at once DECODE_ARGS="--no-hf-compile --batches="
 # `parity decode-xl` with what is left (a machine idle for 30 s is given back; none starts with under 4 minutes
-# left). A step still running at the deadline (BUDGET_S after the start, default 570 s) is stopped, so the bundle
-# after it is made; steps left after the deadline are named as not run. While a step runs, RESULTS is bundled every
-# 60 s too; the benchmarks rewrite their JSON after every side and round, and `python -m benchmarks.gpu KIND
-# --render-from JSON --markdown M --plot P` renders a cut-short one.
+# left). On an H200 (2026-11-27) these took 359 s and 232 s, and `train-xl` fit a third call (102 s). A step still
+# running at the deadline (BUDGET_S after the start, default 570 s) is stopped, so the bundle after it is made; steps
+# left after the deadline are named as not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks
+# rewrite their JSON after every side and round, and `python -m benchmarks.gpu KIND --render-from JSON --markdown M
+# --plot P` renders a cut-short one.
 # Every invocation first writes RESULTS/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
 #
 # Environment: RESULTS (default gpu-results), PYTHON (default python3), INSTALL=0 to skip `pip install -e .` (if it
