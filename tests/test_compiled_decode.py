@@ -99,6 +99,50 @@ def test_a_compile_that_fails_leaves_the_uncompiled_step(caplog: pytest.LogCaptu
     assert len(warned) == 1 and "no C compiler found" in warned[0], warned
 
 
+def test_steps_of_many_shapes_each_compile() -> None:
+    """Every kept step compiles a code object of its own: dynamo's recompile limit (8 by default, 2 here) counts
+    entries per code object, and steps made from one shared function failed to compile past it (the 9th batch size
+    in a process ran uncompiled)."""
+    m = chaotic_model(TINY, 3)
+    with torch._dynamo.config.patch(recompile_limit=2):  # (monkeypatch would delete the config's entry after)
+        names = [generate_full(m, IDS[:1].repeat(b, 1), 2, compile_step="eager").extra["step"] for b in (1, 2, 3, 4)]
+    assert names == ["static (compiled)"] * 4
+
+
+def test_only_the_first_call_falls_back_and_out_of_memory_is_raised() -> None:
+    """A compiled call that fails after the first is the step's own error (under a CUDA graph's capture, the
+    capture's), raised; out of memory in the compile (dynamo wraps it) is raised too, not run eagerly."""
+    from gpt2_port.devices import out_of_memory
+    from gpt2_port.generate.steps import CompiledStep
+
+    x = torch.ones(3)
+
+    def breaks_on_second_call(gm: torch.fx.GraphModule, example_inputs: list):  # noqa: ANN202, ARG001
+        calls = []
+
+        def run(*args):  # noqa: ANN002, ANN202
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return gm.forward(*args)
+
+        return run
+
+    step = CompiledStep(lambda: x * 2, breaks_on_second_call)
+    assert torch.equal(step(), x * 2) and step.compile_s > 0
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        step()
+    assert not step.failed
+
+    def out_of_memory_backend(gm: torch.fx.GraphModule, example_inputs: list) -> None:  # noqa: ARG001
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    step = CompiledStep(lambda: x * 3, out_of_memory_backend)
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - dynamo's wrapper, whose cause is the error
+        step()
+    assert out_of_memory(raised.value) and not step.failed
+
+
 def test_compile_step_names_a_backend_torch_knows() -> None:
     m = chaotic_model(TINY, 3)
     with pytest.raises(UsageError, match="'indcutor' is not a torch.compile backend"):

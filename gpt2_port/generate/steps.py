@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
-from ..devices import autocast_dtype, without_cudnn_attention
+from ..devices import autocast_dtype, out_of_memory, without_cudnn_attention
 from .cache import KVCache, StaticKVCache, static_len
 from .cuda_graph import CapturedStep
 from .protocol import CausalLM
@@ -76,35 +77,43 @@ class PlanSteps(ForwardSteps):
 
 class CompiledStep:
     """`fn` through torch.compile (`backend`, one whole graph, static shapes: the static step's every shape is the
-    generation's), compiled on the first call. A compile or a compiled call that fails (no C compiler, no triton, a
-    backend error; out of memory aside) is logged once and `fn` runs eagerly from then on: the same step uncompiled."""
+    generation's), compiled on the first call. A first call that fails (no C compiler, no triton, a backend error;
+    out of memory aside, which the eager step would meet too) is logged once and `fn` runs eagerly from then on: the
+    same step uncompiled. Errors of later calls are the step's own and raised as they are (one met while a CUDA graph
+    records it is the capture's: CapturedStep's to handle).
+
+    `fn` gets a code object of its own: dynamo keeps its compiled entries per code object, and counts them against
+    its recompile limit (8), which steps made from one function (every StaticSteps' `step`: other batch sizes, lengths,
+    dtypes) would share and, past the limit, fail to compile."""
 
     def __init__(self, fn: Callable[[], torch.Tensor], backend: str | Callable) -> None:
         self.fn, self.backend = fn, backend
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        self.compiled = torch.compile(own, fullgraph=True, dynamic=False, backend=backend)
         self.failed = False
         self.compile_s = 0.0  # the first call's time: the compile (waited for where it runs eagerly)
 
     def __call__(self) -> torch.Tensor:
-        if not self.failed:
-            try:
-                if self.compile_s == 0.0:
-                    t0 = time.perf_counter()
-                    out = self.compiled()
-                    self.compile_s = time.perf_counter() - t0
-                    return out
-                return self.compiled()
-            except torch.cuda.OutOfMemoryError:
-                raise  # the eager step would need the memory too
-            except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager step, which is the same
-                root: BaseException = e  # a backend's own error, which dynamo wraps (BackendCompilerFailed)
-                while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
-                    root = inner
-                why = (str(root).strip().splitlines() or [""])[0]  # dynamo's messages run on for lines of hints
-                name = type(root).__name__
-                log.warning("the decode step could not be compiled (%s: %s); it runs uncompiled", name, why)
-                self.failed = True
-        return self.fn()
+        if self.failed:
+            return self.fn()
+        if self.compile_s > 0.0:
+            return self.compiled()
+        t0 = time.perf_counter()
+        try:
+            out = self.compiled()
+        except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager step, which is the same
+            if out_of_memory(e):
+                raise
+            root: BaseException = e  # a backend's own error, which dynamo wraps (BackendCompilerFailed)
+            while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+                root = inner
+            why = (str(root).strip().splitlines() or [""])[0]  # dynamo's messages run on for lines of hints
+            name = type(root).__name__
+            log.warning("the decode step could not be compiled (%s: %s); it runs uncompiled", name, why)
+            self.failed = True
+            return self.fn()
+        self.compile_s = time.perf_counter() - t0
+        return out
 
 
 class StaticSteps:
