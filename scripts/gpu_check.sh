@@ -25,12 +25,13 @@
 # Phases run in the order given. Device time is short (15 minutes a session, machine starts included, each call at
 # most 10): one full call first, TESTS_ARGS=-vv TRAIN_ARGS=--key-only DECODE_ARGS="--dtypes bfloat16,float32"
 # BUDGET_S=565 (under the call's limit) `tests train decode`, then at once DECODE_ARGS="--no-hf-compile --batches="
-# `parity decode-xl` with what is left (a machine idle for 30 s is given back; none starts with under 4 minutes
-# left). On an H200 (2026-11-27) these took 359 s and 232 s, and `train-xl` fit a third call (102 s). A step still
-# running at the deadline (BUDGET_S after the start, default 570 s) is stopped, so the bundle after it is made; steps
-# left after the deadline are named as not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks
-# rewrite their JSON after every side and round, and `python -m benchmarks.gpu KIND --render-from JSON --markdown M
-# --plot P` renders a cut-short one.
+# `decode-xl parity` with what is left (a machine idle for 30 s is given back; none starts with under 4 minutes
+# left). On an H200 (2026-11-27) these took 359 s and 232 s (then `parity` first; ours compiled, not in the decode
+# phases yet, adds its compiles), and `train-xl` fit a third call (102 s). A step still running at the deadline
+# (BUDGET_S after the start, default 570 s) is stopped, so the bundle after it is made; steps left after the deadline
+# are named as not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks rewrite their JSON after
+# every side and round, and `python -m benchmarks.gpu KIND --render-from JSON --markdown M --plot P` renders a
+# cut-short one.
 # Every invocation first writes RESULTS/env.log: python, torch, CUDA, the GPU, triton and a C compiler.
 #
 # Environment: RESULTS (default gpu-results), PYTHON (default python3), INSTALL=0 to skip `pip install -e .` (if it
