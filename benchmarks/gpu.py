@@ -435,35 +435,41 @@ def _interleaved(
     rounds: int,
     progress: Callable[[dict[str, dict]], None] | None = None,
 ) -> dict[str, dict]:
-    """name -> {"times", "tokens"}: each loop run `rounds` times, interleaved (alternating order), after one warm-up
-    run each; a loop that fails its warm-up or a timed run gets {"error"} and is left out of the rounds after.
-    `progress` sees the results so far after the warm-ups and after each round (a run cut short keeps them)."""
+    """name -> {"times", "tokens"}: each loop run `rounds` times after one warm-up run: its first timed run right after
+    its warm-up (so a run cut short, a long compile in a later loop's warm-up say, keeps every loop timed so far), the
+    rest interleaved (alternating order); a loop that fails its warm-up or a timed run gets {"error"} and is left out
+    of the rounds after. `progress` sees the results so far after each loop's first run and after each round."""
     out: dict[str, dict] = {}
-    for n, f in fns.items():  # warm-up: kernels, the graph's capture, compilation, the allocator
+
+    def timed(n: str) -> None:
+        try:  # a timed run failing (OOM, a recompile error) leaves that loop out, not the whole benchmark
+            sync(dev)
+            t0 = time.perf_counter()
+            toks = fns[n]()
+            sync(dev)
+        except Exception as e:  # noqa: BLE001
+            out[n] = failure(e)
+            print(f"{n}: {out[n]['error']}", file=sys.stderr)
+            return
+        out[n]["times"].append(time.perf_counter() - t0)
+        out[n]["tokens"] = toks[0].tolist()
+
+    for n, f in fns.items():  # warm-up (kernels, the graph's capture, compilation, the allocator), then round 0
         try:
             f()
             out[n] = {"times": [], "tokens": None}
         except Exception as e:  # noqa: BLE001 - one path failing (OOM, a compile error) leaves the others
             out[n] = failure(e)
             print(f"{n}: {out[n]['error']}", file=sys.stderr)
-    names = [n for n in fns if "error" not in out[n]]
-    if progress is not None:
-        progress(out)
-    for r in range(rounds):
+        if "error" not in out[n] and rounds > 0:
+            timed(n)
+        if progress is not None:
+            progress(out)
+    names = list(fns)
+    for r in range(1, rounds):
         for n in names if r % 2 == 0 else names[::-1]:
-            if "error" in out[n]:
-                continue
-            try:  # a timed run failing (OOM, a recompile error) leaves that loop out, not the whole benchmark
-                sync(dev)
-                t0 = time.perf_counter()
-                toks = fns[n]()
-                sync(dev)
-            except Exception as e:  # noqa: BLE001
-                out[n] = failure(e)
-                print(f"{n}: {out[n]['error']}", file=sys.stderr)
-                continue
-            out[n]["times"].append(time.perf_counter() - t0)
-            out[n]["tokens"] = toks[0].tolist()
+            if "error" not in out[n]:
+                timed(n)
         if progress is not None:
             progress(out)
     return out
@@ -661,7 +667,7 @@ def render(res: dict) -> str:
                     "| path | tok/s | vs transformers | share of cap | same tokens |",
                     "|---|---|---|---|---|",
                 ]
-                base = d["rows"]["transformers"].get("tok_s")
+                base = d["rows"].get("transformers", {}).get("tok_s")  # absent in a run cut short before it
                 for name, x in d["rows"].items():
                     if x.get("tok_s") is None:  # failed, or cut short before its first timed round
                         out.append(f"| {name} | {x.get('error', 'not timed')} | | | |")

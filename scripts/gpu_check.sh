@@ -15,8 +15,8 @@
 #               and compiled), then the fused head padded and not, and its chunk sizes (benchmarks.head_padding)
 #     train-xl  the eager sides and `train`'s own loop for gpt2-xl (its 48-layer compiles would not fit one call)
 #     decode    python -m benchmarks.gpu decode --sizes gpt2 (tokens/s beside transformers' generate; ours also
-#               compiled first, as `generate --compile` runs it: inductor's compile runs in the warm-ups, before the
-#               first timed round, and DECODE_ARGS=--no-compile leaves it out)
+#               compiled first, as `generate --compile` runs it: inductor's compile runs in its warm-up, after the
+#               loops before it were timed and saved, and DECODE_ARGS=--no-compile leaves it out)
 #     decode-xl the same for gpt2-xl, bf16 (sampled batches of 8 and 32: with the 6.4 GB checkpoint written and
 #               transformers' 48-layer static cache compiled, 64 rows too might not fit one call; with
 #               DECODE_ARGS="--no-hf-compile --batches=" batch 1 alone beside transformers eager: 57 s on an H200
