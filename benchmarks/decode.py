@@ -13,6 +13,9 @@ import torch
 from gpt2_port.generate import Generation, generate_full
 from gpt2_port.model import GPT2
 
+# transformers' generate as greedy_hf and first_difference run it: greedy, exactly max_new_tokens (no EOS stop)
+HF_GREEDY = dict(min_new_tokens=None, do_sample=False, num_beams=1, pad_token_id=50256, eos_token_id=None)
+
 
 @torch.inference_mode()
 def greedy_ours(
@@ -62,17 +65,7 @@ def greedy_hf(
     if compiled and not static:
         raise ValueError("greedy_hf: transformers compiles its decoding forward with the static cache only")
     extra = {"cache_implementation": "static", "disable_compile": not compiled} if static else {}
-    out = ref.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=None,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=50256,
-        eos_token_id=None,
-        **extra,
-    )
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **HF_GREEDY, **extra)
     if compiled and not hasattr(ref, "_compiled_call"):  # generate skips compiling where its criteria fail, silently
         raise RuntimeError("transformers' generate ran its static-cache forward eagerly: nothing was compiled")
     if out.shape[1] != ids.shape[1] + new_tokens:
@@ -90,18 +83,8 @@ def first_difference(ref: torch.nn.Module, ids: torch.Tensor, theirs: list[int],
     k = same_prefix(ours, theirs)
     if k == min(len(ours), len(theirs)):
         raise ValueError("first_difference: the two continuations do not differ")
-    out = ref.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=k + 1,
-        min_new_tokens=None,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=50256,
-        eos_token_id=None,
-        output_scores=True,
-        return_dict_in_generate=True,
-    )
+    opts = dict(output_scores=True, return_dict_in_generate=True)
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k + 1, **HF_GREEDY, **opts)
     if out.sequences[0, ids.shape[1] :].tolist() != theirs[: k + 1]:
         raise RuntimeError("transformers' greedy run did not repeat its own tokens: its kernels are not deterministic")
     scores = out.scores[k][0].float()  # (V,)

@@ -104,14 +104,18 @@ def parse_device(name: str | torch.device) -> torch.device:
     raise UsageError(f"unknown device {name!r}: expected cpu, cuda, cuda:N, mps or auto")
 
 
-def _out_of_memory_error(e: BaseException | None) -> BaseException | None:
+def error_chain(e: BaseException | None) -> Iterator[BaseException]:
+    """e, then the error it wraps, and so on: torch.compile's wrapper's `inner_exception`, else `__cause__`, else
+    `__context__` (each error once: a chain that loops ends)."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, torch.OutOfMemoryError):
-            return e
+        yield e
         seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+
+
+def _out_of_memory_error(e: BaseException | None) -> BaseException | None:
+    return next((x for x in error_chain(e) if isinstance(x, torch.OutOfMemoryError)), None)
 
 
 def out_of_memory(e: BaseException | None) -> bool:

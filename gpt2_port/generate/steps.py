@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..devices import autocast_dtype, out_of_memory, without_cudnn_attention
+from ..devices import autocast_dtype, error_chain, out_of_memory, without_cudnn_attention
 from .cache import KVCache, StaticKVCache, static_len
 from .cuda_graph import CapturedStep
 from .protocol import CausalLM
@@ -104,9 +104,7 @@ class CompiledStep:
         except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager step, which is the same
             if out_of_memory(e):
                 raise
-            root: BaseException = e  # a backend's own error, which dynamo wraps (BackendCompilerFailed)
-            while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
-                root = inner
+            *_, root = error_chain(e)  # a backend's own error, which dynamo wraps (BackendCompilerFailed)
             why = (str(root).strip().splitlines() or [""])[0]  # dynamo's messages run on for lines of hints
             name = type(root).__name__
             log.warning("the decode step could not be compiled (%s: %s); it runs uncompiled", name, why)
