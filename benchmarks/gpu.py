@@ -247,7 +247,9 @@ def train_sides(ck: Path, dev: torch.device, a: argparse.Namespace) -> tuple[Sid
         "ours fast eager, head not padded": ours("fast", False, pad_vocab=1),
         "ours fast eager, no fused loss": ours("fast", False, fused=False),
     }
-    if not a.no_compile and not a.key_only:  # --key-only: the eager rest alone (no compile: seconds, not minutes)
+    if not a.no_compile:  # whether, compiled, the fused head-and-loss still pays (inductor fuses the plain loss)
+        rest["ours fast compiled, no fused loss"] = ours("fast", True, fused=False)
+    if not a.no_compile and not a.key_only:  # --key-only: the rest eager but that one (no compile: seconds)
         rest |= {
             "ours reference compiled": ours("reference", True),
             "ours fast compiled, head not padded": ours("fast", True, pad_vocab=1),
@@ -529,6 +531,8 @@ def _batch1(
     if not a.no_compile:  # `generate --compile`: the step compiled (on CUDA, then recorded as the graph)
         fns["ours, compiled"] = partial(greedy_ours, ours, ids, N, compile_step=a.compile_backend)
     fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
+    if dev.type == "cuda":  # what the one-kernel GELU (generate's default there) gains: `generate --op-gelu`
+        fns["ours, op-for-op GELU"] = partial(greedy_ours, ours, ids, N, fused_gelu=False)
     fns["transformers"] = partial(greedy_hf, hf, ids, N)
     fns["transformers, static cache"] = partial(greedy_hf, hf, ids, N, static=True)
     if dev.type == "cuda" and not a.no_hf_compile:  # generate compiles the static-cache forward on a GPU only
@@ -768,8 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--key-only",
         action="store_true",
         help="train: the sides the goals name (train's loop, ours fast and transformers, compiled and eager), then the "
-        "eager rest (reference kernels, head not padded, no fused loss) and the head matmul: no --no-overlap loop and "
-        "no compiled rest",
+        "eager rest (reference kernels, head not padded, no fused loss), ours fast compiled with no fused loss and the "
+        "head matmul: no --no-overlap loop and no other compiled rest",
     )
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--new-tokens", type=int, default=128, help="decode: new tokens per row")

@@ -235,7 +235,7 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     # short at the device's time limit keeps them), then the loop with --no-overlap and the rest
     key = ["ours fast compiled", "transformers compiled", "transformers eager", "ours fast eager"]
     loops = ["gpt2-port train loop", "gpt2-port train loop, no --compile", "gpt2-port train loop, --no-overlap"]
-    assert list(rows)[:7] == [*loops[:2], *key, loops[2]] and len(rows) == 12
+    assert list(rows)[:7] == [*loops[:2], *key, loops[2]] and len(rows) == 13
     assert [rows[n].get("overlap", rows[n]) for n in loops] == [False] * 3  # a failed row shows its error
     assert [rows[n]["compile"] for n in loops] == [True, False, True]
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
@@ -263,8 +263,8 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
 def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The JSON is rewritten after every side (train), and after every loop's first run and every round (decode): a
     run killed at the device's time limit leaves the rows it timed, and `--render-from` makes its Markdown and plot
-    here; `--key-only` runs `train`'s loop and the goals' sides, then the eager rest: no loop with --no-overlap, no
-    compiled rest."""
+    here; `--key-only` runs `train`'s loop and the goals' sides, then the eager rest and one compiled side (whether
+    the fused head-and-loss pays under the compiler): no loop with --no-overlap, no other compiled rest."""
     from benchmarks import gpu
 
     w, out = str(tmp_path / "w"), tmp_path / "t.json"
@@ -274,12 +274,13 @@ def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytes
     eager_rest = ["ours reference eager", "ours fast eager, head not padded", "ours fast eager, no fused loss"]
     key = ["gpt2-port train loop", "transformers eager", "ours fast eager"]
     assert list(t["sizes"]["tiny"]["rows"]) == key + eager_rest
-    a = gpu.build_parser().parse_args(["train", "--key-only"])  # compiled sides too: the rest stays eager
+    a = gpu.build_parser().parse_args(["train", "--key-only"])  # compiled sides too: the rest eager but one
     key, rest = gpu.train_sides(tmp_path, torch.device("cpu"), a)  # factories: nothing is built here
     assert list(key) == ["ours fast compiled", "transformers compiled", "transformers eager", "ours fast eager"]
-    assert list(rest) == eager_rest
+    assert list(rest) == [*eager_rest, "ours fast compiled, no fused loss"]
     a = gpu.build_parser().parse_args(["train"])
     assert list(gpu.train_sides(tmp_path, torch.device("cpu"), a)[1])[3:] == [
+        "ours fast compiled, no fused loss",
         "ours reference compiled",
         "ours fast compiled, head not padded",
     ]

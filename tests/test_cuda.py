@@ -481,9 +481,10 @@ def test_a_model_moved_to_cuda_after_the_load_keeps_c_attn_one_tensor(tiny_offic
 
 
 def test_greedy_124m_on_cuda_gives_transformers_tokens_for_128(ckpt124: Path) -> None:
-    """float32 greedy on the GPU, through the captured step and through the eager step whose keys grow, against
-    transformers' generate on the same GPU: scores within float32 rounding (SCORES_F32 of tests/test_generate.py)
-    and the same tokens wherever the scores decide them, over 128 new tokens."""
+    """float32 greedy on the GPU, through the captured step (with its one-kernel GELU, generate's default there, and
+    with the forward's eight ops) and through the eager step whose keys grow, against transformers' generate on the
+    same GPU: scores within float32 rounding (SCORES_F32 of tests/test_generate.py) and the same tokens wherever the
+    scores decide them, over 128 new tokens."""
     from transformers import GPT2LMHeadModel
 
     from gpt2_port import GPT2
@@ -498,9 +499,10 @@ def test_greedy_124m_on_cuda_gives_transformers_tokens_for_128(ckpt124: Path) ->
     want, want_scores = ref.sequences[:, 5:].cpu(), [x.float().cpu() for x in ref.scores]
     assert want.shape == (1, 128)
     m = GPT2.from_pretrained(str(ckpt124), device="cuda")
-    for graph in (True, False):
-        g = generate_full(m, ids, 128, cuda_graph=graph, static_cache=graph, eos_token_id=None, output_scores=True)
-        assert (g.extra["step"] == "cuda graph") == graph, g.extra
+    for graph, gelu in ((True, None), (True, False), (False, None)):
+        opts = dict(cuda_graph=graph, static_cache=graph, fused_gelu=gelu, eos_token_id=None, output_scores=True)
+        g = generate_full(m, ids, 128, **opts)
+        assert (g.extra["step"] == "cuda graph") == graph and g.extra["fused_gelu"] == (graph and gelu is None), g.extra
         got, got_scores = g.sequences[:, 5:].cpu(), [x.cpu() for x in g.scores]
         assert min(same_tokens_where_decided(want, want_scores, got, got_scores, 2e-5)) >= 1
 

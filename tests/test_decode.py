@@ -25,6 +25,9 @@ pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a sec
 # The static step's scores against the plan's, as a fraction of their largest |score| (conftest.same_tokens_where_
 # decided). Worst seen on this CPU: 5.4e-7 (default configuration) and 5.8e-7 (second).
 STATIC_SCORES = 2e-5
+# The same in bf16, for the static step with the one-kernel GELU against the plan's eight bf16 ops (each rounded to
+# bf16 where the kernel rounds once). Worst seen on this CPU: 9.1e-3 (float32 with that GELU: 5.5e-7, in STATIC_SCORES).
+BF16_STATIC_SCORES = 2e-2
 
 
 def _chaotic(seed: int = 3) -> GPT2:
@@ -231,6 +234,91 @@ def test_static_generation_gives_the_dynamic_generations_tokens(sample: bool) ->
     noise = exp_draws(3, (2, TINY.vocab_size), 40) if sample else None
     new_a, new_b = a.sequences[:, 6:], b.sequences[:, 6:]
     assert min(same_tokens_where_decided(new_a, a.scores, new_b, b.scores, STATIC_SCORES, noise)) >= 1
+
+
+def _ops_of_one_static_step(m: GPT2, fused_gelu: bool) -> dict[str, int]:
+    """aten op -> calls in one static step of `m` over a one-token prompt's cache (not the prompt's forward)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gpt2_port.generate.cache import StaticKVCache
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.n[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    plan = DecodePlan.for_model(m)
+    st = StaticKVCache(m.config, 1, 8, m.dtype, "cpu")
+    with torch.no_grad():
+        m(torch.tensor([[3]]), cache=st, hidden_only=True)
+        st.start(None, 1)
+        st.feed(torch.tensor([4]), 1)
+        with Count() as c:
+            plan.static_step(st, fused_gelu=fused_gelu)
+    return dict(c.n)
+
+
+def test_the_fused_gelu_step_runs_one_gelu_kernel_a_block_in_place_of_eight_ops() -> None:
+    """`fused_gelu` (generate's static step on CUDA): each block's GELU is torch's one tanh-GELU op, where the
+    forward's gelu_new is eight (pow, three mul, two add, tanh... each a kernel a GPU step launches); nothing else
+    changes."""
+    m = _chaotic()
+    ops, fused = _ops_of_one_static_step(m, False), _ops_of_one_static_step(m, True)
+    n = TINY.n_layer
+    assert ops.get("gelu", 0) == 0 and ops["tanh"] == ops["pow"] == n
+    assert fused["gelu"] == n and "tanh" not in fused and "pow" not in fused
+    assert sum(ops.values()) - sum(fused.values()) == 7 * n  # eight ops become one, in every block
+    assert {k: v for k, v in ops.items() if k not in ("pow", "tanh", "mul", "add")} == {
+        k: v for k, v in fused.items() if k not in ("gelu", "add", "mul")
+    }
+
+
+@pytest.mark.parametrize(
+    "dtype, sample",
+    [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)],
+    ids=["float32-greedy", "float32-sampled", "bf16-greedy"],  # bf16 sampled: top-k's border moves with a rounding
+)
+def test_the_fused_gelu_step_gives_the_plans_tokens(sample: bool, dtype: torch.dtype) -> None:
+    """The one-kernel GELU computes the same function, rounded once (float32: 1 ulp apart from the eight ops on about
+    1% of inputs): the static step with it gives the plan's tokens wherever the scores decide them; its scores differ
+    (so the option does something), within the static step's tolerance in float32. Left padding and sampling as
+    generate runs them."""
+    m = _chaotic().to(dtype)
+    ids = torch.tensor([[5, 17, 42, 7, 99, 3], [0, 0, 0, 8, 11, 12]])
+    mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    opts = dict(attention_mask=mask, eos_token_id=None, do_sample=sample, seed=3, output_scores=True)
+    a = generate_full(m, ids, 40, static_cache=False, **opts)
+    b = generate_full(m, ids, 40, static_cache=True, fused_gelu=True, **opts)
+    c = generate_full(m, ids, 40, static_cache=True, fused_gelu=False, **opts)
+    assert (a.extra["fused_gelu"], b.extra["fused_gelu"], c.extra["fused_gelu"]) == (False, True, False)
+    assert b.extra["step"] == c.extra["step"] == "static"
+    noise = exp_draws(3, (2, TINY.vocab_size), 40) if sample else None
+    tol = STATIC_SCORES if dtype == torch.float32 else BF16_STATIC_SCORES
+    new_a, new_b = a.sequences[:, 6:], b.sequences[:, 6:]
+    assert min(same_tokens_where_decided(new_a, a.scores, new_b, b.scores, tol, noise)) >= 1
+    assert any(not torch.equal(x, y) for x, y in zip(b.scores, c.scores))  # another GELU ran
+
+
+def test_the_fused_gelu_is_a_static_steps_own_and_off_on_the_cpu_by_default(caplog) -> None:  # noqa: ANN001
+    """On the CPU generate keeps the forward's GELU (its static step bit for bit the plan's where the keys are the
+    same, above); asked for, the one-kernel GELU makes a kept step of its own beside the op-for-op one; asked for where
+    no static step runs (the plan), it is logged as not applied."""
+    m = _chaotic()
+    ids = torch.tensor([[5, 17, 42]])
+    assert generate_full(m, ids, 4, eos_token_id=None, static_cache=True).extra["fused_gelu"] is False
+    generate_full(m, ids, 4, eos_token_id=None, static_cache=True, fused_gelu=True)
+    kept = m.__dict__["_static_steps"]
+    assert sorted(s.fused_gelu for s in kept.values()) == [False, True]
+    with caplog.at_level("INFO", logger="gpt2_port.generate.steps"):
+        g = generate_full(m, ids, 4, eos_token_id=None, static_cache=False, fused_gelu=True)
+    assert g.extra["fused_gelu"] is False
+    assert "fused_gelu is the static step's GELU: this generation's step (the plan over a growing cache)" in caplog.text
 
 
 def test_the_static_step_attends_over_one_shape_for_the_whole_generation(monkeypatch) -> None:
@@ -469,7 +557,8 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     fwd = ForwardSteps(model, seq, None, None)
     fwd.prefill(seq[:, :3], None)
     fwd.next(seq[:, 3], 3)
-    plan = SimpleNamespace(step=call, static_step=lambda cache, views: call(), cache_views=lambda cache: None)
+    static = lambda cache, views, fused_gelu: call()  # noqa: E731
+    plan = SimpleNamespace(step=call, static_step=static, cache_views=lambda cache: None)
     PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
     # the static step's prefill (a new prompt length, a new shape) and its fixed-shape step
     cache = SimpleNamespace(k=torch.zeros(1), v=torch.zeros(1), length=0, start=lambda mask, n: None)
@@ -524,7 +613,8 @@ def test_forced_decoding_reads_each_step_before_a_replay_overwrites_it(tiny_offi
     assert path == "static"
     made = steps_mod.static_steps
     monkeypatch.setattr(steps_mod, "CapturedStep", Replayed)
-    monkeypatch.setattr(steps_mod, "static_steps", lambda m, plan, B, L, graph, compiled: made(m, plan, B, L, True))
+    captured = lambda m, plan, B, L, graph, compiled, gelu: made(m, plan, B, L, True)  # noqa: E731
+    monkeypatch.setattr(steps_mod, "static_steps", captured)
     replayed, path = forced_logits(model, ids, mask, 5, static_cache=True)
     assert path == "cuda graph"
     assert torch.equal(replayed, eager)  # (B, 4, V): the prefill, then 3 steps

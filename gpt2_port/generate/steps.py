@@ -15,7 +15,9 @@
   weakly, so `del model` frees the model, its kept caches and their graphs without waiting for the garbage collector.
   With `compile_step` (`generate --compile`) the static step goes through torch.compile first (`CompiledStep`: one
   graph, static shapes, traced once per kept step; inductor fuses each block's layer norms, GELU and residual adds
-  into a few kernels, where the eager step launches about 20 a block), then is captured as above.
+  into a few kernels, where the eager step launches about 20 a block), then is captured as above. On CUDA the static
+  step's GELU is torch's one tanh-GELU kernel, not the forward's eight ops (`fused_gelu`, DecodePlan.static_step):
+  7 fewer launches a block, in a step whose time on a GPU is mostly its launches.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_
 class ForwardSteps:
     name = "forward"
     capture_s = 0.0  # time spent recording a CUDA graph (StaticSteps), so far
+    fused_gelu = False  # the MLP's GELU as one kernel (StaticSteps on CUDA) rather than the forward's ops
 
     def __init__(self, model: CausalLM, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> None:
         self.model, self.seq, self.mask, self.cache = model, seq, mask, cache
@@ -122,15 +125,16 @@ class StaticSteps:
         cache: StaticKVCache,
         cuda_graph: bool,
         compile_step: str | Callable | None = None,
+        fused_gelu: bool = False,
     ) -> None:
         self._model = weakref.ref(model)  # kept on the model: a strong reference would be a cycle
-        self.plan, self.cache = plan, cache
+        self.plan, self.cache, self.fused_gelu = plan, cache, fused_gelu
         device = model.device  # type: ignore[attr-defined]
         views = plan.cache_views(cache)
 
         def step() -> torch.Tensor:
             with without_cudnn_attention(device):  # the kernel the graph records, and the same when run eagerly
-                return plan.static_step(cache, views)
+                return plan.static_step(cache, views, fused_gelu)
 
         self.compiled = CompiledStep(step, compile_step) if compile_step else None
         body = self.compiled or step
@@ -174,7 +178,13 @@ class StaticSteps:
 
 
 def static_steps(  # noqa: ANN001
-    model: CausalLM, plan, batch: int, max_len: int, cuda_graph: bool, compile_step: str | Callable | None = None
+    model: CausalLM,
+    plan,
+    batch: int,
+    max_len: int,
+    cuda_graph: bool,
+    compile_step: str | Callable | None = None,
+    fused_gelu: bool = False,
 ) -> StaticSteps:
     """The model's static step for this batch, length and dtype: made (and captured) on first use, then reused. Its
     cache has `static_len(max_len)` slots, so nearby lengths share it. A captured graph reads the weights where they
@@ -186,7 +196,8 @@ def static_steps(  # noqa: ANN001
     # inference mode makes inference tensors, which a later call outside it may not write: kept apart; a graph
     # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
     amp = autocast_dtype(model.device.type)
-    key = (batch, length, model.dtype, str(model.device), cuda_graph, compile_step, torch.is_inference_mode_enabled())
+    key = (batch, length, model.dtype, str(model.device), cuda_graph, compile_step, fused_gelu)
+    key += (torch.is_inference_mode_enabled(),)
     key += (amp, weights)
     if key in kept:
         kept.move_to_end(key)
@@ -194,7 +205,7 @@ def static_steps(  # noqa: ANN001
     for old in [k for k in kept if k[-1] != weights]:
         del kept[old]
     cache = StaticKVCache(model.config, batch, length, model.dtype, model.device)
-    kept[key] = steps = StaticSteps(model, plan, cache, cuda_graph, compile_step)
+    kept[key] = steps = StaticSteps(model, plan, cache, cuda_graph, compile_step, fused_gelu)
     while len(kept) > KEEP_CAPTURED:
         kept.popitem(last=False)
     return steps
@@ -205,21 +216,27 @@ def decode_steps(model: CausalLM, B: int, L: int, seq: torch.Tensor, mask: torch
     how["cuda_graph"] is False), the plan elsewhere, the forward where no shortcut may run. `seq`: (B, L) ids the
     forward and plan steps read their token from; `mask`: (B, L) or None; `how`: use_cache, fast_step, static_cache
     (None: on CUDA or when compiling), cuda_graph, compile_step (a torch.compile backend for the static step, or
-    None)."""
+    None), fused_gelu (the static step's GELU as one kernel, DecodePlan.static_step; None: on CUDA)."""
     plan = model.decode_plan() if how["use_cache"] and how["fast_step"] else None
     if plan is None and how["fast_step"] and model.intercepted():
         log.info("a record, an edit or a module's forward hook is active: every decode step runs the forward")
     static = how["static_cache"]
     if static is None:
         static = model.device.type == "cuda" or bool(how["compile_step"])
-    if how["compile_step"] and (plan is None or not static):
-        log.info(
-            "compile_step compiles the static step: this generation's step (%s) runs uncompiled",
-            "the forward" if plan is None else "the plan over a growing cache",
-        )
+    for option, what in (("compile_step", "compiles the static step"), ("fused_gelu", "is the static step's GELU")):
+        if how[option] and (plan is None or not static):
+            log.info(
+                "%s %s: this generation's step (%s) runs without it",
+                option,
+                what,
+                "the forward" if plan is None else "the plan over a growing cache",
+            )
     if plan is not None and static:
         cuda_graph = how["cuda_graph"] and model.device.type == "cuda"
-        return static_steps(model, plan, B, L, cuda_graph, how["compile_step"] or None)
+        fused_gelu = how["fused_gelu"]
+        if fused_gelu is None:
+            fused_gelu = model.device.type == "cuda"
+        return static_steps(model, plan, B, L, cuda_graph, how["compile_step"] or None, bool(fused_gelu))
     cache = KVCache(model.config, B, L, model.dtype, model.device) if how["use_cache"] else None
     if plan is not None and cache is not None:
         return PlanSteps(model, plan, seq, mask, cache)

@@ -13,7 +13,8 @@ c_attn view, per-layer cache views) and the same aten ops run on the same tensor
 `model(tok, cache=..., hidden_only=True)` (tests/test_decode.py checks it bitwise, per block against `Block.forward` and
 for whole steps against the forward, with and without padding); `DecodePlan.static_step` attends over all slots of a
 StaticKVCache with a mask, every shape fixed, so that generate/ can capture it once as a CUDA graph and replay it (its
-tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ). Neither carries
+tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ; generate runs it
+with torch's one-kernel GELU on CUDA, `fused_gelu`). Neither carries
 logic of its own: no dropout, no taps, no module hooks.
 
 Inference only: `for_model` gives no plan (and `step` refuses) in train mode or when a parameter needs a gradient, and
@@ -34,6 +35,7 @@ from torch import nn
 from ..errors import UsageError
 from ..generate.cache import KVCache, StaticKVCache
 from .c_attn import fused_qkv
+from .fused import gelu_tanh
 from .lowp import linear_wb
 from .masks import additive_mask, build_mask, positions_from_mask
 from .modules import Block, gelu_new, wants_grad
@@ -42,6 +44,7 @@ Linear = Callable[[torch.Tensor], torch.Tensor]  # (..., in) -> (..., out)
 # attend(layer, q, k, v): q, k, v (B, nh, 1, hs) of this token -> (B, nh, 1, hs); stores k and v wherever it keeps them
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 CacheViews = tuple[list[torch.Tensor], list[torch.Tensor]]  # each layer's keys and values, (B, nh, max_len, hs) each
+Activation = Callable[[torch.Tensor], torch.Tensor]  # the MLP's GELU, elementwise
 
 
 def _linear(m: nn.Module) -> Linear:
@@ -88,8 +91,9 @@ class LayerStep:
             n_head=a.n_head,
         )
 
-    def __call__(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """(B, 1, C) residual stream -> (B, 1, C), as `Block.forward` computes it in eval mode."""
+    def __call__(self, x: torch.Tensor, attend: Attend, act: Activation = gelu_new) -> torch.Tensor:
+        """(B, 1, C) residual stream -> (B, 1, C), as `Block.forward` computes it in eval mode (with `act` for its
+        GELU: gelu_new, op for op, is the forward's)."""
         B, _, C = x.shape
         nh = self.n_head
         h = F.layer_norm(x, (C,), *self.ln_1, self.eps)  # (B, 1, C)
@@ -101,7 +105,7 @@ class LayerStep:
         y = attend(self.layer, q, k, v)  # (B, nh, 1, hs)
         x = x + self.c_proj(y.transpose(1, 2).reshape(B, 1, C))  # heads side by side
         h = F.layer_norm(x, (C,), *self.ln_2, self.eps)
-        return x + self.mlp_proj(gelu_new(self.c_fc(h)))
+        return x + self.mlp_proj(act(self.c_fc(h)))
 
 
 class DecodePlan:
@@ -129,10 +133,10 @@ class DecodePlan:
         """(B, 1) ids and their positions ((B|1, 1) or (1,)) -> (B, 1, C) token + position embeddings."""
         return F.embedding(input_ids, self.wte) + F.embedding(pos, self.wpe)
 
-    def run(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """(B, 1, C) embeddings -> (B, 1, C) ln_f output, every block attending through `attend`."""
+    def run(self, x: torch.Tensor, attend: Attend, act: Activation = gelu_new) -> torch.Tensor:
+        """(B, 1, C) embeddings -> (B, 1, C) ln_f output, every block attending through `attend`, its GELU `act`."""
         for layer in self.layers:
-            x = layer(x, attend)
+            x = layer(x, attend, act)
         return F.layer_norm(x, (self.C,), *self.ln_f, self.eps)
 
     def attention(self, cache: KVCache, mask: torch.Tensor | None) -> Attend:
@@ -173,12 +177,19 @@ class DecodePlan:
 
         return attend
 
-    def static_step(self, cache: StaticKVCache, views: CacheViews | None = None) -> torch.Tensor:
+    def static_step(
+        self, cache: StaticKVCache, views: CacheViews | None = None, fused_gelu: bool = False
+    ) -> torch.Tensor:
         """One token per row from the cache's device inputs (tok, pos, slot, keys) -> (B, 1, C) ln_f output. No host
         value is read, so a CUDA graph can record it once and replay it for every token. `views`: the cache's
         `cache_views`, passed by a caller that keeps them (a compiled step then reads no state of the plan that
-        another cache's step changes, which would make torch.compile trace it again)."""
-        return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views))
+        another cache's step changes, which would make torch.compile trace it again). `fused_gelu`: the MLP's GELU as
+        torch's one tanh-GELU kernel (fused.gelu_tanh) instead of the forward's eight ops (gelu_new): the same
+        function, rounded once (float32: 1 ulp apart on about 1% of inputs; bf16/fp16 op for op rounds each of the
+        eight results to its dtype, the kernel computes in float32 and rounds once). On a GPU, where a batch-1 decode
+        step's time is its kernels' count more than their work, that is 7 of a block's 19 kernels."""
+        act = gelu_tanh if fused_gelu else gelu_new
+        return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views), act)
 
     def cache_views(self, cache: KVCache) -> CacheViews:
         """Per-layer (B, nh, max_len, hs) views of the cache, made once per cache (the last cache's kept)."""
