@@ -27,7 +27,8 @@
 # BUDGET_S=565 (under the call's limit) `tests train decode`, then at once DECODE_ARGS="--no-hf-compile --batches="
 # `decode-xl parity` with what is left (a machine idle for 30 s is given back; none starts with under 4 minutes
 # left). On an H200 (2026-11-27) these took 359 s and 232 s (then `parity` first; ours compiled, not in the decode
-# phases yet, adds its compiles), and `train-xl` fit a third call (102 s). A step still running at the deadline
+# phases yet, adds its compiles, and so do train's `ours fast compiled, no fused loss` and decode's `ours, op-for-op
+# GELU` row, added since), and `train-xl` fit a third call (102 s). A step still running at the deadline
 # (BUDGET_S after the start, default 570 s) is stopped, so the bundle after it is made; steps left after the deadline
 # are named as not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks rewrite their JSON after
 # every side and round, and `python -m benchmarks.gpu KIND --render-from JSON --markdown M --plot P` renders a
