@@ -169,20 +169,20 @@ def _hf(ck: Path, dev: torch.device):  # noqa: ANN202
     return m.train()
 
 
-def time_steps(model, loss_fn, batches, dev: torch.device, dtype: str, warmup: int, steps: int) -> dict:  # noqa: ANN001
-    """Median step time of `steps` optimizer steps after `warmup` (compilation happens there)."""
+def optimizer_step(
+    model, loss_fn, dev: torch.device, dtype: str
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:  # noqa: ANN001
+    """One optimizer step as `train` runs it, on (x, y): the forward under autocast (`dtype`), backward (scaled under
+    fp16), the gradient clip, fused AdamW (decay on matrices), the gradients dropped; returns the detached loss, on the
+    device (no wait)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=1e-4, fused=dev.type in FUSED_ADAMW_DEVICES)  # as `train` runs it
     scaler = torch.amp.GradScaler(dev.type) if dtype == "fp16" else None  # as `train` runs fp16
     params = list(model.parameters())
-    times, losses = [], []
-    t_warm = time.perf_counter()
-    for i in range(warmup + steps):
-        x, y = batches[i % len(batches)]
-        sync(dev)
-        t0 = time.perf_counter()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with _amp(dev, dtype):
             loss = loss_fn(x, y)
         if scaler is None:
@@ -196,7 +196,21 @@ def time_steps(model, loss_fn, batches, dev: torch.device, dtype: str, warmup: i
             scaler.step(opt)
             scaler.update()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        return loss.detach()
+
+    return step
+
+
+def time_steps(model, loss_fn, batches, dev: torch.device, dtype: str, warmup: int, steps: int) -> dict:  # noqa: ANN001
+    """Median step time of `steps` optimizer steps after `warmup` (compilation happens there)."""
+    step = optimizer_step(model, loss_fn, dev, dtype)
+    times, losses = [], []
+    t_warm = time.perf_counter()
+    for i in range(warmup + steps):
+        x, y = batches[i % len(batches)]
+        sync(dev)
+        t0 = time.perf_counter()
+        losses.append(step(x, y))
         sync(dev)
         if i >= warmup:
             times.append(time.perf_counter() - t0)

@@ -21,14 +21,17 @@
 #               transformers' 48-layer static cache compiled, 64 rows too might not fit one call; with
 #               DECODE_ARGS="--no-hf-compile --batches=" batch 1 alone beside transformers eager: 57 s on an H200
 #               before ours compiled joined it, whose 48-layer compile is not yet timed)
+#     profile   python -m benchmarks.gpu_profile --sizes gpt2: where a training step's and a decode token's device
+#               time goes (kernels per unit, time by kind, the top kernels), ours beside transformers, compiled
 #     smoke     the same commands at toy sizes on the CPU (checks this script, not the GPU)
 # Phases run in the order given. Device time is short (15 minutes a session, machine starts included, each call at
 # most 10): one full call first, TESTS_ARGS=-vv TRAIN_ARGS=--key-only DECODE_ARGS="--dtypes bfloat16,float32"
 # BUDGET_S=565 (under the call's limit) `tests train decode`, then at once DECODE_ARGS="--no-hf-compile --batches="
-# `decode-xl parity` with what is left (a machine idle for 30 s is given back; none starts with under 4 minutes
-# left). On an H200 (2026-11-27) these took 359 s and 232 s (then `parity` first; ours compiled, not in the decode
-# phases yet, adds its compiles, and so do train's `ours fast compiled, no fused loss` and decode's `ours, op-for-op
-# GELU` row, added since), and `train-xl` fit a third call (102 s). A step still running at the deadline
+# `decode-xl profile parity` with what is left (a machine idle for 30 s is given back; none starts with under 4
+# minutes left). On an H200 (2026-11-27) the first two took 359 s and 232 s (then `parity decode-xl`; ours compiled,
+# not in the decode phases yet, adds its compiles, and so do train's `ours fast compiled, no fused loss` and decode's
+# `ours, op-for-op GELU` row, added since, and `profile`, not yet run: two compiles of each side's), and `train-xl`
+# fit a third call (102 s). A step still running at the deadline
 # (BUDGET_S after the start, default 570 s) is stopped, so the bundle after it is made; steps left after the deadline
 # are named as not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks rewrite their JSON after
 # every side and round, and `python -m benchmarks.gpu KIND --render-from JSON --markdown M --plot P` renders a
@@ -52,7 +55,7 @@ RESULTS=${RESULTS:-gpu-results}
 SHARED_FROM=${SHARED_FROM:-$([ -d .gpu_shared ] && echo .gpu_shared)}
 [ $# -gt 0 ] || { awk 'NR >= 6 { if (!/^#/) exit; sub(/^# ?/, ""); print }' "$0"; exit 2; }  # the comment above
 for phase in "$@"; do
-  case "$phase" in tests | suite | parity | train | train-xl | decode | decode-xl | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, suite, parity, train, train-xl, decode, decode-xl or smoke)" >&2; exit 2 ;; esac
+  case "$phase" in tests | suite | parity | train | train-xl | decode | decode-xl | profile | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, suite, parity, train, train-xl, decode, decode-xl, profile or smoke)" >&2; exit 2 ;; esac
 done
 mkdir -p "$RESULTS" weights
 
@@ -196,6 +199,11 @@ for phase in "$@"; do
         --out "$RESULTS/decode-xl.json" --markdown "$RESULTS/decode-xl.md" --plot "$RESULTS/decode-xl.png" \
         "${DECODE_EXTRA[@]}"
       ;;
+    profile)
+      checkpoint gpt2
+      step bench-profile "$PY" -m benchmarks.gpu_profile --sizes gpt2 --weights-dir weights \
+        --out "$RESULTS/profile.json" --markdown "$RESULTS/profile.md"
+      ;;
     smoke)
       checkpoint gpt2
       step smoke-parity "${G[@]}" parity weights/gpt2-random --device cpu --ids "464 2444 4721" \
@@ -206,6 +214,8 @@ for phase in "$@"; do
         --rounds 1 --chunk-rows 3,8 --json "$RESULTS/smoke-head-padding.json"
       step smoke-decode "$PY" -m benchmarks.gpu decode --device cpu --sizes tiny --new-tokens 8 --batches 2 \
         --rounds 1 --compile-backend eager --out "$RESULTS/smoke-decode.json"
+      step smoke-profile "$PY" -m benchmarks.gpu_profile --device cpu --sizes tiny --batch 2 --block 32 --steps 1 \
+        --warmup 1 --new-tokens 4 --compile-backend eager --out "$RESULTS/smoke-profile.json"
       eval_check cpu 2000 float32
       ;;
   esac

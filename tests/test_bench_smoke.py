@@ -260,6 +260,61 @@ def test_the_gpu_benchmarks_run_end_to_end_on_a_tiny_model(tmp_path: Path, capsy
     assert d["command"].startswith("python -m benchmarks.gpu decode --device cpu")
 
 
+def test_the_profile_benchmark_says_where_a_steps_and_a_tokens_time_goes(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """benchmarks.gpu_profile at a toy size on the CPU (its "kernels" the top-level ops there): per side, the units
+    profiled, the busy time within the wall, the kernels per unit, the time by kind adding up to the whole, and the
+    top kernels in order; compiled sides (dynamo's graphs run eagerly) beside the eager ones; bad flags one line."""
+    from benchmarks import gpu_profile
+
+    out, md = tmp_path / "p.json", tmp_path / "p.md"
+    argv = ["--device", "cpu", "--sizes", "tiny", "--batch", "2", "--block", "16", "--steps", "2", "--warmup", "1"]
+    argv += ["--new-tokens", "4", "--compile-backend", "eager", "--top", "3", "--weights-dir", str(tmp_path / "w")]
+    assert gpu_profile.main([*argv, "--out", str(out), "--markdown", str(md)]) == 0
+    capsys.readouterr()
+    r = json.loads(out.read_text())["sizes"]["tiny"]
+    assert list(r["train"]) == ["ours fast compiled", "transformers compiled"]
+    assert list(r["decode"]) == ["ours", "ours, compiled", "transformers, static cache"]
+    for side in [*r["train"].values(), *r["decode"].values()]:
+        assert "error" not in side, side
+        assert side["units"] in (2, 4) and side["kernels_per_unit"] > 1
+        assert 0 < side["busy_us_per_unit"] <= side["wall_us_per_unit"] and 0 < side["busy_share"] <= 1
+        assert sum(k["share"] for k in side["kinds"].values()) == pytest.approx(1.0)
+        assert sum(k["count_per_unit"] for k in side["kinds"].values()) == pytest.approx(side["kernels_per_unit"])
+        us = [t["us_per_unit"] for t in side["top"]]
+        assert len(us) == 3 and us == sorted(us, reverse=True)
+    assert r["train"]["ours fast compiled"]["units"] == 2 and r["decode"]["ours"]["units"] == 4
+    assert r["train"]["ours fast compiled"]["kinds"]["matmul"]["count_per_unit"] > 0
+    text = md.read_text()
+    assert "### tiny decode, ours: per new token (batch 1, greedy, bfloat16, 4 tokens after 16)" in text
+    assert "### tiny train, transformers compiled: per training step (2 x 16 tokens, bf16)" in text
+    for bad, what in ((["--kinds", "train,eval"], "--kinds train,eval"), (["--steps", "0"], "--steps must be")):
+        assert gpu_profile.main([*argv, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and what in err and err.startswith("python -m benchmarks.gpu_profile: error:")
+
+
+def test_the_profiles_kernel_kinds_and_busy_time() -> None:
+    from benchmarks.gpu_profile import _busy_us, kind_of
+
+    assert _busy_us([(0, 2), (1, 3), (5, 6), (5.5, 5.8)]) == 4  # overlapping intervals counted once
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4>": "matmul",
+        "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NTT": "matmul",
+        "triton_tem_fused_mm_1": "matmul",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80": "attention",  # CUTLASS's attention, not its GEMM
+        "triton_poi_fused_addmm_gelu_0": "triton",  # an epilogue named after the addmm it follows
+        "triton_red_fused_native_layer_norm_2": "triton",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, false>": "reduction",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, ArgMaxOps<float>>>": "reduction",
+        "Memcpy DtoH (Device -> Pinned)": "copy",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::tanh_kernel_cuda>": "elementwise",
+        "mkldnn::_linear_pointwise": "matmul",
+        "aten::add": "elementwise",
+    }
+    assert {n: kind_of(n) for n in names} == names
+
+
 def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The JSON is rewritten after every side (train), and after every loop's first run and every round (decode): a
     run killed at the device's time limit leaves the rows it timed, and `--render-from` makes its Markdown and plot
@@ -383,6 +438,7 @@ def gpu_check_commands() -> list[tuple[str, list[str]]]:
             ('"${G[@]}" ', "gpt2-port"),
             ("-m benchmarks.gpu ", "benchmarks.gpu"),
             ("-m benchmarks.head_padding ", "benchmarks.head_padding"),
+            ("-m benchmarks.gpu_profile ", "benchmarks.gpu_profile"),
         ):
             if marker in line:
                 out.append((tool, shlex.split(line.split(marker, 1)[1])))
@@ -392,7 +448,7 @@ def gpu_check_commands() -> list[tuple[str, list[str]]]:
 def test_the_gpu_check_scripts_commands_parse() -> None:
     """Every command scripts/gpu_check.sh runs on a GPU machine parses with the real parsers here, so a renamed flag
     is caught before a lent GPU's minutes are spent on it."""
-    from benchmarks import gpu, head_padding
+    from benchmarks import gpu, gpu_profile, head_padding
     from gpt2_port.cli.main import build_parser
 
     cmds = gpu_check_commands()
@@ -400,8 +456,10 @@ def test_the_gpu_check_scripts_commands_parse() -> None:
         "gpt2-port": build_parser,
         "benchmarks.gpu": gpu.build_parser,
         "benchmarks.head_padding": head_padding.build_parser,
+        "benchmarks.gpu_profile": gpu_profile.build_parser,
     }
-    subcommands = {c[1][0] for c in cmds if c[0] != "benchmarks.head_padding"}
+    assert sum(c[0] == "benchmarks.gpu_profile" for c in cmds) == 2  # on the GPU, and its smoke run
+    subcommands = {c[1][0] for c in cmds if c[0] in ("gpt2-port", "benchmarks.gpu")}
     assert subcommands == {"demo-checkpoint", "parity", "train", "decode", "eval"}
     assert sum(c[1][0] == "parity" for c in cmds) >= 5
     assert [c[1][c[1].index("--device") + 1] for c in cmds if c[1][0] == "eval"] == ["cuda"]  # eval_check's one line
@@ -420,8 +478,8 @@ def test_the_gpu_check_script_refuses_an_unknown_phase() -> None:
     r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "tests", "benchmark"], capture_output=True)
     assert r.returncode == 2 and r.stdout == b""
     assert r.stderr.decode().strip().splitlines() == [
-        "gpu_check: unknown phase 'benchmark' (expected tests, suite, parity, train, train-xl, decode, decode-xl or "
-        "smoke)"
+        "gpu_check: unknown phase 'benchmark' (expected tests, suite, parity, train, train-xl, decode, decode-xl, "
+        "profile or smoke)"
     ]
 
 
