@@ -6,13 +6,14 @@ reduction, copy) and the kernels that took the most. What the speed goals' remai
 instead of guessed.
 
     python -m benchmarks.gpu_profile [--kinds train,decode] [--sizes gpt2] [--dtype bf16] [--batch 16] [--block 1024]
-                                     [--steps 3] [--new-tokens 64] [--top 20] [--no-compile] [--out JSON]
-                                     [--markdown MD]
+                                     [--steps 3] [--new-tokens 64] [--decode-dtypes bfloat16,float32] [--top 20]
+                                     [--no-compile] [--out JSON] [--markdown MD]
 
 train sides: ours fast compiled (`train --compile`'s model) and transformers compiled (with --no-compile: both
 eager), one optimizer step each as benchmarks.gpu times it. decode sides: greedy batch 1 through `generate` (the
-CUDA graph; compiled first too, `generate --compile`) and transformers' `generate` with its static cache (compiled
-on a GPU). On the CPU (--device cpu --sizes tiny, a smoke run) the "kernels" are the top-level aten ops.
+CUDA graph, and with the op-for-op GELU; compiled first too, `generate --compile`) and transformers' `generate` with
+its static cache (compiled on a GPU), in bfloat16; then ours in float32, uncompiled (--decode-dtypes). On the CPU
+(--device cpu --sizes tiny, a smoke run) the "kernels" are the top-level aten ops.
 
 Not a test: the numbers depend on the machine and its load (say so when quoting them). The profiler adds its own
 host time, so the wall figures here are above benchmarks.gpu's; the device's kernel times are what to read.
@@ -172,32 +173,41 @@ def train_profiles(a: argparse.Namespace, dev: torch.device, size: str, into: di
 
 
 def decode_profiles(a: argparse.Namespace, dev: torch.device, size: str, into: dict, save: Callable[[], None]) -> None:
+    """Each of --decode-dtypes in turn: the first with every side, the later ones ours alone, uncompiled (what a dtype
+    changes in the same step's kernels; no compile repeated)."""
     from gpt2_port.model import from_pretrained
 
     ck = checkpoint(size, Path(a.weights_dir))
-    dt = getattr(torch, a.decode_dtype)
     ids = torch.randint(0, 50257, (1, a.prompt_len), generator=torch.Generator().manual_seed(0)).to(dev)
     N = a.new_tokens
     cuda = dev.type == "cuda"
-    ours, _ = from_pretrained(ck, dtype=dt, device=dev)
-    hf = _hf(ck, dev).to(dt).eval()
-    hf.generation_config.eos_token_id = None
-    fns = {"ours": partial(greedy_ours, ours, ids, N)}
-    if not a.no_compile:
-        fns["ours, compiled"] = partial(greedy_ours, ours, ids, N, compile_step=a.compile_backend)
-    if cuda:
-        fns["ours, op-for-op GELU"] = partial(greedy_ours, ours, ids, N, fused_gelu=False)
-    static = "transformers, static cache" + (", compiled" if cuda and not a.no_compile else "")
-    fns[static] = partial(greedy_hf, hf, ids, N, static=True, compiled=cuda and not a.no_compile)
+    for i, dname in enumerate(a.decode_dtypes.split(",")):
+        dt = getattr(torch, dname)
+        free(dev)
+        ours, _ = from_pretrained(ck, dtype=dt, device=dev)
+        tag = "" if i == 0 else f" ({dname})"
+        fns = {f"ours{tag}": partial(greedy_ours, ours, ids, N)}
+        if cuda:
+            fns[f"ours, op-for-op GELU{tag}"] = partial(greedy_ours, ours, ids, N, fused_gelu=False)
+        if i == 0 and not a.no_compile:
+            fns["ours, compiled"] = partial(greedy_ours, ours, ids, N, compile_step=a.compile_backend)
+        if i == 0:
+            hf = _hf(ck, dev).to(dt).eval()
+            hf.generation_config.eos_token_id = None
+            compiled = cuda and not a.no_compile  # transformers compiles its static cache on a GPU only
+            fns["transformers, static cache" + (", compiled" if compiled else "")] = partial(
+                greedy_hf, hf, ids, N, static=True, compiled=compiled
+            )
 
-    def run(fn: Callable[[], object]) -> dict:
-        for _ in range(2):  # the capture or compile, then a warm run
-            fn()
-        out = profile(fn, dev, 1, N, a.top)
-        return out | {"unit": f"new token (batch 1, greedy, {a.decode_dtype}, {N} tokens after {a.prompt_len})"}
+        def run(fn: Callable[[], object], dname: str = dname) -> dict:
+            for _ in range(2):  # the capture or compile, then a warm run
+                fn()
+            out = profile(fn, dev, 1, N, a.top)
+            return out | {"unit": f"new token (batch 1, greedy, {dname}, {N} tokens after {a.prompt_len})"}
 
-    for name, fn in fns.items():
-        _side(name, partial(run, fn), save, into, dev)
+        for name, fn in fns.items():
+            _side(name, partial(run, fn), save, into, dev)
+        ours = hf = fns = None
 
 
 def render(res: dict) -> str:
@@ -251,7 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block", type=int, default=1024, help="train: tokens per row")
     p.add_argument("--warmup", type=int, default=3, help="train: steps before profiling (the compile is here)")
     p.add_argument("--steps", type=int, default=3, help="train: steps profiled")
-    p.add_argument("--decode-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument(
+        "--decode-dtypes",
+        default="bfloat16,float32",
+        help="decode: comma-separated bfloat16, float32, float16; every side in the first, ours uncompiled in the rest",
+    )
     p.add_argument("--new-tokens", type=int, default=64, help="decode: greedy tokens profiled (batch 1)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--top", type=int, default=20, help="the kernels listed per side")
@@ -274,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(a, flag)}")
         if a.warmup < 0:
             raise UsageError(f"--warmup must be >= 0, got {a.warmup}")
+        names = a.decode_dtypes.split(",")
+        if not set(names) <= {"bfloat16", "float32", "float16"} or len(set(names)) != len(names):
+            expected = "expected distinct names of bfloat16, float16, float32"
+            raise UsageError(f"--decode-dtypes {a.decode_dtypes}: {expected}")
         for path, what in ((a.out, "--out"), (a.markdown, "--markdown")):
             if path:
                 check_writable(path, what)

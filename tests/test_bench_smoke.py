@@ -273,7 +273,7 @@ def test_the_profile_benchmark_says_where_a_steps_and_a_tokens_time_goes(tmp_pat
     capsys.readouterr()
     r = json.loads(out.read_text())["sizes"]["tiny"]
     assert list(r["train"]) == ["ours fast compiled", "transformers compiled"]
-    assert list(r["decode"]) == ["ours", "ours, compiled", "transformers, static cache"]
+    assert list(r["decode"]) == ["ours", "ours, compiled", "transformers, static cache", "ours (float32)"]
     for side in [*r["train"].values(), *r["decode"].values()]:
         assert "error" not in side, side
         assert side["units"] in (2, 4) and side["kernels_per_unit"] > 1
@@ -286,8 +286,14 @@ def test_the_profile_benchmark_says_where_a_steps_and_a_tokens_time_goes(tmp_pat
     assert r["train"]["ours fast compiled"]["kinds"]["matmul"]["count_per_unit"] > 0
     text = md.read_text()
     assert "### tiny decode, ours: per new token (batch 1, greedy, bfloat16, 4 tokens after 16)" in text
+    assert "### tiny decode, ours (float32): per new token (batch 1, greedy, float32, 4 tokens after 16)" in text
     assert "### tiny train, transformers compiled: per training step (2 x 16 tokens, bf16)" in text
-    for bad, what in ((["--kinds", "train,eval"], "--kinds train,eval"), (["--steps", "0"], "--steps must be")):
+    bad_flags = [
+        (["--kinds", "train,eval"], "--kinds train,eval"),
+        (["--steps", "0"], "--steps must be"),
+        (["--decode-dtypes", "bfloat16,bfloat16"], "--decode-dtypes bfloat16,bfloat16: expected distinct"),
+    ]
+    for bad, what in bad_flags:
         assert gpu_profile.main([*argv, *bad]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and what in err and err.startswith("python -m benchmarks.gpu_profile: error:")
