@@ -544,3 +544,25 @@ def test_eval_check_on_cuda_lies_within_its_tolerance_beside_the_floor(
     assert c["passed"] and c["noise_floor"] is not None and all(r["floor"] is not None for r in c["rows"]), c
     if dtype == "float32":
         assert c["as_close_as_reference"] is True, c
+
+
+def test_the_one_kernel_gelu_takes_seven_kernels_a_block_out_of_the_recorded_step(tiny_official: Path) -> None:
+    """On the GPU, through the profiler as benchmarks.gpu_profile reads it (every kernel of a replayed CUDA graph
+    counted): a decode token with the one-kernel GELU (generate's default on CUDA) runs 7 kernels a block fewer than
+    with the forward's eight ops (`--op-gelu`), and its kernels are seen at all (the profile's own premise)."""
+    from benchmarks.gpu_profile import profile
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full
+
+    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, device="cuda")
+    ids = torch.tensor([[464, 2444, 4721, 511, 3835]], device="cuda")
+    N = 16
+    per_token = {}
+    for fused in (True, False):
+        run = lambda f=fused: generate_full(m, ids, N, eos_token_id=None, do_sample=False, fused_gelu=f)  # noqa: E731
+        g = run()  # the capture
+        assert g.extra["step"] == "cuda graph" and g.extra["fused_gelu"] is fused
+        r = profile(run, torch.device("cuda"), 1, N, 5)
+        per_token[fused] = r["kernels_per_unit"]
+        assert r["busy_us_per_unit"] > 0 and r["kinds"].get("matmul", {}).get("count_per_unit", 0) >= 4
+    assert (per_token[False] - per_token[True]) * N == pytest.approx(7 * m.config.n_layer * (N - 1)), per_token
