@@ -246,6 +246,18 @@ def exp_draws(seed: int, shape: tuple[int, int], steps: int) -> list[torch.Tenso
     return [torch.empty(shape).exponential_(1, generator=g) for _ in range(steps)]
 
 
+class OpNames(TorchDispatchMode):
+    """The aten ops dispatched while it is active, by name (`mul`, `_fused_adamw_`, ...), in order, in `seen`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        self.seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 class LowPrecisionProducts(TorchDispatchMode):
     """Counts the matrix products run with a bf16/fp16 operand (mm, addmm, bmm, their out= forms) in `count`, and
     the CPU SDPA kernel's forward and backward calls with one in `attention` (SDPA's math kernel, taken with dropout,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, chaotic_model, decode_steps, exp_draws, same_tokens_where_decided
+from conftest import TINY, OpNames, chaotic_model, decode_steps, exp_draws, same_tokens_where_decided
 
 from gpt2_port.errors import UsageError
 from gpt2_port.generate import generate_full
@@ -240,18 +240,7 @@ def _ops_of_one_static_step(m: GPT2, fused_gelu: bool) -> dict[str, int]:
     """aten op -> calls in one static step of `m` over a one-token prompt's cache (not the prompt's forward)."""
     from collections import Counter
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from gpt2_port.generate.cache import StaticKVCache
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n: Counter = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            self.n[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
 
     plan = DecodePlan.for_model(m)
     st = StaticKVCache(m.config, 1, 8, m.dtype, "cpu")
@@ -259,9 +248,9 @@ def _ops_of_one_static_step(m: GPT2, fused_gelu: bool) -> dict[str, int]:
         m(torch.tensor([[3]]), cache=st, hidden_only=True)
         st.start(None, 1)
         st.feed(torch.tensor([4]), 1)
-        with Count() as c:
+        with OpNames() as ops:
             plan.static_step(st, fused_gelu=fused_gelu)
-    return dict(c.n)
+    return dict(Counter(ops.seen))
 
 
 def test_the_fused_gelu_step_runs_one_gelu_kernel_a_block_in_place_of_eight_ops() -> None:

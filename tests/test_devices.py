@@ -45,3 +45,26 @@ def test_values_are_read_on_the_host_only_from_a_cpu_tensor_outside_compile() ->
     traced(torch.zeros(2))
     assert seen == [False]
     torch._dynamo.reset()
+
+
+def test_all_finite_is_isfinite_all_in_one_reduction() -> None:
+    """The decode loop's finite check: the answer torch.isfinite(t).all() gives, NaN, +inf and -inf anywhere, the
+    largest finite values and bf16 included, as a () bool on the tensor's device, with one reduction and a compare
+    (isfinite alone is four elementwise ops)."""
+    from conftest import OpNames
+
+    from gpt2_port.devices import all_finite
+
+    big = torch.finfo(torch.float32).max
+    cases = [[1.0, -2.0], [float("nan"), 1.0], [1.0, float("inf")], [-float("inf"), 0.0], [big, -big]]
+    cases += [[float("nan"), float("inf")], [0.0, -0.0]]
+    for case in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            t = torch.tensor([[0.5, 0.25], case], dtype=dtype)
+            got = all_finite(t)
+            assert got.shape == () and got.dtype == torch.bool
+            assert bool(got) == bool(torch.isfinite(t).all()), (case, dtype)
+    t = torch.randn(3, 7)
+    with OpNames() as ops:
+        all_finite(t)
+    assert ops.seen == ["linalg_vector_norm", "lt"]

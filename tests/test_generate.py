@@ -696,6 +696,30 @@ def test_nan_weight_stops_generate_naming_step_and_tensor(sample: bool) -> None:
     assert msg.endswith("h.0.mlp.c_fc.weight (expected finite values; check the checkpoint)")
 
 
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_a_greedy_choice_runs_no_fill_of_the_nonfinite_logits(sample: bool) -> None:
+    """Choosing a token on the device: greedy takes the argmax of the head's logits as they are (the finite flag
+    beside it; an argmax over NaN is some token, which the loop never uses), a sampled choice first puts harmless
+    scores where they are not finite (a NaN distribution would make an arbitrary draw): two kernels a token fewer
+    for greedy."""
+    from conftest import OpNames
+
+    from gpt2_port.generate.choose import NextToken
+
+    m = _chaotic()
+    settings = SamplingSettings.from_options({"do_sample": sample, "top_k": 0} if sample else {})
+    choose = NextToken(m, settings, None, torch.Generator().manual_seed(0), fast_head=False)
+    h = torch.randn(2, 1, m.config.n_embd)
+    with torch.no_grad(), OpNames() as ops:
+        tok, status = choose(h)
+    assert tok.shape == (2,) and status.dtype in (torch.bool, torch.long)
+    # the finite check is one reduction (devices.all_finite): the logits' for both, the distribution's when sampled
+    assert ops.seen.count("linalg_vector_norm") == (2 if sample else 1), ops.seen
+    assert ops.seen.count("masked_fill") == (1 if sample else 0), ops.seen
+    if not sample:
+        assert torch.equal(tok, torch.argmax(m.head(h)[:, -1].float(), dim=-1))
+
+
 def test_nonfinite_logits_name_the_first_bad_step() -> None:
     """A NaN in the position embedding of position 5 spoils the logits from the step that reads it: the 4th new
     token after a 3-token prompt; the steps before are made."""

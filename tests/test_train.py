@@ -900,21 +900,15 @@ def test_a_step_reads_the_device_once(
 def test_a_cpu_step_runs_torchs_fused_adamw(small_ckpt: Path, small_data: Path, tmp_path: Path) -> None:
     """The CPU step updates every weight with torch's fused AdamW, as on CUDA: one kernel, no parameter-sized
     temporaries (the for-loop AdamW's square root and quotient), read as the ops the step dispatches."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from conftest import OpNames
 
     model, _ = from_pretrained(small_ckpt)
     args = TrainArgs(steps=2, batch_size=2, block_size=16, dropout=0.0, eval_every=0)
     prepare_model(model, args, torch.device("cpu"))
     t = Trainer(model, args, open_split(small_data, "train", SMALL.vocab_size, 16), None, tmp_path / "out", "cpu")
-    seen: list[str] = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
-            seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Ops():
+    with OpNames() as ops:
         t.step(0)
+    seen = ops.seen
     assert seen.count("_fused_adamw_") == len(t.optimizer.param_groups)  # one call per group, every weight in it
     assert "sqrt" not in seen and "addcdiv_" not in seen  # nothing of the for-loop AdamW's arithmetic
     assert all(p in t.optimizer.state for p in model.parameters())

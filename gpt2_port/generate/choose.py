@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..devices import all_finite
 from ..io.load import listed, nonfinite_tensors
 from .greedy_head import FastGreedyHead
 from .protocol import CausalLM
@@ -53,14 +54,16 @@ class NextToken:
                 return nxt, torch.ones((), dtype=torch.bool)
             self.exact_steps += 1
         logits = self.model.head(h)[:, -1].float()  # (B, V)
-        finite = torch.isfinite(logits).all()
+        finite = all_finite(logits)
         if held:  # transformers' MinNewTokensLengthLogitsProcessor: EOS's score -inf (a column fill: no host copy)
             logits[:, self.hold_eos[0]] = -float("inf")
         if self.fast_head is not None:
             return torch.argmax(logits, dim=-1), finite
-        # non-finite logits: draw from harmless scores instead (NaN probabilities would make an arbitrary token); the
-        # loop raises on `finite` before any of those tokens is used
-        logits = logits.masked_fill(~finite, 0.0)
+        if self.settings.do_sample:
+            # non-finite logits: draw from harmless scores instead (NaN probabilities would make an arbitrary token);
+            # the loop raises on `finite` before any of those tokens is used. Greedy needs no such fill (two kernels a
+            # token): the argmax of non-finite scores is some token, never used either.
+            logits = logits.masked_fill(~finite, 0.0)
         scores = process_logits(logits, self.seen, self.settings)
         if self.record is not None:
             self.record.append(scores.clone())  # (B, V), on the device: no wait
@@ -68,7 +71,7 @@ class NextToken:
             probs = F.softmax(scores, dim=-1)
             # finite logits divided by a tiny temperature or repetition penalty can overflow to +-Inf, whose softmax
             # is NaN: that is flagged too (DRAWN_FROM_NAN), in the same transfer as the logits' own check
-            status = torch.where(finite, torch.where(torch.isfinite(probs).all(), OK, DRAWN_FROM_NAN), NONFINITE)
+            status = torch.where(finite, torch.where(all_finite(probs), OK, DRAWN_FROM_NAN), NONFINITE)
             return draw(probs, self.generator), status  # (B,)
         return torch.argmax(scores, dim=-1), finite
 
