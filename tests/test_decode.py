@@ -268,6 +268,24 @@ def test_the_fused_gelu_step_runs_one_gelu_kernel_a_block_in_place_of_eight_ops(
     }
 
 
+@pytest.mark.parametrize("which", ["official", "chaotic"])
+def test_a_static_step_stores_each_layers_key_and_value_with_one_write(which: str, request) -> None:  # noqa: ANN001
+    """The cache holds each layer's keys and values side by side (KVCache.kv): the static step stores a token's key
+    and value with one index_copy_ a layer, a kernel a CUDA graph replays per block. With c_attn's one matmul (the
+    official layout) k and v are one view of its output, no copy; separate q/k/v projections stack theirs first."""
+    from collections import Counter
+
+    m = request.getfixturevalue("official") if which == "official" else _chaotic()
+    n = m.config.n_layer
+    ops = _ops_of_one_static_step(m, fused_gelu=True)
+    assert ops["index_copy_"] == n and ops.get("stack", 0) == (0 if which == "official" else n), ops
+    plan, cache = DecodePlan.for_model(m), KVCache(m.config, 1, 8, m.dtype, "cpu")
+    with torch.no_grad(), OpNames() as seen:
+        plan.step(torch.tensor([[3]]), cache)
+    assert Counter(seen.seen)["copy_"] == n  # the plan's step: one write a layer too
+    assert cache.k.data_ptr() == cache.kv.data_ptr() and cache.k[0].is_contiguous() and cache.v[0].is_contiguous()
+
+
 @pytest.mark.parametrize(
     "dtype, sample",
     [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)],

@@ -20,14 +20,16 @@ def static_len(total_len: int, n_positions: int) -> int:
 
 
 class KVCache:
-    """Preallocated `[n_layer, B, nh, max_len, hs]` key and value tensors and a fill length."""
+    """Preallocated `[n_layer, B, nh, max_len, hs]` key and value tensors and a fill length. Both are views of one
+    `kv` tensor `[n_layer, 2, B, nh, max_len, hs]`, so that a decode step stores a token's key and value with one
+    write (model/decode.py); each layer's keys (`k[i]`) and values (`v[i]`) are still contiguous blocks."""
 
     def __init__(
         self, cfg: GPT2Config, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
-        shape = (cfg.n_layer, batch, cfg.n_head, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (cfg.n_layer, 2, batch, cfg.n_head, max_len, cfg.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # (n_layer, B, nh, max_len, hs) each
         self.length = 0  # tokens already stored
         self.max_len = max_len
 

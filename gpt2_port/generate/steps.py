@@ -138,7 +138,7 @@ class StaticSteps:
 
         self.compiled = CompiledStep(step, compile_step) if compile_step else None
         body = self.compiled or step
-        self.run = CapturedStep(body, cache.k.device) if cuda_graph else body
+        self.run = CapturedStep(body, cache.kv.device) if cuda_graph else body
 
     @property
     def name(self) -> str:
@@ -154,8 +154,9 @@ class StaticSteps:
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         self.cache.length = 0
-        self.cache.k.zero_()  # a reused cache: an earlier generation's keys must not reach the masked slots (a NaN
-        self.cache.v.zero_()  # there would pass through the attention's additive mask)
+        # a reused cache: an earlier generation's keys and values must not reach the masked slots (a NaN there would
+        # pass through the attention's additive mask)
+        self.cache.kv.zero_()
         model = self._model()
         with without_cudnn_attention(model.device):  # type: ignore[union-attr]  # each prompt length a new shape
             h = model(ids, attention_mask=mask, cache=self.cache, last_only=True, hidden_only=True)  # type: ignore[misc]

@@ -41,9 +41,11 @@ from .masks import additive_mask, build_mask, positions_from_mask
 from .modules import Block, gelu_new, wants_grad
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # (..., in) -> (..., out)
-# attend(layer, q, k, v): q, k, v (B, nh, 1, hs) of this token -> (B, nh, 1, hs); stores k and v wherever it keeps them
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-CacheViews = tuple[list[torch.Tensor], list[torch.Tensor]]  # each layer's keys and values, (B, nh, max_len, hs) each
+# attend(layer, q, kv): q (B, nh, 1, hs) and kv (2, B, nh, 1, hs), this token's key and value -> (B, nh, 1, hs); stores
+# the key and value wherever it keeps them
+Attend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# each layer's keys and values, (B, nh, max_len, hs) each, and both as one (2, B, nh, max_len, hs) view
+CacheViews = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
 Activation = Callable[[torch.Tensor], torch.Tensor]  # the MLP's GELU, elementwise
 
 
@@ -95,14 +97,17 @@ class LayerStep:
         """(B, 1, C) residual stream -> (B, 1, C), as `Block.forward` computes it in eval mode (with `act` for its
         GELU: gelu_new, op for op, is the forward's)."""
         B, _, C = x.shape
-        nh = self.n_head
+        nh, hs = self.n_head, C // self.n_head
         h = F.layer_norm(x, (C,), *self.ln_1, self.eps)  # (B, 1, C)
         if self.qkv is not None:
-            q, k, v = self.qkv(h).split(C, dim=-1)  # 3 x (B, 1, C)
+            qkv = self.qkv(h)  # (B, 1, 3C): q | k | v
+            q = qkv[..., :C]
+            kv = qkv[..., C:].view(B, 1, 2, nh, hs).permute(2, 0, 3, 1, 4)  # (2, B, nh, 1, hs): k and v, one view
         else:
-            q, k, v = self.q(h), self.k(h), self.v(h)
-        q, k, v = (t.view(B, 1, nh, C // nh).transpose(1, 2) for t in (q, k, v))  # (B, nh, 1, hs)
-        y = attend(self.layer, q, k, v)  # (B, nh, 1, hs)
+            q = self.q(h)
+            kv = torch.stack([self.k(h), self.v(h)]).view(2, B, 1, nh, hs).transpose(2, 3)  # (2, B, nh, 1, hs)
+        q = q.view(B, 1, nh, hs).transpose(1, 2)  # (B, nh, 1, hs)
+        y = attend(self.layer, q, kv)  # (B, nh, 1, hs)
         x = x + self.c_proj(y.transpose(1, 2).reshape(B, 1, C))  # heads side by side
         h = F.layer_norm(x, (C,), *self.ln_2, self.eps)
         return x + self.mlp_proj(act(self.c_fc(h)))
@@ -119,7 +124,7 @@ class DecodePlan:
         self.layers = [LayerStep.of(block) for block in model.h]
         self.wte, self.wpe = model.wte.weight, model.wpe.weight
         self.ln_f = (model.ln_f.weight, model.ln_f.bias)
-        self._views: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._views: tuple[int, CacheViews] | None = None
 
     @staticmethod
     def for_model(model: nn.Module) -> DecodePlan | None:
@@ -144,12 +149,11 @@ class DecodePlan:
 
         mask: (B, 1, 1, S) from `build_mask` (left padding), or None (every key visible). Does not advance the cache.
         """
-        ks, vs = self.cache_views(cache)
+        ks, vs, kvs = self.cache_views(cache)
         past, S, scale = cache.length, cache.length + 1, self.scale
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            ks[i].narrow(2, past, 1).copy_(k)
-            vs[i].narrow(2, past, 1).copy_(v)
+        def attend(i: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            kvs[i].narrow(3, past, 1).copy_(kv)  # the key and the value in one write
             keys, values = ks[i].narrow(2, 0, S), vs[i].narrow(2, 0, S)  # (B, nh, S, hs)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
@@ -162,15 +166,14 @@ class DecodePlan:
         The mask goes to SDPA as the additive one SDPA would make of the boolean (0 where seen, -inf elsewhere, in
         q's dtype), made once per step at the first layer: the same values, so the same arithmetic, without SDPA's
         conversion in every layer (two scalar tensors and a where each, ops a captured step would replay per token)."""
-        ks, vs = views or self.cache_views(cache)
+        ks, vs, kvs = views or self.cache_views(cache)
         keys, slot, scale = cache.keys, cache.slot, self.scale
         bias: list[torch.Tensor] = []  # this step's additive mask, (B, 1, 1, max_len)
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # in the cache's dtype, as the dynamic step's copy_ stores them (under autocast k and v come out of the
-            # matmul in bf16/fp16; index_copy_ does not cast)
-            ks[i].index_copy_(2, slot, k.to(ks[i].dtype))
-            vs[i].index_copy_(2, slot, v.to(vs[i].dtype))
+        def attend(i: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            # the key and the value in one write, in the cache's dtype, as the dynamic step's copy_ stores them (under
+            # autocast they come out of the matmul in bf16/fp16; index_copy_ does not cast)
+            kvs[i].index_copy_(3, slot, kv.to(kvs[i].dtype))
             if not bias or bias[0].dtype != q.dtype:  # SDPA takes an additive mask in q's dtype only
                 bias[:] = [additive_mask(keys, q.dtype)[:, None, None, :]]
             return F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=bias[0], scale=scale)
@@ -192,12 +195,13 @@ class DecodePlan:
         return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views), act)
 
     def cache_views(self, cache: KVCache) -> CacheViews:
-        """Per-layer (B, nh, max_len, hs) views of the cache, made once per cache (the last cache's kept)."""
-        key = id(cache.k)
+        """Per-layer (B, nh, max_len, hs) views of the cache's keys and values, and (2, B, nh, max_len, hs) of both,
+        made once per cache (the last cache's kept)."""
+        key = id(cache.kv)
         if self._views is None or self._views[0] != key:
-            n = len(self.layers)
-            self._views = (key, [cache.k[i] for i in range(n)], [cache.v[i] for i in range(n)])
-        return self._views[1], self._views[2]
+            n = range(len(self.layers))
+            self._views = (key, ([cache.k[i] for i in n], [cache.v[i] for i in n], [cache.kv[i] for i in n]))
+        return self._views[1]
 
     def step(self, input_ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, 1) ids at position cache.length -> (B, 1, C) ln_f output, as `model(..., hidden_only=True)` gives.
