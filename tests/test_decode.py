@@ -568,7 +568,7 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     plan = SimpleNamespace(step=call, static_step=static, cache_views=lambda cache: None)
     PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
     # the static step's prefill (a new prompt length, a new shape) and its fixed-shape step
-    cache = SimpleNamespace(k=torch.zeros(1), v=torch.zeros(1), length=0, start=lambda mask, n: None)
+    cache = SimpleNamespace(kv=torch.zeros(1), length=0, start=lambda mask, n: None)
     cache.feed, cache.advance = (lambda tok, slot: None), (lambda: None)
     static = StaticSteps(model, plan, cache, cuda_graph=False)  # type: ignore[arg-type]
     static.prefill(seq[:, :3], None)
