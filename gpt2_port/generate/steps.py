@@ -16,9 +16,9 @@
   With `compile_step` (`generate --compile`) the static step goes through torch.compile first (`CompiledStep`: one
   graph, static shapes, traced once per kept step; inductor fuses each block's layer norms, GELU and residual adds:
   about 10 kernels a block in its code read on the CPU, where the eager step launches 11 on CUDA), then is captured
-  as above. On CUDA the static
-  step's GELU is torch's one tanh-GELU kernel, not the forward's eight ops (`fused_gelu`, DecodePlan.static_step):
-  7 fewer launches a block, in a step whose time on a GPU is mostly its launches.
+  as above. On CUDA the static step's GELU is torch's one tanh-GELU kernel, not the forward's eight ops
+  (`fused_gelu`, DecodePlan.static_step): 7 fewer launches a block, in a step whose time on a GPU is mostly its
+  launches.
 """
 
 from __future__ import annotations
