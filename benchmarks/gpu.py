@@ -519,6 +519,33 @@ def run_decode(a: argparse.Namespace, dev: torch.device, save: Callable[[dict], 
     return results
 
 
+def decode_loops(
+    ours,  # noqa: ANN001
+    hf,  # noqa: ANN001
+    ids: torch.Tensor,
+    N: int,
+    compile_ours: str | None,
+    hf_compile: bool,
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """The greedy batch-1 loops by row name, in the order they run: ours through `generate` (the CUDA graph; compiled
+    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the op-for-op GELU), then
+    transformers' `generate` (hf None: none of its rows) with its dynamic and its static cache, that one also compiled
+    on a GPU where `hf_compile`."""
+    cuda = ours.device.type == "cuda"
+    fns = {"ours": partial(greedy_ours, ours, ids, N)}
+    if compile_ours:  # `generate --compile`: the step compiled (on CUDA, then recorded as the graph)
+        fns["ours, compiled"] = partial(greedy_ours, ours, ids, N, compile_step=compile_ours)
+    fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
+    if cuda:  # what the one-kernel GELU (generate's default there) gains: `generate --op-gelu`
+        fns["ours, op-for-op GELU"] = partial(greedy_ours, ours, ids, N, fused_gelu=False)
+    if hf is not None:
+        fns["transformers"] = partial(greedy_hf, hf, ids, N)
+        fns["transformers, static cache"] = partial(greedy_hf, hf, ids, N, static=True)
+        if cuda and hf_compile:  # generate compiles the static-cache forward on a GPU only
+            fns["transformers, static cache, compiled"] = partial(greedy_hf, hf, ids, N, static=True, compiled=True)
+    return fns
+
+
 def _batch1(
     a: argparse.Namespace,
     dev: torch.device,
@@ -541,16 +568,8 @@ def _batch1(
     ours, _ = from_pretrained(ck, dtype=dt, device=dev)
     hf = _hf(ck, dev).to(dt).eval()
     hf.generation_config.eos_token_id = None
-    fns = {"ours": partial(greedy_ours, ours, ids, N)}
-    if not a.no_compile:  # `generate --compile`: the step compiled (on CUDA, then recorded as the graph)
-        fns["ours, compiled"] = partial(greedy_ours, ours, ids, N, compile_step=a.compile_backend)
-    fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
-    if dev.type == "cuda":  # what the one-kernel GELU (generate's default there) gains: `generate --op-gelu`
-        fns["ours, op-for-op GELU"] = partial(greedy_ours, ours, ids, N, fused_gelu=False)
-    fns["transformers"] = partial(greedy_hf, hf, ids, N)
-    fns["transformers, static cache"] = partial(greedy_hf, hf, ids, N, static=True)
-    if dev.type == "cuda" and not a.no_hf_compile:  # generate compiles the static-cache forward on a GPU only
-        fns["transformers, static cache, compiled"] = partial(greedy_hf, hf, ids, N, static=True, compiled=True)
+    compile_ours = None if a.no_compile else a.compile_backend
+    fns = decode_loops(ours, hf, ids, N, compile_ours, hf_compile=not a.no_hf_compile)
     param_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
 
     def record(runs: dict[str, dict]) -> None:

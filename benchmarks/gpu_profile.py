@@ -36,11 +36,11 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
-from benchmarks.decode import greedy_hf, greedy_ours
 from benchmarks.gpu import (
     TINY,
     _hf,
     checkpoint,
+    decode_loops,
     failure,
     free,
     machine,
@@ -180,24 +180,21 @@ def decode_profiles(a: argparse.Namespace, dev: torch.device, size: str, into: d
     ck = checkpoint(size, Path(a.weights_dir))
     ids = torch.randint(0, 50257, (1, a.prompt_len), generator=torch.Generator().manual_seed(0)).to(dev)
     N = a.new_tokens
-    cuda = dev.type == "cuda"
     for i, dname in enumerate(a.decode_dtypes.split(",")):
         dt = getattr(torch, dname)
         free(dev)
         ours, _ = from_pretrained(ck, dtype=dt, device=dev)
-        tag = "" if i == 0 else f" ({dname})"
-        fns = {f"ours{tag}": partial(greedy_ours, ours, ids, N)}
-        if cuda:
-            fns[f"ours, op-for-op GELU{tag}"] = partial(greedy_ours, ours, ids, N, fused_gelu=False)
-        if i == 0 and not a.no_compile:
-            fns["ours, compiled"] = partial(greedy_ours, ours, ids, N, compile_step=a.compile_backend)
+        hf = None
         if i == 0:
             hf = _hf(ck, dev).to(dt).eval()
             hf.generation_config.eos_token_id = None
-            compiled = cuda and not a.no_compile  # transformers compiles its static cache on a GPU only
-            fns["transformers, static cache" + (", compiled" if compiled else "")] = partial(
-                greedy_hf, hf, ids, N, static=True, compiled=compiled
-            )
+        compile_ours = None if a.no_compile or i > 0 else a.compile_backend
+        loops = decode_loops(ours, hf, ids, N, compile_ours, hf_compile=not a.no_compile)
+        # transformers' static cache, compiled where it compiles (a GPU), else eager; not the other loops timed there
+        static = next((n for n in reversed(loops) if n.startswith("transformers, static cache")), None)
+        keep = ["ours", "ours, compiled", "ours, op-for-op GELU", static]
+        tag = "" if i == 0 else f" ({dname})"
+        fns = {name + (tag if name.startswith("ours") else ""): fn for name, fn in loops.items() if name in keep}
 
         def run(fn: Callable[[], object], dname: str = dname) -> dict:
             for _ in range(2):  # the capture or compile, then a warm run

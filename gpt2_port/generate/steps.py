@@ -91,7 +91,7 @@ class CompiledStep:
     dtypes) would share and, past the limit, fail to compile."""
 
     def __init__(self, fn: Callable[[], torch.Tensor], backend: str | Callable) -> None:
-        self.fn, self.backend = fn, backend
+        self.fn = fn
         own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         self.compiled = torch.compile(own, fullgraph=True, dynamic=False, backend=backend)
         self.failed = False
