@@ -24,15 +24,15 @@ def greedy_ours(
     new_tokens: int,
     cuda_graph: bool = True,
     compile_step: str | None = None,
-    fused_gelu: bool | None = None,
+    fused_kernels: bool | None = None,
 ) -> torch.Tensor:
     """(B, P) prompt -> (B, new_tokens) greedy continuation through `generate` (the product path), no EOS stop. On
     CUDA with `cuda_graph` a step that was not replayed as a CUDA graph (its capture failed: the same step ran
     eagerly) is an error, so the row timed under the graph's name is the graph; with `compile_step` (a torch.compile
-    backend: `generate --compile`) so is a step that did not run compiled. `fused_gelu`: generate's (None: its
-    default, the one-kernel GELU on CUDA; False: `generate --op-gelu`)."""
+    backend: `generate --compile`) so is a step that did not run compiled. `fused_kernels`: generate's (None: its
+    default, the fused step on CUDA; False: `generate --op-for-op`)."""
     opts = dict(do_sample=False, eos_token_id=None, cuda_graph=cuda_graph, compile_step=compile_step or False)
-    opts["fused_gelu"] = fused_gelu
+    opts["fused_kernels"] = fused_kernels
     g = generate_full(model, ids, new_tokens, **opts)
     if compile_step and not g.extra["step"].endswith("(compiled)"):
         raise RuntimeError(f"the decode step ran as {g.extra['step']!r}, not compiled (see the log)")

@@ -528,7 +528,7 @@ def decode_loops(
     hf_compile: bool,
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The greedy batch-1 loops by row name, in the order they run: ours through `generate` (the CUDA graph; compiled
-    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the op-for-op GELU), then
+    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops), then
     transformers' `generate` (hf None: none of its rows) with its dynamic and its static cache, that one also compiled
     on a GPU where `hf_compile`."""
     cuda = ours.device.type == "cuda"
@@ -536,8 +536,8 @@ def decode_loops(
     if compile_ours:  # `generate --compile`: the step compiled (on CUDA, then recorded as the graph)
         fns["ours, compiled"] = partial(greedy_ours, ours, ids, N, compile_step=compile_ours)
     fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
-    if cuda:  # what the one-kernel GELU (generate's default there) gains: `generate --op-gelu`
-        fns["ours, op-for-op GELU"] = partial(greedy_ours, ours, ids, N, fused_gelu=False)
+    if cuda:  # what the fused step (generate's default there) gains: `generate --op-for-op`
+        fns["ours, op for op"] = partial(greedy_ours, ours, ids, N, fused_kernels=False)
     if hf is not None:
         fns["transformers"] = partial(greedy_hf, hf, ids, N)
         fns["transformers, static cache"] = partial(greedy_hf, hf, ids, N, static=True)

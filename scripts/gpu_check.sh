@@ -30,7 +30,7 @@
 # `decode-xl profile parity` with what is left (a machine idle for 30 s is given back; none starts with under 4
 # minutes left). On an H200 (2026-11-27) the first two took 359 s and 232 s (then `parity decode-xl`; ours compiled,
 # not in the decode phases yet, adds its compiles, and so do train's `ours fast compiled, no fused loss` and decode's
-# `ours, op-for-op GELU` row, added since, and `profile`, not yet run: two compiles of each side's), and `train-xl`
+# `ours, op for op` row, added since, and `profile`, not yet run: two compiles of each side's), and `train-xl`
 # fit a third call (102 s). A step still running at the deadline
 # (BUDGET_S after the start, default 570 s) is stopped, so the bundle after it is made; steps left after the deadline
 # are named as not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks rewrite their JSON after

@@ -196,19 +196,19 @@ def test_running_out_of_device_memory_is_one_line_saying_what_to_change(
 
 @pytest.mark.parametrize(
     "flag, want",
-    [([], (True, None)), (["--no-cuda-graph"], (False, None)), (["--op-gelu"], (True, False))],
-    ids=["default", "no-cuda-graph", "op-gelu"],
+    [([], (True, None)), (["--no-cuda-graph"], (False, None)), (["--op-for-op"], (True, False))],
+    ids=["default", "no-cuda-graph", "op-for-op"],
 )
 def test_the_cuda_step_flags_reach_the_generation(tiny_official: Path, monkeypatch, capsys, flag, want) -> None:  # noqa: ANN001
     """`generate --no-cuda-graph` asks generate_full for the eager static step (on CUDA; elsewhere nothing is
-    captured either way), and the default asks for the captured one; `--op-gelu` asks for the forward's eight-op
-    GELU in that step, and the default leaves generate its choice (the one-kernel GELU on CUDA)."""
+    captured either way), and the default asks for the captured one; `--op-for-op` asks for the forward's ops in
+    that step, and the default leaves generate its choice (the fused step on CUDA)."""
     import gpt2_port.generate as gen
 
     seen, real = [], gen.generate_full
 
     def spy(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        seen.append((k["cuda_graph"], k["fused_gelu"]))
+        seen.append((k["cuda_graph"], k["fused_kernels"]))
         return real(*a, **k)
 
     monkeypatch.setattr(gen, "generate_full", spy)

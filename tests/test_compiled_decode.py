@@ -57,16 +57,16 @@ def test_the_compiled_step_is_the_static_step_compiled_once(sample: bool) -> Non
     assert counter.frame_count == 2 and torch.equal(back.sequences, got.sequences)
 
 
-def test_the_one_kernel_gelu_step_compiles_as_one_graph_too(tiny_official: Path) -> None:
-    """generate's step on CUDA (the one-kernel GELU, c_attn's output holding k and v as one view written in one
-    copy) traced whole, once, with no graph break (`fullgraph`), and through the `eager` backend the uncompiled
-    step's scores bit for bit."""
+def test_the_fused_step_compiles_as_one_graph_too(tiny_official: Path) -> None:
+    """generate's step on CUDA (the one-kernel GELU, the residual added in place by the projections' matmuls, c_attn's
+    output holding k and v as one view written in one copy) traced whole, once, with no graph break (`fullgraph`), and
+    through the `eager` backend the uncompiled step's scores bit for bit."""
     m, _ = from_pretrained(tiny_official)
-    opts = dict(attention_mask=MASK, eos_token_id=None, output_scores=True, fused_gelu=True)
+    opts = dict(attention_mask=MASK, eos_token_id=None, output_scores=True, fused_kernels=True)
     ref = generate_full(m, IDS, 20, static_cache=True, **opts)
     counter = CompileCounter()
     got = generate_full(m, IDS, 20, compile_step=counter, **opts)
-    assert got.extra["step"] == "static (compiled)" and got.extra["fused_gelu"] is True
+    assert got.extra["step"] == "static (compiled)" and got.extra["fused_kernels"] is True
     assert counter.frame_count == 1 and torch.equal(ref.sequences, got.sequences)
     assert all(torch.equal(a, b) for a, b in zip(ref.scores, got.scores, strict=True))
 

@@ -481,10 +481,10 @@ def test_a_model_moved_to_cuda_after_the_load_keeps_c_attn_one_tensor(tiny_offic
 
 
 def test_greedy_124m_on_cuda_gives_transformers_tokens_for_128(ckpt124: Path) -> None:
-    """float32 greedy on the GPU, through the captured step (with its one-kernel GELU, generate's default there, and
-    with the forward's eight ops) and through the eager step whose keys grow, against transformers' generate on the
-    same GPU: scores within float32 rounding (SCORES_F32 of tests/test_generate.py) and the same tokens wherever the
-    scores decide them, over 128 new tokens."""
+    """float32 greedy on the GPU, through the captured step (fused, generate's default there, and with the forward's
+    ops) and through the eager step whose keys grow, against transformers' generate on the same GPU: scores within
+    float32 rounding (SCORES_F32 of tests/test_generate.py) and the same tokens wherever the scores decide them, over
+    128 new tokens."""
     from transformers import GPT2LMHeadModel
 
     from gpt2_port import GPT2
@@ -499,10 +499,10 @@ def test_greedy_124m_on_cuda_gives_transformers_tokens_for_128(ckpt124: Path) ->
     want, want_scores = ref.sequences[:, 5:].cpu(), [x.float().cpu() for x in ref.scores]
     assert want.shape == (1, 128)
     m = GPT2.from_pretrained(str(ckpt124), device="cuda")
-    for graph, gelu in ((True, None), (True, False), (False, None)):
-        opts = dict(cuda_graph=graph, static_cache=graph, fused_gelu=gelu, eos_token_id=None, output_scores=True)
+    for graph, fused in ((True, None), (True, False), (False, None)):
+        opts = dict(cuda_graph=graph, static_cache=graph, fused_kernels=fused, eos_token_id=None, output_scores=True)
         g = generate_full(m, ids, 128, **opts)
-        assert (g.extra["step"] == "cuda graph") == graph and g.extra["fused_gelu"] == (graph and gelu is None), g.extra
+        assert (g.extra["step"] == "cuda graph") == graph and g.extra["fused_kernels"] == (graph and fused is None)
         got, got_scores = g.sequences[:, 5:].cpu(), [x.cpu() for x in g.scores]
         assert min(same_tokens_where_decided(want, want_scores, got, got_scores, 2e-5)) >= 1
 
@@ -546,10 +546,12 @@ def test_eval_check_on_cuda_lies_within_its_tolerance_beside_the_floor(
         assert c["as_close_as_reference"] is True, c
 
 
-def test_the_one_kernel_gelu_takes_seven_kernels_a_block_out_of_the_recorded_step(tiny_official: Path) -> None:
+def test_the_fused_step_takes_nine_kernels_a_block_out_of_the_recorded_step(tiny_official: Path) -> None:
     """On the GPU, through the profiler as benchmarks.gpu_profile reads it (every kernel of a replayed CUDA graph
-    counted): a decode token with the one-kernel GELU (generate's default on CUDA) runs 7 kernels a block fewer than
-    with the forward's eight ops (`--op-gelu`), and its kernels are seen at all (the profile's own premise)."""
+    counted): a batch-1 decode token through the fused step (generate's default on CUDA) runs 9 kernels a block fewer
+    than with the forward's ops (`--op-for-op`): 7 for the one-kernel GELU, and 1 for each projection that adds into
+    the residual in its matmul (a one-row addmm of a bias launches a copy of the bias before cuBLAS's GEMM: torch's
+    addmm takes cuBLASLt's bias epilogue from two rows up). Its kernels are seen at all (the profile's own premise)."""
     from benchmarks.gpu_profile import profile
     from gpt2_port import GPT2
     from gpt2_port.generate import generate_full
@@ -559,10 +561,30 @@ def test_the_one_kernel_gelu_takes_seven_kernels_a_block_out_of_the_recorded_ste
     N = 16
     per_token = {}
     for fused in (True, False):
-        run = lambda f=fused: generate_full(m, ids, N, eos_token_id=None, do_sample=False, fused_gelu=f)  # noqa: E731
+        run = lambda f=fused: generate_full(m, ids, N, eos_token_id=None, do_sample=False, fused_kernels=f)  # noqa: E731
         g = run()  # the capture
-        assert g.extra["step"] == "cuda graph" and g.extra["fused_gelu"] is fused
+        assert g.extra["step"] == "cuda graph" and g.extra["fused_kernels"] is fused
         r = profile(run, torch.device("cuda"), 1, N, 5)
         per_token[fused] = r["kernels_per_unit"]
         assert r["busy_us_per_unit"] > 0 and r["kinds"].get("matmul", {}).get("count_per_unit", 0) >= 4
-    assert (per_token[False] - per_token[True]) * N == pytest.approx(7 * m.config.n_layer * (N - 1)), per_token
+    assert (per_token[False] - per_token[True]) * N == pytest.approx((7 + 2) * m.config.n_layer * (N - 1)), per_token
+
+
+def test_a_projection_added_into_the_residual_by_cublas_sums_its_products_first() -> None:
+    """add_projected on the GPU: x += y W^T in the matmul (cuBLAS's beta = 1) must add x after the products' sum, as
+    x + (y W^T + b) does, not accumulate the products into x one by one (rounding each at x's scale, as this CPU's
+    BLAS does for a one-row product: the same check run on the CPU finds it 7.6x farther from float64). Float32, a
+    124M-shaped MLP projection, x at the residual stream's scale; both forms against float64."""
+    from gpt2_port.model.decode import add_projected
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lin = torch.nn.Linear(3072, 768, device="cuda")
+    w = (torch.randn(3072, 768, device="cuda", generator=g) * 0.02).t()  # the checkpoint's [in, out], transposed
+    lin.weight = torch.nn.Parameter(w, requires_grad=False)
+    x = torch.randn(1, 1, 768, device="cuda", generator=g) * 3
+    y = torch.randn(1, 1, 3072, device="cuda", generator=g) * 0.5
+    with torch.no_grad():
+        truth = x.double() + torch.nn.functional.linear(y.double(), w.double(), lin.bias.double())
+        apart = (x + lin(y) - truth).abs().max().item()
+        folded = (add_projected(x.clone(), y, lin, (lin.weight, lin.bias)) - truth).abs().max().item()
+    assert folded <= 3 * apart + 1e-6, (folded, apart)

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a sec
 # The static step's scores against the plan's, as a fraction of their largest |score| (conftest.same_tokens_where_
 # decided). Worst seen on this CPU: 5.4e-7 (default configuration) and 5.8e-7 (second).
 STATIC_SCORES = 2e-5
-# The same in bf16, for the static step with the one-kernel GELU against the plan's eight bf16 ops (each rounded to
-# bf16 where the kernel rounds once). Worst seen on this CPU: 9.1e-3 (float32 with that GELU: 5.5e-7, in STATIC_SCORES).
+# The same in bf16, for the fused static step (`fused_kernels`: the one-kernel GELU against the plan's eight bf16 ops,
+# each rounded to bf16 where the kernel rounds once; the residual added by the projection's matmul) against the plan.
+# Worst seen on this CPU: 1.24e-2 (op for op 9.7e-3; float32 fused 5.9e-7, in STATIC_SCORES).
 BF16_STATIC_SCORES = 2e-2
 
 
@@ -236,7 +237,7 @@ def test_static_generation_gives_the_dynamic_generations_tokens(sample: bool) ->
     assert min(same_tokens_where_decided(new_a, a.scores, new_b, b.scores, STATIC_SCORES, noise)) >= 1
 
 
-def _ops_of_one_static_step(m: GPT2, fused_gelu: bool) -> dict[str, int]:
+def _ops_of_one_static_step(m: GPT2, fused_kernels: bool) -> dict[str, int]:
     """aten op -> calls in one static step of `m` over a one-token prompt's cache (not the prompt's forward)."""
     from collections import Counter
 
@@ -249,23 +250,55 @@ def _ops_of_one_static_step(m: GPT2, fused_gelu: bool) -> dict[str, int]:
         st.start(None, 1)
         st.feed(torch.tensor([4]), 1)
         with OpNames() as ops:
-            plan.static_step(st, fused_gelu=fused_gelu)
+            plan.static_step(st, fused_kernels=fused_kernels)
     return dict(Counter(ops.seen))
 
 
-def test_the_fused_gelu_step_runs_one_gelu_kernel_a_block_in_place_of_eight_ops() -> None:
-    """`fused_gelu` (generate's static step on CUDA): each block's GELU is torch's one tanh-GELU op, where the
-    forward's gelu_new is eight (pow, three mul, two add, tanh... each a kernel a GPU step launches); nothing else
-    changes."""
-    m = _chaotic()
+@pytest.mark.parametrize("which", ["official", "chaotic"])
+def test_the_fused_step_runs_one_gelu_a_block_and_adds_each_projection_into_the_residual(which: str, request) -> None:  # noqa: ANN001
+    """`fused_kernels` (generate's static step on CUDA): each block's GELU is torch's one tanh-GELU op, where the
+    forward's gelu_new is eight (pow, three mul, two add, tanh... each a kernel a GPU step launches); the two
+    projections that feed the residual stream add into it in their matmul (addmm_, then the bias add_: on CUDA a
+    one-row addmm of a bias copies the bias into its output first, a kernel of its own); nothing else changes."""
+    m = request.getfixturevalue("official") if which == "official" else _chaotic()
     ops, fused = _ops_of_one_static_step(m, False), _ops_of_one_static_step(m, True)
-    n = TINY.n_layer
+    n = m.config.n_layer
     assert ops.get("gelu", 0) == 0 and ops["tanh"] == ops["pow"] == n
     assert fused["gelu"] == n and "tanh" not in fused and "pow" not in fused
-    assert sum(ops.values()) - sum(fused.values()) == 7 * n  # eight ops become one, in every block
-    assert {k: v for k, v in ops.items() if k not in ("pow", "tanh", "mul", "add")} == {
-        k: v for k, v in fused.items() if k not in ("gelu", "add", "mul")
-    }
+    linears = 4 if which == "official" else 6  # c_attn as one matmul, or q, k and v apart
+    assert ops["addmm"] == linears * n and "addmm_" not in ops and "add_" not in ops
+    assert fused["addmm"] == (linears - 2) * n and fused["addmm_"] == fused["add_"] == 2 * n
+    assert ops["add"] - fused["add"] == (2 + 2) * n  # the GELU's two and the two residual adds, in every block
+    assert sum(ops.values()) - sum(fused.values()) == 7 * n  # eight ops become one; addmm + add become addmm_ + add_
+    changed = ("pow", "tanh", "mul", "add", "gelu", "addmm", "addmm_", "add_")
+    assert {k: v for k, v in ops.items() if k not in changed} == {k: v for k, v in fused.items() if k not in changed}
+
+
+def test_a_projection_adds_into_the_residual_only_where_its_matmul_can() -> None:
+    """add_projected: with a plain Linear's weight and bias, x and the input in the weight's dtype and autocast off,
+    x += y W^T then += b in place (x + y W^T + b to float32 rounding); otherwise x + proj(y), x untouched (an int8 or
+    other module, another dtype, autocast: what the forward runs there)."""
+    from gpt2_port.model.decode import add_projected
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(12, 8)
+    x, y = torch.randn(2, 1, 8), torch.randn(2, 1, 12)
+    want = x + lin(y)
+    got = x.clone()
+    with torch.no_grad():
+        out = add_projected(got, y, lin, (lin.weight, lin.bias))
+    assert out is got and not torch.equal(got, x)  # in place
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        for args, ctx in (
+            ((x, y, lin, None), contextlib.nullcontext()),  # no weights: not a plain Linear
+            ((x, y.double(), lambda t: lin(t.float()), (lin.weight, lin.bias)), contextlib.nullcontext()),
+            ((x, y, lin, (lin.weight, lin.bias)), torch.autocast("cpu", torch.bfloat16)),
+        ):
+            kept = x.clone()
+            with ctx:
+                out = add_projected(*args)
+            assert torch.equal(x, kept) and out is not x  # x + proj(y): x untouched
 
 
 @pytest.mark.parametrize("which", ["official", "chaotic"])
@@ -277,7 +310,7 @@ def test_a_static_step_stores_each_layers_key_and_value_with_one_write(which: st
 
     m = request.getfixturevalue("official") if which == "official" else _chaotic()
     n = m.config.n_layer
-    ops = _ops_of_one_static_step(m, fused_gelu=True)
+    ops = _ops_of_one_static_step(m, fused_kernels=True)
     assert ops["index_copy_"] == n and ops.get("stack", 0) == (0 if which == "official" else n), ops
     plan, cache = DecodePlan.for_model(m), KVCache(m.config, 1, 8, m.dtype, "cpu")
     with torch.no_grad(), OpNames() as seen:
@@ -291,41 +324,43 @@ def test_a_static_step_stores_each_layers_key_and_value_with_one_write(which: st
     [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)],
     ids=["float32-greedy", "float32-sampled", "bf16-greedy"],  # bf16 sampled: top-k's border moves with a rounding
 )
-def test_the_fused_gelu_step_gives_the_plans_tokens(sample: bool, dtype: torch.dtype) -> None:
-    """The one-kernel GELU computes the same function, rounded once (float32: 1 ulp apart from the eight ops on about
-    1% of inputs): the static step with it gives the plan's tokens wherever the scores decide them; its scores differ
-    (so the option does something), within the static step's tolerance in float32. Left padding and sampling as
-    generate runs them."""
+def test_the_fused_step_gives_the_plans_tokens(sample: bool, dtype: torch.dtype) -> None:
+    """The fused step computes the same function, rounded otherwise (the one-kernel GELU, float32: 1 ulp apart from
+    the eight ops on about 1% of inputs; the residual added by the projection's matmul): it gives the plan's tokens
+    wherever the scores decide them; its scores differ (so the option does something), within the static step's
+    tolerance. Left padding and sampling as generate runs them."""
     m = _chaotic().to(dtype)
     ids = torch.tensor([[5, 17, 42, 7, 99, 3], [0, 0, 0, 8, 11, 12]])
     mask = torch.tensor([[1] * 6, [0, 0, 0, 1, 1, 1]])
     opts = dict(attention_mask=mask, eos_token_id=None, do_sample=sample, seed=3, output_scores=True)
     a = generate_full(m, ids, 40, static_cache=False, **opts)
-    b = generate_full(m, ids, 40, static_cache=True, fused_gelu=True, **opts)
-    c = generate_full(m, ids, 40, static_cache=True, fused_gelu=False, **opts)
-    assert (a.extra["fused_gelu"], b.extra["fused_gelu"], c.extra["fused_gelu"]) == (False, True, False)
+    b = generate_full(m, ids, 40, static_cache=True, fused_kernels=True, **opts)
+    c = generate_full(m, ids, 40, static_cache=True, fused_kernels=False, **opts)
+    assert (a.extra["fused_kernels"], b.extra["fused_kernels"], c.extra["fused_kernels"]) == (False, True, False)
     assert b.extra["step"] == c.extra["step"] == "static"
     noise = exp_draws(3, (2, TINY.vocab_size), 40) if sample else None
     tol = STATIC_SCORES if dtype == torch.float32 else BF16_STATIC_SCORES
     new_a, new_b = a.sequences[:, 6:], b.sequences[:, 6:]
     assert min(same_tokens_where_decided(new_a, a.scores, new_b, b.scores, tol, noise)) >= 1
-    assert any(not torch.equal(x, y) for x, y in zip(b.scores, c.scores))  # another GELU ran
+    assert any(not torch.equal(x, y) for x, y in zip(b.scores, c.scores))  # other kernels ran
 
 
-def test_the_fused_gelu_is_a_static_steps_own_and_off_on_the_cpu_by_default(caplog) -> None:  # noqa: ANN001
-    """On the CPU generate keeps the forward's GELU (its static step bit for bit the plan's where the keys are the
-    same, above); asked for, the one-kernel GELU makes a kept step of its own beside the op-for-op one; asked for where
+def test_the_fused_step_is_a_static_steps_own_and_off_on_the_cpu_by_default(caplog) -> None:  # noqa: ANN001
+    """On the CPU generate keeps the forward's ops (its static step bit for bit the plan's where the keys are the
+    same, above); asked for, the fused step makes a kept step of its own beside the op-for-op one; asked for where
     no static step runs (the plan), it is logged as not applied."""
     m = _chaotic()
     ids = torch.tensor([[5, 17, 42]])
-    assert generate_full(m, ids, 4, eos_token_id=None, static_cache=True).extra["fused_gelu"] is False
-    generate_full(m, ids, 4, eos_token_id=None, static_cache=True, fused_gelu=True)
+    assert generate_full(m, ids, 4, eos_token_id=None, static_cache=True).extra["fused_kernels"] is False
+    generate_full(m, ids, 4, eos_token_id=None, static_cache=True, fused_kernels=True)
     kept = m.__dict__["_static_steps"]
-    assert sorted(s.fused_gelu for s in kept.values()) == [False, True]
+    assert sorted(s.fused_kernels for s in kept.values()) == [False, True]
     with caplog.at_level("INFO", logger="gpt2_port.generate.steps"):
-        g = generate_full(m, ids, 4, eos_token_id=None, static_cache=False, fused_gelu=True)
-    assert g.extra["fused_gelu"] is False
-    assert "fused_gelu is the static step's GELU: this generation's step (the plan over a growing cache)" in caplog.text
+        g = generate_full(m, ids, 4, eos_token_id=None, static_cache=False, fused_kernels=True)
+    assert g.extra["fused_kernels"] is False
+    assert "fused_kernels fuses the static step's kernels: this generation's step (the plan over a growing cache)" in (
+        caplog.text
+    )
 
 
 def test_the_static_step_attends_over_one_shape_for_the_whole_generation(monkeypatch) -> None:
@@ -564,7 +599,7 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     fwd = ForwardSteps(model, seq, None, None)
     fwd.prefill(seq[:, :3], None)
     fwd.next(seq[:, 3], 3)
-    static = lambda cache, views, fused_gelu: call()  # noqa: E731
+    static = lambda cache, views, fused_kernels: call()  # noqa: E731
     plan = SimpleNamespace(step=call, static_step=static, cache_views=lambda cache: None)
     PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
     # the static step's prefill (a new prompt length, a new shape) and its fixed-shape step

@@ -29,7 +29,7 @@ def forced_logits(
     takes with the manual attention or while anything records, edits or hooks the model."""
     B, T = ids.shape
     how = {"use_cache": True, "fast_step": fast_step, "static_cache": static_cache, "cuda_graph": cuda_graph}
-    how["compile_step"], how["fused_gelu"] = None, None  # generate's own choices
+    how["compile_step"], how["fused_kernels"] = None, None  # generate's own choices
     seq = ids.clone()  # the forward and plan steps read each token from it
     steps = decode_steps(model, B, T, seq, attention_mask, how)
     prompt_mask = None if attention_mask is None else attention_mask[:, :prompt_len]

@@ -15,10 +15,10 @@
   weakly, so `del model` frees the model, its kept caches and their graphs without waiting for the garbage collector.
   With `compile_step` (`generate --compile`) the static step goes through torch.compile first (`CompiledStep`: one
   graph, static shapes, traced once per kept step; inductor fuses each block's layer norms, GELU and residual adds:
-  about 10 kernels a block in its code read on the CPU, where the eager step launches 11 on CUDA), then is captured
-  as above. On CUDA the static step's GELU is torch's one tanh-GELU kernel, not the forward's eight ops
-  (`fused_gelu`, DecodePlan.static_step): 7 fewer launches a block, in a step whose time on a GPU is mostly its
-  launches.
+  about 10 kernels a block in its code read on the CPU, where the eager step launches 13 on CUDA at batch 1), then
+  is captured as above. On CUDA the static step runs fewer kernels than the forward's ops (`fused_kernels`,
+  DecodePlan.static_step: torch's one tanh-GELU kernel for the eight ops of gelu_new, each residual add done by its
+  projection's matmul): 9 fewer launches a block at batch 1, in a step whose time on a GPU is mostly its launches.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_
 class ForwardSteps:
     name = "forward"
     capture_s = 0.0  # time spent recording a CUDA graph (StaticSteps), so far
-    fused_gelu = False  # the MLP's GELU as one kernel (StaticSteps on CUDA) rather than the forward's ops
+    fused_kernels = False  # fewer kernels than the forward's ops (StaticSteps on CUDA: DecodePlan.static_step)
 
     def __init__(self, model: CausalLM, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> None:
         self.model, self.seq, self.mask, self.cache = model, seq, mask, cache
@@ -126,16 +126,16 @@ class StaticSteps:
         cache: StaticKVCache,
         cuda_graph: bool,
         compile_step: str | Callable | None = None,
-        fused_gelu: bool = False,
+        fused_kernels: bool = False,
     ) -> None:
         self._model = weakref.ref(model)  # kept on the model: a strong reference would be a cycle
-        self.plan, self.cache, self.fused_gelu = plan, cache, fused_gelu
+        self.plan, self.cache, self.fused_kernels = plan, cache, fused_kernels
         device = model.device  # type: ignore[attr-defined]
         views = plan.cache_views(cache)
 
         def step() -> torch.Tensor:
             with without_cudnn_attention(device):  # the kernel the graph records, and the same when run eagerly
-                return plan.static_step(cache, views, fused_gelu)
+                return plan.static_step(cache, views, fused_kernels)
 
         self.compiled = CompiledStep(step, compile_step) if compile_step else None
         body = self.compiled or step
@@ -186,7 +186,7 @@ def static_steps(  # noqa: ANN001
     max_len: int,
     cuda_graph: bool,
     compile_step: str | Callable | None = None,
-    fused_gelu: bool = False,
+    fused_kernels: bool = False,
 ) -> StaticSteps:
     """The model's static step for this batch, length and dtype: made (and captured) on first use, then reused. Its
     cache has `static_len(max_len)` slots, so nearby lengths share it. A captured graph reads the weights where they
@@ -198,7 +198,7 @@ def static_steps(  # noqa: ANN001
     # inference mode makes inference tensors, which a later call outside it may not write: kept apart; a graph
     # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
     amp = autocast_dtype(model.device.type)
-    key = (batch, length, model.dtype, str(model.device), cuda_graph, compile_step, fused_gelu)
+    key = (batch, length, model.dtype, str(model.device), cuda_graph, compile_step, fused_kernels)
     key += (torch.is_inference_mode_enabled(),)
     key += (amp, weights)
     if key in kept:
@@ -207,7 +207,7 @@ def static_steps(  # noqa: ANN001
     for old in [k for k in kept if k[-1] != weights]:
         del kept[old]
     cache = StaticKVCache(model.config, batch, length, model.dtype, model.device)
-    kept[key] = steps = StaticSteps(model, plan, cache, cuda_graph, compile_step, fused_gelu)
+    kept[key] = steps = StaticSteps(model, plan, cache, cuda_graph, compile_step, fused_kernels)
     while len(kept) > KEEP_CAPTURED:
         kept.popitem(last=False)
     return steps
@@ -218,14 +218,16 @@ def decode_steps(model: CausalLM, B: int, L: int, seq: torch.Tensor, mask: torch
     how["cuda_graph"] is False), the plan elsewhere, the forward where no shortcut may run. `seq`: (B, L) ids the
     forward and plan steps read their token from; `mask`: (B, L) or None; `how`: use_cache, fast_step, static_cache
     (None: on CUDA or when compiling), cuda_graph, compile_step (a torch.compile backend for the static step, or
-    None), fused_gelu (the static step's GELU as one kernel, DecodePlan.static_step; None: on CUDA)."""
+    None), fused_kernels (the static step in fewer kernels than the forward's ops, DecodePlan.static_step; None: on
+    CUDA)."""
     plan = model.decode_plan() if how["use_cache"] and how["fast_step"] else None
     if plan is None and how["fast_step"] and model.intercepted():
         log.info("a record, an edit or a module's forward hook is active: every decode step runs the forward")
     static = how["static_cache"]
     if static is None:
         static = model.device.type == "cuda" or bool(how["compile_step"])
-    for option, what in (("compile_step", "compiles the static step"), ("fused_gelu", "is the static step's GELU")):
+    options = (("compile_step", "compiles the static step"), ("fused_kernels", "fuses the static step's kernels"))
+    for option, what in options:
         if how[option] and (plan is None or not static):
             log.info(
                 "%s %s: this generation's step (%s) runs without it",
@@ -235,10 +237,10 @@ def decode_steps(model: CausalLM, B: int, L: int, seq: torch.Tensor, mask: torch
             )
     if plan is not None and static:
         cuda_graph = how["cuda_graph"] and model.device.type == "cuda"
-        fused_gelu = how["fused_gelu"]
-        if fused_gelu is None:
-            fused_gelu = model.device.type == "cuda"
-        return static_steps(model, plan, B, L, cuda_graph, how["compile_step"] or None, bool(fused_gelu))
+        fused_kernels = how["fused_kernels"]
+        if fused_kernels is None:
+            fused_kernels = model.device.type == "cuda"
+        return static_steps(model, plan, B, L, cuda_graph, how["compile_step"] or None, bool(fused_kernels))
     cache = KVCache(model.config, B, L, model.dtype, model.device) if how["use_cache"] else None
     if plan is not None and cache is not None:
         return PlanSteps(model, plan, seq, mask, cache)

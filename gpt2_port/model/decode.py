@@ -13,8 +13,9 @@ c_attn view, per-layer cache views) and the same aten ops run on the same tensor
 `model(tok, cache=..., hidden_only=True)` (tests/test_decode.py checks it bitwise, per block against `Block.forward` and
 for whole steps against the forward, with and without padding); `DecodePlan.static_step` attends over all slots of a
 StaticKVCache with a mask, every shape fixed, so that generate/ can capture it once as a CUDA graph and replay it (its
-tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ; generate runs it
-with torch's one-kernel GELU on CUDA, `fused_gelu`). Both store a token's key and value with one write a layer
+tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ; on CUDA generate
+runs it with fewer kernels, `fused_kernels`: torch's one-kernel GELU, the residual adds done by the projections'
+matmuls). Both store a token's key and value with one write a layer
 (KVCache.kv): with c_attn's one matmul they are one view of its output; separate projections are stacked first.
 Neither carries logic of its own: no dropout, no taps, no module hooks.
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..devices import autocast_dtype
 from ..errors import UsageError
 from ..generate.cache import KVCache, StaticKVCache
 from .c_attn import fused_qkv
@@ -47,7 +49,7 @@ Linear = Callable[[torch.Tensor], torch.Tensor]  # (..., in) -> (..., out)
 Attend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # each layer's keys and values, (B, nh, max_len, hs) each, and both as one (2, B, nh, max_len, hs) view
 CacheViews = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
-Activation = Callable[[torch.Tensor], torch.Tensor]  # the MLP's GELU, elementwise
+Weights = tuple[torch.Tensor, torch.Tensor | None]  # a Linear's (out, in) weight and its bias
 
 
 def _linear(m: nn.Module) -> Linear:
@@ -56,6 +58,28 @@ def _linear(m: nn.Module) -> Linear:
         w, b = m.weight, m.bias
         return lambda x: linear_wb(x, w, b)
     return m
+
+
+def _weights(m: nn.Module) -> Weights | None:
+    return (m.weight, m.bias) if type(m) is nn.Linear else None
+
+
+def add_projected(x: torch.Tensor, y: torch.Tensor, proj: Linear, wb: Weights | None = None) -> torch.Tensor:
+    """x + proj(y) for the (B, 1, C) residual stream x and the projection's (B, 1, in) input y.
+
+    With the projection's weight and bias `wb` (and x, y and the weight in one dtype, autocast off): the matmul adds
+    into x itself (`addmm_`), then the bias: x + y W^T, then + b, rounded in that order (x + proj(y) rounds y W^T + b
+    first). On CUDA that is 2 kernels where x + proj(y) takes 3 for a one-row batch: addmm of a 1-D bias over one
+    row runs cuBLAS's plain GEMM (cuBLASLt's bias epilogue wants more than one row) after a kernel that copies the
+    bias into the output; in place, the GEMM adds into x and nothing is copied. x is changed in place and returned."""
+    if wb is None or not (x.dtype == y.dtype == wb[0].dtype) or autocast_dtype(x.device.type) is not None:
+        return x + proj(y)
+    w, b = wb
+    x2 = x.view(-1, x.shape[-1])  # (B, C)
+    x2.addmm_(y.reshape(-1, y.shape[-1]), w.t())  # x += y @ W^T: W is (out, in)
+    if b is not None:
+        x2.add_(b)
+    return x
 
 
 @dataclass(frozen=True)
@@ -69,34 +93,40 @@ class LayerStep:
     k: Linear
     v: Linear
     c_proj: Linear
+    c_proj_wb: Weights | None  # c_proj's weight and bias when it is a plain Linear (for `add_projected`)
     ln_2: tuple[torch.Tensor, torch.Tensor]
     c_fc: Linear
     mlp_proj: Linear
+    mlp_proj_wb: Weights | None
     eps: float
     n_head: int
 
     @staticmethod
     def of(block: Block) -> LayerStep:
         a = block.attn
-        fused = fused_qkv(a.q_proj, a.k_proj, a.v_proj)
+        qkv = fused_qkv(a.q_proj, a.k_proj, a.v_proj)
         return LayerStep(
             layer=a.layer,
             ln_1=(block.ln_1.weight, block.ln_1.bias),
-            qkv=None if fused is None else (lambda x, w=fused[0], b=fused[1]: linear_wb(x, w, b)),
+            qkv=None if qkv is None else (lambda x, w=qkv[0], b=qkv[1]: linear_wb(x, w, b)),
             q=_linear(a.q_proj),
             k=_linear(a.k_proj),
             v=_linear(a.v_proj),
             c_proj=_linear(a.c_proj),
+            c_proj_wb=_weights(a.c_proj),
             ln_2=(block.ln_2.weight, block.ln_2.bias),
             c_fc=_linear(block.mlp.c_fc),
             mlp_proj=_linear(block.mlp.c_proj),
+            mlp_proj_wb=_weights(block.mlp.c_proj),
             eps=block.ln_1.eps,
             n_head=a.n_head,
         )
 
-    def __call__(self, x: torch.Tensor, attend: Attend, act: Activation = gelu_new) -> torch.Tensor:
-        """(B, 1, C) residual stream -> (B, 1, C), as `Block.forward` computes it in eval mode (with `act` for its
-        GELU: gelu_new, op for op, is the forward's)."""
+    def __call__(self, x: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
+        """(B, 1, C) residual stream -> (B, 1, C), as `Block.forward` computes it in eval mode; `fused`: with fewer
+        kernels, the same function rounded otherwise: the GELU as torch's one tanh-GELU kernel (fused.gelu_tanh, not
+        gelu_new's eight ops) and each residual add done by its projection's matmul (`add_projected`). x is then
+        updated in place."""
         B, _, C = x.shape
         nh, hs = self.n_head, C // self.n_head
         h = F.layer_norm(x, (C,), *self.ln_1, self.eps)  # (B, 1, C)
@@ -108,10 +138,11 @@ class LayerStep:
             q = self.q(h)
             kv = torch.stack([self.k(h), self.v(h)]).view(2, B, 1, nh, hs).transpose(2, 3)  # (2, B, nh, 1, hs)
         q = q.view(B, 1, nh, hs).transpose(1, 2)  # (B, nh, 1, hs)
-        y = attend(self.layer, q, kv)  # (B, nh, 1, hs)
-        x = x + self.c_proj(y.transpose(1, 2).reshape(B, 1, C))  # heads side by side
+        y = attend(self.layer, q, kv).transpose(1, 2).reshape(B, 1, C)  # (B, 1, C): heads side by side
+        x = add_projected(x, y, self.c_proj, self.c_proj_wb if fused else None)
         h = F.layer_norm(x, (C,), *self.ln_2, self.eps)
-        return x + self.mlp_proj(act(self.c_fc(h)))
+        act = gelu_tanh if fused else gelu_new
+        return add_projected(x, act(self.c_fc(h)), self.mlp_proj, self.mlp_proj_wb if fused else None)
 
 
 class DecodePlan:
@@ -139,10 +170,11 @@ class DecodePlan:
         """(B, 1) ids and their positions ((B|1, 1) or (1,)) -> (B, 1, C) token + position embeddings."""
         return F.embedding(input_ids, self.wte) + F.embedding(pos, self.wpe)
 
-    def run(self, x: torch.Tensor, attend: Attend, act: Activation = gelu_new) -> torch.Tensor:
-        """(B, 1, C) embeddings -> (B, 1, C) ln_f output, every block attending through `attend`, its GELU `act`."""
+    def run(self, x: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
+        """(B, 1, C) embeddings -> (B, 1, C) ln_f output, every block attending through `attend` (`fused`: LayerStep's,
+        x then updated in place)."""
         for layer in self.layers:
-            x = layer(x, attend, act)
+            x = layer(x, attend, fused)
         return F.layer_norm(x, (self.C,), *self.ln_f, self.eps)
 
     def attention(self, cache: KVCache, mask: torch.Tensor | None) -> Attend:
@@ -182,18 +214,22 @@ class DecodePlan:
         return attend
 
     def static_step(
-        self, cache: StaticKVCache, views: CacheViews | None = None, fused_gelu: bool = False
+        self, cache: StaticKVCache, views: CacheViews | None = None, fused_kernels: bool = False
     ) -> torch.Tensor:
         """One token per row from the cache's device inputs (tok, pos, slot, keys) -> (B, 1, C) ln_f output. No host
         value is read, so a CUDA graph can record it once and replay it for every token. `views`: the cache's
         `cache_views`, passed by a caller that keeps them (a compiled step then reads no state of the plan that
-        another cache's step changes, which would make torch.compile trace it again). `fused_gelu`: the MLP's GELU as
-        torch's one tanh-GELU kernel (fused.gelu_tanh) instead of the forward's eight ops (gelu_new): the same
-        function, rounded once (float32: 1 ulp apart on about 1% of inputs; bf16/fp16 op for op rounds each of the
-        eight results to its dtype, the kernel computes in float32 and rounds once). On a GPU, where a batch-1 decode
-        step's time is its kernels' count more than their work, that is 7 of a block's 19 kernels."""
-        act = gelu_tanh if fused_gelu else gelu_new
-        return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views), act)
+        another cache's step changes, which would make torch.compile trace it again).
+
+        `fused_kernels`: the same function in fewer kernels, rounded otherwise (LayerStep's `fused`). The MLP's GELU
+        as torch's one tanh-GELU kernel (fused.gelu_tanh) instead of the forward's eight ops (gelu_new): float32 1 ulp
+        apart on about 1% of inputs; bf16/fp16 op for op rounds each of the eight results to its dtype, the kernel
+        computes in float32 and rounds once. Each residual add done by its projection's matmul (`add_projected`): on
+        CUDA at batch 1 one kernel fewer for each of the two. On a GPU, where a batch-1 decode step's time is its
+        kernels' count more than their work, a block then launches 13 kernels where op for op it launches 22 (ln_1,
+        c_attn's bias copy and matmul, the cache write, SDPA, c_proj's matmul and bias, ln_2, c_fc's bias copy and
+        matmul, the GELU, the MLP's projection's matmul and bias)."""
+        return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views), fused_kernels)
 
     def cache_views(self, cache: KVCache) -> CacheViews:
         """Per-layer (B, nh, max_len, hs) views of the cache's keys and values, and (2, B, nh, max_len, hs) of both,
