@@ -528,7 +528,8 @@ def decode_loops(
     hf_compile: bool,
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The greedy batch-1 loops by row name, in the order they run: ours through `generate` (the CUDA graph; compiled
-    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops), then
+    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops, and the
+    prompt as two equal rows, its tokens/s a row's), then
     transformers' `generate` (hf None: none of its rows) with its dynamic and its static cache, that one also compiled
     on a GPU where `hf_compile`."""
     cuda = ours.device.type == "cuda"
@@ -538,6 +539,9 @@ def decode_loops(
     fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
     if cuda:  # what the fused step (generate's default there) gains: `generate --op-for-op`
         fns["ours, op for op"] = partial(greedy_ours, ours, ids, N, fused_kernels=False)
+        # whether a one-row step would run faster as two: from two rows torch's addmm takes cuBLASLt's bias epilogue
+        # (c_attn and c_fc copy no bias first: 2 kernels a block fewer), for twice the cache's reads
+        fns["ours, batch 1 as 2 rows"] = lambda: greedy_ours(ours, ids.expand(2, -1), N)[:1]
     if hf is not None:
         fns["transformers"] = partial(greedy_hf, hf, ids, N)
         fns["transformers, static cache"] = partial(greedy_hf, hf, ids, N, static=True)
