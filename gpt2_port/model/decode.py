@@ -71,7 +71,10 @@ def add_projected(x: torch.Tensor, y: torch.Tensor, proj: Linear, wb: Weights | 
     into x itself (`addmm_`), then the bias: x + y W^T, then + b, rounded in that order (x + proj(y) rounds y W^T + b
     first). On CUDA that is 2 kernels where x + proj(y) takes 3 for a one-row batch: addmm of a 1-D bias over one
     row runs cuBLAS's plain GEMM (cuBLASLt's bias epilogue wants more than one row) after a kernel that copies the
-    bias into the output; in place, the GEMM adds into x and nothing is copied. x is changed in place and returned."""
+    bias into the output; in place, the GEMM adds into x and nothing is copied. x is changed in place and returned.
+    cuBLAS adds x after the products' sum (tests/test_cuda.py holds it to x + proj(y)'s distance from float64); this
+    CPU's BLAS adds a one-row product's terms into x one by one, several times farther from float64: one reason the
+    CPU's steps keep x + proj(y)."""
     if wb is None or not (x.dtype == y.dtype == wb[0].dtype) or autocast_dtype(x.device.type) is not None:
         return x + proj(y)
     w, b = wb
