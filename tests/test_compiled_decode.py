@@ -71,15 +71,18 @@ def test_the_fused_step_compiles_as_one_graph_too(tiny_official: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(ref.scores, got.scores, strict=True))
 
 
-def test_inductor_compiles_the_step_on_the_cpu_with_the_same_tokens(tiny_official: Path) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["forward-ops", "fused"])
+def test_inductor_compiles_the_step_on_the_cpu_with_the_same_tokens(tiny_official: Path, fused: bool) -> None:
     """The real backend, as `--compile` runs it: inductor's fused kernels (C++ on the CPU, triton on a GPU) compute the
     same function with other roundings, so the tokens are the uncompiled step's wherever the scores decide them; the
-    official layout's one c_attn matmul is what it compiles."""
+    official layout's one c_attn matmul is what it compiles. Both steps: the forward's ops (the CPU's default) and the
+    fused one (CUDA's, whose projections add into the residual in place: functionalized by the compile)."""
     m, _ = from_pretrained(tiny_official)
-    opts = dict(attention_mask=MASK, eos_token_id=None, output_scores=True)
+    opts = dict(attention_mask=MASK, eos_token_id=None, output_scores=True, fused_kernels=fused)
     ref = generate_full(m, IDS, 24, static_cache=True, **opts)
     got = generate_full(m, IDS, 24, compile_step=True, **opts)
     assert got.extra["step"] == "static (compiled)" and got.capture_s > 0  # the compile, not counted as decoding
+    assert ref.extra["fused_kernels"] is got.extra["fused_kernels"] is fused
     new_ref, new_got = ref.sequences[:, 6:], got.sequences[:, 6:]
     assert min(same_tokens_where_decided(new_ref, ref.scores, new_got, got.scores, COMPILED_SCORES)) >= 1
 
