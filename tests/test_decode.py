@@ -181,12 +181,20 @@ def test_the_static_step_is_the_dynamic_step_bit_for_bit_where_the_keys_are_the_
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-def test_the_static_step_converts_its_mask_once_and_attends_as_the_boolean_does(
-    dtype: torch.dtype, monkeypatch
+@pytest.mark.parametrize(
+    "dtype, amp",
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)],
+    ids=["float32", "bf16", "float32-autocast-bf16"],
+)
+def test_the_static_step_attends_through_the_caches_own_additive_mask_as_the_boolean_does(
+    dtype: torch.dtype, amp: torch.dtype | None, monkeypatch
 ) -> None:
-    """Every layer's SDPA gets one additive mask, made once per step in q's dtype (SDPA would convert the boolean in
-    each layer, kernels a captured step replays per token): the same output, bit for bit, as the boolean gives."""
+    """Every layer's SDPA gets one additive mask: the cache's own `bias` (0 where a row attends, -inf elsewhere),
+    read where it is when q has the cache's dtype, no kernel of the step making it (SDPA would convert a boolean in
+    each layer; building it from one took three kernels a token); under autocast converted to q's dtype once a step.
+    The same output, bit for bit, as the boolean gives."""
+    from collections import Counter
+
     import torch.nn.functional as F
 
     from gpt2_port.generate.cache import StaticKVCache
@@ -207,18 +215,27 @@ def test_the_static_step_converts_its_mask_once_and_attends_as_the_boolean_does(
     ids = torch.randint(0, TINY.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
     mask = torch.tensor([[1] * T, [0, 0, 1, 1, 1]])
     st = StaticKVCache(TINY, B, L, dtype, "cpu")
-    with torch.no_grad():
+    amp_ctx = torch.autocast("cpu", amp) if amp is not None else contextlib.nullcontext()
+    with torch.no_grad(), amp_ctx:
         m(ids, attention_mask=mask, cache=st, hidden_only=True)
         st.start(mask, T)
+        assert st.bias.dtype == dtype and torch.equal(st.keys[:, :T], mask.bool()) and not st.keys[:, T:].any()
         monkeypatch.setattr(decode.F, "scaled_dot_product_attention", both)
         for step in range(3):
             st.feed(ids[:, step], T + step)
+            assert torch.equal(st.keys[:, : T + step + 1], torch.cat([mask.bool(), torch.ones(B, step + 1)], 1) > 0)
             masks.clear()
             plan.static_step(st)
             assert len(masks) == TINY.n_layer and all(x is masks[0] for x in masks)
-            assert masks[0].dtype == dtype and masks[0].shape == (B, 1, 1, L)
+            assert masks[0].dtype == (amp or dtype) and masks[0].shape == (B, 1, 1, L)
             assert torch.equal(masks[0][:, 0, 0] == 0, st.keys) and masks[0][:, 0, 0][~st.keys].eq(-math.inf).all()
-            st.keys[:, T + step] = True  # the slot just written becomes a key of the next step
+            assert (masks[0].data_ptr() == st.bias.data_ptr()) == (amp is None)  # the cache's own tensor, or a cast
+        monkeypatch.undo()  # the step alone: nothing in it makes a mask
+        with OpNames() as ops:
+            plan.static_step(st)
+    made = Counter(ops.seen)
+    assert not {"zeros", "full", "masked_fill_", "bitwise_not", "where"} & set(made), made
+    assert amp is not None or "_to_copy" not in made, made  # without autocast not even a cast
 
 
 @pytest.mark.parametrize("sample", [False, True])

@@ -720,6 +720,29 @@ def test_a_greedy_choice_runs_no_fill_of_the_nonfinite_logits(sample: bool) -> N
         assert torch.equal(tok, torch.argmax(m.head(h)[:, -1].float(), dim=-1))
 
 
+def test_a_token_is_written_into_the_sequence_by_its_choice_with_no_copy() -> None:
+    """The loop's own kernels a token, counted over the tokens between two generation lengths (a static greedy run
+    with no EOS): the chosen ids (finished rows padded) are written by their `where` straight into the sequence's
+    column, so the only copy a token is the next step's input (StaticKVCache.feed); and the step makes no mask."""
+    from collections import Counter
+
+    from conftest import OpNames
+
+    m = _chaotic()
+    ids = torch.tensor([[5, 17, 42], [7, 8, 9]])
+    counts = []
+    for n in (6, 11):
+        with OpNames() as ops:
+            g = generate_full(m, ids, n, eos_token_id=None, static_cache=True, fast_head=False)
+        counts.append(Counter(ops.seen))
+        assert g.sequences.shape == (2, 3 + n)
+    per_token = {k: (counts[1][k] - counts[0][k]) / 5 for k in counts[1] if counts[1][k] != counts[0][k]}
+    assert per_token["where"] == 1 and per_token["copy_"] == 1, per_token
+    assert not {"zeros", "masked_fill_", "bitwise_not"} & set(per_token), per_token
+    plain = generate_full(m, ids, 11, eos_token_id=None, static_cache=False, fast_head=False)
+    assert torch.equal(g.sequences, plain.sequences)
+
+
 def test_nonfinite_logits_name_the_first_bad_step() -> None:
     """A NaN in the position embedding of position 5 spoils the logits from the step that reads it: the 4th new
     token after a 3-token prompt; the steps before are made."""

@@ -4,6 +4,8 @@ graph and replayed for every token."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import GPT2Config
@@ -44,8 +46,10 @@ class KVCache:
 class StaticKVCache(KVCache):
     """A KVCache (the prompt fills it through the forward) plus the inputs of a fixed-shape decode step, as device
     tensors that keep their shapes: the token of each row (B, 1), its position (B, 1), the slot it is written to
-    (1,), and which slots each row attends to (B, max_len). Attending over all max_len slots with that mask keeps
-    every shape the same for the whole generation: one attention plan, and a step a CUDA graph can replay."""
+    (1,), and which slots each row attends to (B, max_len), kept as the additive mask SDPA takes (`bias`: 0 where a
+    row attends, -inf elsewhere, in the cache's dtype), so that a step reads it as it is instead of making it from a
+    boolean (three kernels a token in a captured step). Attending over all max_len slots with that mask keeps every
+    shape the same for the whole generation: one attention plan, and a step a CUDA graph can replay."""
 
     def __init__(
         self, cfg: GPT2Config, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
@@ -54,18 +58,18 @@ class StaticKVCache(KVCache):
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.keys = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.bias = torch.full((batch, max_len), -math.inf, dtype=dtype, device=device)  # (B, max_len)
 
     def start(self, attention_mask: torch.Tensor | None, prompt_len: int) -> None:
         """After the prompt filled slots [0, T): each row attends to its real prompt tokens, and the first new token
         sits at position (the row's last position + 1). `length` is left at T for the forward's bookkeeping."""
         T = prompt_len
-        self.keys.zero_()
+        self.bias.fill_(-math.inf)
         if attention_mask is None:
-            self.keys[:, :T] = True
+            self.bias[:, :T] = 0.0
             self.pos.fill_(T)
         else:
-            self.keys[:, :T] = attention_mask.bool()
+            self.bias[:, :T].masked_fill_(attention_mask.bool(), 0.0)
             self.pos.copy_(attention_mask.long().sum(1, keepdim=True))  # left padding: real tokens counted
         self.slot.fill_(T)
 
@@ -73,7 +77,12 @@ class StaticKVCache(KVCache):
         """The next step's inputs: `tok` (B,) on the device goes into `slot`; no wait for the device."""
         self.tok.copy_(tok.view(-1, 1))
         self.slot.fill_(slot)
-        self.keys[:, slot] = True
+        self.bias[:, slot] = 0.0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """(B, max_len) bool: the slots each row attends to."""
+        return self.bias == 0
 
     def advance(self) -> None:
         """After a step: the next token's position is one further."""

@@ -275,6 +275,9 @@ def generate_full(
     choose = NextToken(model, settings, seen, gen, fast_head, scores, hold)
     rows = Rows(B, dev, eos_token_id, stops, tokenizer, on_text)
     rows_idx = torch.arange(B, device=dev)
+    # made once, by a fill on the device (torch.tensor would copy from the host): torch.where takes a tensor, not a
+    # number, where it writes into `out`
+    pad_id = torch.full((), pad, dtype=torch.long, device=dev)
 
     captured0 = steps.capture_s  # a step kept from an earlier call was recorded then
     reader = Readback(B + 1, dev)
@@ -312,8 +315,7 @@ def generate_full(
         else:
             h = steps.next(nxt, S - 1)  # the token just chosen, at slot S - 1
         choice, status = choose(h, step)
-        nxt = torch.where(rows.unfinished, choice, pad)  # (B,): finished rows get padding
-        seq[:, S] = nxt
+        nxt = torch.where(rows.unfinished, choice, pad_id, out=seq[:, S])  # (B,) into its column: finished rows padded
         S += 1
         if seen is not None:
             seen[rows_idx, nxt] |= rows.unfinished

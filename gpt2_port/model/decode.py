@@ -40,7 +40,7 @@ from ..generate.cache import KVCache, StaticKVCache
 from .c_attn import fused_qkv
 from .fused import gelu_tanh
 from .lowp import linear_wb
-from .masks import additive_mask, build_mask, positions_from_mask
+from .masks import build_mask, positions_from_mask
 from .modules import Block, gelu_new, wants_grad
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # (..., in) -> (..., out)
@@ -199,19 +199,20 @@ class DecodePlan:
         """Attend over all `max_len` slots of a StaticKVCache: store k, v at its slot tensor (index_copy_), SDPA with
         the (B, 1, 1, max_len) mask of the slots each row sees. Every shape is the generation's: capturable.
 
-        The mask goes to SDPA as the additive one SDPA would make of the boolean (0 where seen, -inf elsewhere, in
-        q's dtype), made once per step at the first layer: the same values, so the same arithmetic, without SDPA's
-        conversion in every layer (two scalar tensors and a where each, ops a captured step would replay per token)."""
+        The mask is the cache's own additive one (`bias`: the values SDPA would make of the boolean, 0 where seen and
+        -inf elsewhere, so the same arithmetic), read as it is where it is in q's dtype (SDPA takes an additive mask
+        in q's dtype only; under autocast it is converted once a step, at the first layer): no kernel of the step
+        makes it, where SDPA would convert a boolean in every layer."""
         ks, vs, kvs = views or self.cache_views(cache)
-        keys, slot, scale = cache.keys, cache.slot, self.scale
-        bias: list[torch.Tensor] = []  # this step's additive mask, (B, 1, 1, max_len)
+        mask, slot, scale = cache.bias, cache.slot, self.scale
+        bias: list[torch.Tensor] = []  # this step's additive mask in q's dtype, (B, 1, 1, max_len)
 
         def attend(i: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             # the key and the value in one write, in the cache's dtype, as the dynamic step's copy_ stores them (under
             # autocast they come out of the matmul in bf16/fp16; index_copy_ does not cast)
             kvs[i].index_copy_(3, slot, kv.to(kvs[i].dtype))
-            if not bias or bias[0].dtype != q.dtype:  # SDPA takes an additive mask in q's dtype only
-                bias[:] = [additive_mask(keys, q.dtype)[:, None, None, :]]
+            if not bias or bias[0].dtype != q.dtype:
+                bias[:] = [mask.to(q.dtype)[:, None, None, :]]  # the cache's own tensor where the dtypes agree
             return F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=bias[0], scale=scale)
 
         return attend
@@ -219,7 +220,7 @@ class DecodePlan:
     def static_step(
         self, cache: StaticKVCache, views: CacheViews | None = None, fused_kernels: bool = False
     ) -> torch.Tensor:
-        """One token per row from the cache's device inputs (tok, pos, slot, keys) -> (B, 1, C) ln_f output. No host
+        """One token per row from the cache's device inputs (tok, pos, slot, bias) -> (B, 1, C) ln_f output. No host
         value is read, so a CUDA graph can record it once and replay it for every token. `views`: the cache's
         `cache_views`, passed by a caller that keeps them (a compiled step then reads no state of the plan that
         another cache's step changes, which would make torch.compile trace it again).

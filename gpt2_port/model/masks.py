@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..devices import value_range
@@ -73,9 +71,3 @@ def build_mask(attention_mask: torch.Tensor | None, T: int, S: int, device: torc
     # would copy it from the host and wait)
     diag = torch.arange(S, device=device)[None, :] == torch.arange(S - T, S, device=device)[:, None]
     return mask | diag[None, None]
-
-
-def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as the additive one SDPA makes of it: 0 where True, -inf where False, in `dtype` (the query's).
-    Built once, it spares SDPA that conversion at every call it is passed to."""
-    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, -math.inf)
