@@ -50,6 +50,7 @@ from gpt2_port.config import PRESETS, GPT2Config
 from gpt2_port.devices import out_of_memory, parse_device
 from gpt2_port.errors import GPT2PortError, UsageError
 from gpt2_port.files import check_writable, write_output
+from gpt2_port.generate import steps
 from gpt2_port.train.schedule import FUSED_ADAMW_DEVICES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -528,8 +529,8 @@ def decode_loops(
     hf_compile: bool,
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The greedy batch-1 loops by row name, in the order they run: ours through `generate` (the CUDA graph; compiled
-    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops, and the
-    prompt as two equal rows, its tokens/s a row's), then
+    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops, and
+    with its one row computed alone, not as two), then
     transformers' `generate` (hf None: none of its rows) with its dynamic and its static cache, that one also compiled
     on a GPU where `hf_compile`."""
     cuda = ours.device.type == "cuda"
@@ -539,9 +540,14 @@ def decode_loops(
     fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
     if cuda:  # what the fused step (generate's default there) gains: `generate --op-for-op`
         fns["ours, op for op"] = partial(greedy_ours, ours, ids, N, fused_kernels=False)
-        # whether a one-row step would run faster as two: from two rows torch's addmm takes cuBLASLt's bias epilogue
-        # (c_attn and c_fc copy no bias first: 2 kernels a block fewer), for twice the cache's reads
-        fns["ours, batch 1 as 2 rows"] = lambda: greedy_ours(ours, ids.expand(2, -1), N)[:1]
+        # what computing the one row as two equal rows gains (steps.step_rows, the CUDA default): from two rows
+        # torch's addmm takes cuBLASLt's bias and GELU epilogues (c_attn and c_fc: 3 kernels a block fewer in bf16),
+        # for twice the cache's reads
+        fns["ours, one row"] = partial(greedy_ours, ours, ids, N, one_row=True)
+    # each of our rows keeps a step of its own on the model (another batch, graph, compile or kernel choice): all of
+    # them stay kept across the interleaved rounds, where the product's limit would push one out each round, to be
+    # recorded (and compiled) again the next
+    steps.KEEP_CAPTURED = max(steps.KEEP_CAPTURED, len(fns))
     if hf is not None:
         fns["transformers"] = partial(greedy_hf, hf, ids, N)
         fns["transformers, static cache"] = partial(greedy_hf, hf, ids, N, static=True)

@@ -11,7 +11,7 @@ instead of guessed.
 
 train sides: ours fast compiled (`train --compile`'s model) and transformers compiled (with --no-compile: both
 eager), one optimizer step each as benchmarks.gpu times it. decode sides: greedy batch 1 through `generate` (the
-CUDA graph, with the forward's ops, and with the prompt as two rows, a unit then a step; compiled first too,
+CUDA graph, with the forward's ops, and with the one row computed alone (not as two); compiled first too,
 `generate --compile`) and transformers' `generate` with
 its static cache (compiled on a GPU), in bfloat16; then ours in float32, uncompiled (--decode-dtypes). On the CPU
 (--device cpu --sizes tiny, a smoke run) the "kernels" are the top-level aten ops.
@@ -193,7 +193,7 @@ def decode_profiles(a: argparse.Namespace, dev: torch.device, size: str, into: d
         loops = decode_loops(ours, hf, ids, N, compile_ours, hf_compile=not a.no_compile)
         # transformers' static cache, compiled where it compiles (a GPU), else eager; not the other loops timed there
         static = next((n for n in reversed(loops) if n.startswith("transformers, static cache")), None)
-        keep = ["ours", "ours, compiled", "ours, op for op", "ours, batch 1 as 2 rows", static]
+        keep = ["ours", "ours, compiled", "ours, op for op", "ours, one row", static]
         tag = "" if i == 0 else f" ({dname})"
         fns = {name + (tag if name.startswith("ours") else ""): fn for name, fn in loops.items() if name in keep}
 

@@ -319,6 +319,89 @@ def test_a_projection_adds_into_the_residual_only_where_its_matmul_can() -> None
             assert torch.equal(x, kept) and out is not x  # x + proj(y): x untouched
 
 
+def test_the_fused_step_runs_c_fc_and_its_gelu_as_one_op_where_the_epilogue_can(official: GPT2, monkeypatch) -> None:
+    """Where `gelu_in_epilogue` holds (CUDA in bf16/fp16; forced here on the CPU), c_fc, its bias and the GELU are
+    one torch._addmm_activation a block (on CUDA one cuBLASLt kernel from two rows up), with no GELU op and no addmm
+    of c_fc's own; its arguments are c_fc's weight and bias: the CPU's op computes the erf GELU, so the values are
+    checked against c_fc then the erf GELU (the CUDA op's tanh GELU: tests/test_cuda.py)."""
+    import torch.nn.functional as F
+
+    from gpt2_port.model import decode
+
+    n = official.config.n_layer
+    before = _ops_of_one_static_step(official, fused_kernels=True)
+    monkeypatch.setattr(decode, "gelu_in_epilogue", lambda h, wb: wb is not None and wb[1] is not None)
+    ops = _ops_of_one_static_step(official, fused_kernels=True)
+    assert before["gelu"] == n and "_addmm_activation" not in before
+    assert ops["_addmm_activation"] == n and "gelu" not in ops and ops["addmm"] == before["addmm"] - n == n  # c_attn's
+    step = decode.LayerStep.of(official.h[0])
+    h = torch.randn(2, 1, official.config.n_embd)
+    with torch.no_grad():
+        got, want = decode.gelu_projected(h, step.c_fc, step.c_fc_wb), F.gelu(step.c_fc(h))
+    assert got.shape == (2, 1, 4 * official.config.n_embd)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_cpu_never_runs_the_gelu_in_c_fcs_matmul_whose_gelu_there_is_the_erf_one() -> None:
+    """torch._addmm_activation's GELU is the tanh one on CUDA (cuBLASLt's epilogue) but the erf one on the CPU, another
+    function than GPT-2's: `gelu_in_epilogue` never holds on the CPU, in any dtype. If torch's CPU op became the tanh
+    GELU, the first assertion fails and the CPU could take it too."""
+    import torch.nn.functional as F
+
+    from gpt2_port.model.decode import gelu_in_epilogue
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 16) * 2, torch.randn(16, 32), torch.randn(32)
+    out = torch._addmm_activation(b, x, w, use_gelu=True)
+    pre = torch.addmm(b, x, w)
+    assert torch.allclose(out, F.gelu(pre), atol=1e-6) and not torch.allclose(out, F.gelu(pre, approximate="tanh"))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        lin = torch.nn.Linear(16, 32).to(dtype)
+        assert not gelu_in_epilogue(torch.zeros(2, 1, 16, dtype=dtype), (lin.weight, lin.bias))
+
+
+def test_one_row_is_computed_as_two_on_cuda_with_the_fused_kernels_only() -> None:
+    from gpt2_port.generate.steps import ONE_ROW_AS, step_rows
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert step_rows(1, cuda, True) == ONE_ROW_AS > 1
+    assert step_rows(1, cuda, False) == step_rows(1, cpu, True) == 1 and step_rows(3, cuda, True) == 3
+
+
+@pytest.mark.parametrize("how", ["greedy", "left-padded", "sampled"])
+def test_one_row_computed_as_two_gives_the_one_rows_tokens(how: str, monkeypatch) -> None:  # noqa: ANN001
+    """`step_rows` (CUDA's fused step computes one row as two equal rows, so that c_attn and c_fc take cuBLASLt's
+    epilogues), forced here on the CPU: the prompt's forward fills the cache's first row and the second repeats it,
+    every step computes both alike (their keys and values the same, to the rounding of this CPU's SDPA, which splits
+    a batch's rows over its threads unevenly), generate reads the first: the one-row step's tokens wherever the
+    scores decide them. A generation of two true rows finds the same kept step."""
+    from gpt2_port.generate import steps
+
+    m = _chaotic()
+    ids = torch.tensor([[0, 0, 5, 17, 42, 7]]) if how == "left-padded" else torch.tensor([[5, 17, 42, 7]])
+    mask = (ids != 0).long() if how == "left-padded" else None
+    T, sample = ids.shape[1], how == "sampled"
+    opts = dict(eos_token_id=None, do_sample=sample, seed=3, output_scores=True, static_cache=True, fused_kernels=True)
+    one = generate_full(m, ids, 30, attention_mask=mask, **opts)
+    monkeypatch.setattr(steps, "step_rows", lambda batch, device, fused: 2 if batch == 1 and fused else batch)
+    two = generate_full(m, ids, 30, attention_mask=mask, **opts)
+    assert (one.extra["step_rows"], two.extra["step_rows"]) == (1, 2) and two.sequences.shape == (1, T + 30)
+    noise = exp_draws(3, (1, TINY.vocab_size), 30) if sample else None
+    new_one, new_two = one.sequences[:, T:], two.sequences[:, T:]
+    assert min(same_tokens_where_decided(new_one, one.scores, new_two, two.scores, STATIC_SCORES, noise)) >= 20
+    kept = m.__dict__["_static_steps"]
+    (st,) = [s for s in kept.values() if s.rows == 2]
+    kv = st.cache.kv  # (n_layer, 2, rows, nh, max_len, hs): the slots written, the prompt's copied, the rest made
+    assert kv[:, :, 1, :, : T + 29].abs().amax(-1).gt(0).all()
+    assert torch.equal(kv[:, :, 1, :, :T], kv[:, :, 0, :, :T])
+    torch.testing.assert_close(kv[:, :, 1], kv[:, :, 0], rtol=1e-5, atol=1e-5)
+    n = len(kept)
+    pair_mask = None if mask is None else mask.expand(2, -1)
+    pair = generate_full(m, ids.expand(2, -1), 5, attention_mask=pair_mask, **opts)
+    assert len(kept) == n and pair.extra["step_rows"] == 2
+    assert sample or torch.equal(pair.sequences[0], pair.sequences[1])  # two samples draw two tokens
+
+
 @pytest.mark.parametrize("which", ["official", "chaotic"])
 def test_a_static_step_stores_each_layers_key_and_value_with_one_write(which: str, request) -> None:  # noqa: ANN001
     """The cache holds each layer's keys and values side by side (KVCache.kv): the static step stores a token's key
@@ -621,7 +704,7 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     plan = SimpleNamespace(step=call, static_step=static, cache_views=lambda cache: None)
     PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
     # the static step's prefill (a new prompt length, a new shape) and its fixed-shape step
-    cache = SimpleNamespace(kv=torch.zeros(1), length=0, start=lambda mask, n: None)
+    cache = SimpleNamespace(kv=torch.zeros(1), tok=torch.zeros(1, 1), length=0, start=lambda mask, n: None)
     cache.feed, cache.advance = (lambda tok, slot: None), (lambda: None)
     static = StaticSteps(model, plan, cache, cuda_graph=False)  # type: ignore[arg-type]
     static.prefill(seq[:, :3], None)

@@ -35,6 +35,15 @@ class KVCache:
         self.length = 0  # tokens already stored
         self.max_len = max_len
 
+    def rows(self, n: int) -> KVCache:
+        """A KVCache over this one's first n rows (views of its storage, its fill length), for a forward that fills
+        only those."""
+        view = object.__new__(KVCache)
+        view.kv = self.kv[:, :, :n]  # (n_layer, 2, n, nh, max_len, hs)
+        view.k, view.v = view.kv[:, 0], view.kv[:, 1]
+        view.length, view.max_len = self.length, self.max_len
+        return view
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, nh, T, hs) after the current length; return all keys/values (B, nh, S, hs)."""
         start, end = self.length, self.length + k.shape[2]

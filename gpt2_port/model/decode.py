@@ -14,8 +14,8 @@ c_attn view, per-layer cache views) and the same aten ops run on the same tensor
 for whole steps against the forward, with and without padding); `DecodePlan.static_step` attends over all slots of a
 StaticKVCache with a mask, every shape fixed, so that generate/ can capture it once as a CUDA graph and replay it (its
 tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ; on CUDA generate
-runs it with fewer kernels, `fused_kernels`: torch's one-kernel GELU, the residual adds done by the projections'
-matmuls). Both store a token's key and value with one write a layer
+runs it with fewer kernels, `fused_kernels`: torch's one-kernel GELU, in c_fc's matmul on CUDA in bf16/fp16, the
+residual adds done by the projections' matmuls). Both store a token's key and value with one write a layer
 (KVCache.kv): with c_attn's one matmul they are one view of its output; separate projections are stacked first.
 Neither carries logic of its own: no dropout, no taps, no module hooks.
 
@@ -85,6 +85,29 @@ def add_projected(x: torch.Tensor, y: torch.Tensor, proj: Linear, wb: Weights | 
     return x
 
 
+def gelu_in_epilogue(h: torch.Tensor, wb: Weights | None) -> bool:
+    """Whether `gelu_projected` runs c_fc and its GELU as one `torch._addmm_activation` for the (B, 1, C) input h: on
+    CUDA, with c_fc's weight and bias (a plain Linear), h and the weight in one 16-bit dtype, autocast off. There the
+    op is the tanh GELU (cuBLASLt's GELU-and-bias epilogue from two rows up; on one row cuBLAS's GEMM, then torch's
+    tanh-GELU kernel in place); on the CPU it is the erf GELU, another function, so never there. Float32 keeps the
+    matmul and torch's GELU kernel apart: the epilogue's tanh is not established to round as torch's does."""
+    if wb is None or wb[1] is None or h.device.type != "cuda" or autocast_dtype("cuda") is not None:
+        return False
+    return h.dtype == wb[0].dtype and h.dtype in (torch.bfloat16, torch.float16)
+
+
+def gelu_projected(h: torch.Tensor, c_fc: Linear, wb: Weights | None) -> torch.Tensor:
+    """(B, 1, C) -> (B, 1, 4C): the tanh GELU of c_fc(h). Where `gelu_in_epilogue` holds, one
+    `torch._addmm_activation`: from two rows up one cuBLASLt kernel computes the products, adds the bias and applies
+    the GELU to the float32 sums before rounding once, where c_fc then torch's GELU kernel take two and round twice;
+    else c_fc, then torch's one tanh-GELU kernel (fused.gelu_tanh)."""
+    if not gelu_in_epilogue(h, wb):
+        return gelu_tanh(c_fc(h))
+    w, b = wb  # type: ignore[misc]
+    out = torch._addmm_activation(b, h.reshape(-1, h.shape[-1]), w.t(), use_gelu=True)  # (B, 4C): W is (out, in)
+    return out.view(*h.shape[:-1], out.shape[-1])
+
+
 @dataclass(frozen=True)
 class LayerStep:
     """One block's tensors and callables, looked up once; calling it runs `Block.forward` on one token per row."""
@@ -99,6 +122,7 @@ class LayerStep:
     c_proj_wb: Weights | None  # c_proj's weight and bias when it is a plain Linear (for `add_projected`)
     ln_2: tuple[torch.Tensor, torch.Tensor]
     c_fc: Linear
+    c_fc_wb: Weights | None
     mlp_proj: Linear
     mlp_proj_wb: Weights | None
     eps: float
@@ -119,6 +143,7 @@ class LayerStep:
             c_proj_wb=_weights(a.c_proj),
             ln_2=(block.ln_2.weight, block.ln_2.bias),
             c_fc=_linear(block.mlp.c_fc),
+            c_fc_wb=_weights(block.mlp.c_fc),
             mlp_proj=_linear(block.mlp.c_proj),
             mlp_proj_wb=_weights(block.mlp.c_proj),
             eps=block.ln_1.eps,
@@ -128,8 +153,8 @@ class LayerStep:
     def __call__(self, x: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
         """(B, 1, C) residual stream -> (B, 1, C), as `Block.forward` computes it in eval mode; `fused`: with fewer
         kernels, the same function rounded otherwise: the GELU as torch's one tanh-GELU kernel (fused.gelu_tanh, not
-        gelu_new's eight ops) and each residual add done by its projection's matmul (`add_projected`). x is then
-        updated in place."""
+        gelu_new's eight ops), in c_fc's matmul where it can be (`gelu_projected`), and each residual add done by its
+        projection's matmul (`add_projected`). x is then updated in place."""
         B, _, C = x.shape
         nh, hs = self.n_head, C // self.n_head
         h = F.layer_norm(x, (C,), *self.ln_1, self.eps)  # (B, 1, C)
@@ -144,8 +169,9 @@ class LayerStep:
         y = attend(self.layer, q, kv).transpose(1, 2).reshape(B, 1, C)  # (B, 1, C): heads side by side
         x = add_projected(x, y, self.c_proj, self.c_proj_wb if fused else None)
         h = F.layer_norm(x, (C,), *self.ln_2, self.eps)
-        act = gelu_tanh if fused else gelu_new
-        return add_projected(x, act(self.c_fc(h)), self.mlp_proj, self.mlp_proj_wb if fused else None)
+        if not fused:
+            return x + self.mlp_proj(gelu_new(self.c_fc(h)))
+        return add_projected(x, gelu_projected(h, self.c_fc, self.c_fc_wb), self.mlp_proj, self.mlp_proj_wb)
 
 
 class DecodePlan:
@@ -228,11 +254,15 @@ class DecodePlan:
         `fused_kernels`: the same function in fewer kernels, rounded otherwise (LayerStep's `fused`). The MLP's GELU
         as torch's one tanh-GELU kernel (fused.gelu_tanh) instead of the forward's eight ops (gelu_new): float32 1 ulp
         apart on about 1% of inputs; bf16/fp16 op for op rounds each of the eight results to its dtype, the kernel
-        computes in float32 and rounds once. Each residual add done by its projection's matmul (`add_projected`): on
-        CUDA at batch 1 one kernel fewer for each of the two. On a GPU, where a batch-1 decode step's time is its
-        kernels' count more than their work, a block then launches 13 kernels where op for op it launches 22 (ln_1,
-        c_attn's bias copy and matmul, the cache write, SDPA, c_proj's matmul and bias, ln_2, c_fc's bias copy and
-        matmul, the GELU, the MLP's projection's matmul and bias)."""
+        computes in float32 and rounds once; on CUDA in bf16/fp16 done with c_fc's matmul (`gelu_projected`: the
+        epilogue of cuBLASLt's kernel, from two rows up). Each residual add done by its projection's matmul
+        (`add_projected`): on CUDA at batch 1 one kernel fewer for each of the two. On a GPU, where a batch-1 decode
+        step's time is its kernels' count more than their work, and with the one row computed as two (generate/
+        steps.py `step_rows`: torch's addmm of a bias then takes cuBLASLt's bias epilogue, where over one row it copies
+        the bias into the output before cuBLAS's GEMM), a block launches 10 kernels in bf16/fp16 and 11 in float32
+        where op for op it launches 22 (ln_1, c_attn, the cache write, SDPA, c_proj's matmul and bias, ln_2, c_fc
+        with its GELU (float32: c_fc, the GELU), the MLP's projection's matmul and bias; op for op c_attn and c_fc
+        each copy their bias first, the GELU is eight kernels and each residual add one more)."""
         return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views), fused_kernels)
 
     def cache_views(self, cache: KVCache) -> CacheViews:
