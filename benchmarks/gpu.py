@@ -50,7 +50,7 @@ from gpt2_port.config import PRESETS, GPT2Config
 from gpt2_port.devices import out_of_memory, parse_device
 from gpt2_port.errors import GPT2PortError, UsageError
 from gpt2_port.files import check_writable, write_output
-from gpt2_port.generate import steps
+from gpt2_port.generate import steps as generate_steps
 from gpt2_port.train.schedule import FUSED_ADAMW_DEVICES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -547,7 +547,7 @@ def decode_loops(
     # each of our rows keeps a step of its own on the model (another batch, graph, compile or kernel choice): all of
     # them stay kept across the interleaved rounds, where the product's limit would push one out each round, to be
     # recorded (and compiled) again the next
-    steps.KEEP_CAPTURED = max(steps.KEEP_CAPTURED, len(fns))
+    generate_steps.KEEP_CAPTURED = max(generate_steps.KEEP_CAPTURED, len(fns))
     if hf is not None:
         fns["transformers"] = partial(greedy_hf, hf, ids, N)
         fns["transformers, static cache"] = partial(greedy_hf, hf, ids, N, static=True)

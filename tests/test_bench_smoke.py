@@ -71,6 +71,19 @@ def test_the_one_row_loop_computes_its_row_alone_and_puts_the_default_back(tiny_
     assert rows == [steps.ONE_ROW_AS, 1] and steps.ONE_ROW_AS == 2 and torch.equal(a, b)
 
 
+def test_the_decode_rows_keep_a_step_each_across_the_rounds(tiny_official: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Each of our decode rows keeps a step of its own on the model (on CUDA five: the graph, compiled, uncaptured, op
+    for op, one row); the product keeps fewer per model (steps.KEEP_CAPTURED, 4), which would push one out each
+    interleaved round to be recorded, and compiled, again: the benchmark's loops raise the limit to their number."""
+    from benchmarks.gpu import decode_loops
+    from gpt2_port.generate import steps
+
+    monkeypatch.setattr(steps, "KEEP_CAPTURED", 1)
+    model, _ = from_pretrained(tiny_official)
+    fns = decode_loops(model, None, torch.tensor([[1, 2, 3]]), 4, compile_ours="eager", hf_compile=False)
+    assert len(fns) > 1 and steps.KEEP_CAPTURED == len(fns)
+
+
 def test_where_tokens_part_the_row_says_by_how_much_transformers_chose_its_own(tiny_official: Path) -> None:
     """first_difference reads transformers' own scores at the step where another path's greedy tokens leave its own:
     0 where two tokens tie there (here two identical rows of the tied head: their scores are equal at every step), a
