@@ -64,6 +64,12 @@ def _weights(m: nn.Module) -> Weights | None:
     return (m.weight, m.bias) if type(m) is nn.Linear else None
 
 
+def _own_matmul(t: torch.Tensor, wb: Weights | None) -> bool:
+    """Whether a fused form may run the matmul of the input t by a plain Linear's weights `wb` itself: the weights
+    are there, in t's dtype, and autocast is off (it would cast them, which the forward's call does instead)."""
+    return wb is not None and t.dtype == wb[0].dtype and autocast_dtype(t.device.type) is None
+
+
 def add_projected(x: torch.Tensor, y: torch.Tensor, proj: Linear, wb: Weights | None = None) -> torch.Tensor:
     """x + proj(y) for the (B, 1, C) residual stream x and the projection's (B, 1, in) input y.
 
@@ -75,9 +81,9 @@ def add_projected(x: torch.Tensor, y: torch.Tensor, proj: Linear, wb: Weights | 
     cuBLAS adds x after the products' sum (tests/test_cuda.py holds it to x + proj(y)'s distance from float64); this
     CPU's BLAS adds a one-row product's terms into x one by one, several times farther from float64: one reason the
     CPU's steps keep x + proj(y)."""
-    if wb is None or not (x.dtype == y.dtype == wb[0].dtype) or autocast_dtype(x.device.type) is not None:
+    if not (_own_matmul(y, wb) and x.dtype == y.dtype):
         return x + proj(y)
-    w, b = wb
+    w, b = wb  # type: ignore[misc]
     x2 = x.view(-1, x.shape[-1])  # (B, C)
     x2.addmm_(y.reshape(-1, y.shape[-1]), w.t())  # x += y @ W^T: W is (out, in)
     if b is not None:
@@ -91,9 +97,9 @@ def gelu_in_epilogue(h: torch.Tensor, wb: Weights | None) -> bool:
     op is the tanh GELU (cuBLASLt's GELU-and-bias epilogue from two rows up; on one row cuBLAS's GEMM, then torch's
     tanh-GELU kernel in place); on the CPU it is the erf GELU, another function, so never there. Float32 keeps the
     matmul and torch's GELU kernel apart: the epilogue's tanh is not established to round as torch's does."""
-    if wb is None or wb[1] is None or h.device.type != "cuda" or autocast_dtype("cuda") is not None:
+    if not _own_matmul(h, wb) or wb[1] is None:  # type: ignore[index]
         return False
-    return h.dtype == wb[0].dtype and h.dtype in (torch.bfloat16, torch.float16)
+    return h.device.type == "cuda" and h.dtype in (torch.bfloat16, torch.float16)
 
 
 def gelu_projected(h: torch.Tensor, c_fc: Linear, wb: Weights | None) -> torch.Tensor:
