@@ -3,10 +3,11 @@ backward over GPT-2's vocabulary: unpadded (50257 rows) and padded to multiples 
 interleaved in one process so the machine's noise hits each alike; the median of each and its speed against the
 unpadded head. 64 and 128 pad GPT-2's vocabulary to the same 50304 rows: the spread between those two is the noise.
 What `gpt2-port train --pad-vocab`'s default rests on. With --chunk-rows, the head padded to 64 again at each of
-those rows per chunk (fused.chunk_rows picks the device's default: what GPU_CHUNK_BYTES rests on).
+those rows per chunk (fused.chunk_rows picks the device's default: what GPU_CHUNK_BYTES rests on). With --compile,
+the head padded to 64 under torch.compile too (fullgraph, inductor: the loss as `train --compile` runs it).
 
     python -m benchmarks.head_padding [--device cpu] [--dtype float32|bf16] [--rows 512] [--width 768] [--rounds 8]
-                                      [--chunk-rows 256,1024,...] [--json PATH]
+                                      [--chunk-rows 256,1024,...] [--compile] [--json PATH]
 
 Not a test: the numbers depend on the machine and its load (say so when quoting them).
 """
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk-rows", type=positive_ints, default=[], metavar="N,N,...", help="also time these chunk sizes"
     )
+    p.add_argument("--compile", action="store_true", help="also time the head padded to 64 under torch.compile")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return p
 
@@ -53,41 +55,51 @@ def run(a: argparse.Namespace) -> dict:
     w = (torch.randn(a.vocab, a.width, generator=g) * 0.02).to(dev).requires_grad_(True)
     t = torch.randint(0, a.vocab, (a.rows,), generator=g).to(dev)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if a.dtype == "bf16" else contextlib.nullcontext()
-    # (multiple, rows per chunk or None for the device's default), timed in turn each round
-    configs = [(m, None) for m in MULTIPLES] + [(64, c) for c in a.chunk_rows]
+    # (multiple, rows per chunk or None for the device's default, compiled), timed in turn each round
+    configs = [(m, None, False) for m in MULTIPLES] + [(64, c, False) for c in a.chunk_rows]
+    configs += [(64, None, True)] if a.compile else []
+    fns = {False: linear_cross_entropy, True: torch.compile(linear_cross_entropy, fullgraph=True)}
     times: dict[tuple, list[float]] = {c: [] for c in configs}
     losses: dict[tuple, float] = {}
-    for r in range(a.rounds + 1):
-        for m, c in configs if r % 2 == 0 else configs[::-1]:
+    for r in range(a.rounds + 1):  # round 0 warms up (and compiles)
+        for m, c, compiled in configs if r % 2 == 0 else configs[::-1]:
             sync(dev)
             t0 = time.perf_counter()
             with amp:
-                loss = linear_cross_entropy(h, w, None, t, pad_multiple=m, chunk=c)
+                loss = fns[compiled](h, w, None, t, pad_multiple=m, chunk=c)
             loss.backward()
             sync(dev)
             if r:
-                times[m, c].append(time.perf_counter() - t0)
+                times[m, c, compiled].append(time.perf_counter() - t0)
             h.grad = w.grad = None
-            losses[m, c] = float(loss.detach())  # after the timing: its one sync is not timed
+            losses[m, c, compiled] = float(loss.detach())  # after the timing: its one sync is not timed
         print(f"round {r}/{a.rounds}", file=sys.stderr)
 
-    def row(m: int, c: int | None, base: float) -> dict:
-        med = statistics.median(times[m, c])
+    def row(m: int, c: int | None, base: float, speed: str, compiled: bool = False) -> dict:
+        med = statistics.median(times[m, c, compiled])
         vocab = padded_vocab(a.vocab, m)
         return {
             "vocab": vocab,
             "chunk_rows": c or chunk_rows(dev.type, vocab),
             "median_s": med,
-            "runs_s": times[m, c],
-            "speed_vs_unpadded" if c is None else "speed_vs_default_chunks": base / med,
-            "loss": losses[m, c],
+            "runs_s": times[m, c, compiled],
+            speed: base / med,
+            "loss": losses[m, c, compiled],
         }
 
-    unpadded, default64 = statistics.median(times[1, None]), statistics.median(times[64, None])
-    rows = {str(m): row(m, None, unpadded) for m in MULTIPLES}
-    chunks = {str(c): row(64, c, default64) for c in a.chunk_rows}
-    settings = {k: getattr(a, k) for k in ("dtype", "rows", "width", "vocab", "rounds", "chunk_rows")}
-    return {"kind": "head_padding", "machine": machine(dev), "settings": settings, "multiples": rows, "chunks": chunks}
+    unpadded, default64 = statistics.median(times[1, None, False]), statistics.median(times[64, None, False])
+    rows = {str(m): row(m, None, unpadded, "speed_vs_unpadded") for m in MULTIPLES}
+    chunks = {str(c): row(64, c, default64, "speed_vs_default_chunks") for c in a.chunk_rows}
+    compiled = row(64, None, default64, "speed_vs_eager", True) if a.compile else None
+    settings = {k: getattr(a, k) for k in ("dtype", "rows", "width", "vocab", "rounds", "chunk_rows", "compile")}
+    return {
+        "kind": "head_padding",
+        "machine": machine(dev),
+        "settings": settings,
+        "multiples": rows,
+        "chunks": chunks,
+        "compiled": compiled,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  padded to 64, {c:>5} rows per chunk: {1e3 * x['median_s']:9.2f} ms "
             f"({x['speed_vs_default_chunks']:.3f}x the default chunks), loss {x['loss']:.6f}"
+        )
+    if (x := res["compiled"]) is not None:
+        print(
+            f"  padded to 64, torch.compile:    {1e3 * x['median_s']:9.2f} ms "
+            f"({x['speed_vs_eager']:.3f}x eager), loss {x['loss']:.6f}"
         )
     if a.json:
         write_output(a.json, json.dumps(res, indent=2) + "\n")

@@ -180,7 +180,7 @@ for phase in "$@"; do
       step bench-train "$PY" -m benchmarks.gpu train --sizes gpt2 --weights-dir weights --out "$RESULTS/train.json" \
         --markdown "$RESULTS/train.md" --plot "$RESULTS/train.png" "${TRAIN_EXTRA[@]}"
       step bench-head-padding "$PY" -m benchmarks.head_padding --device cuda --dtype bf16 --rows 16384 \
-        --chunk-rows 256,1024,2048,4096,8192 --json "$RESULTS/head-padding.json"
+        --chunk-rows 256,1024,2048,4096,8192 --compile --json "$RESULTS/head-padding.json"
       ;;
     train-xl)
       checkpoint gpt2-xl

@@ -640,8 +640,28 @@ def test_the_head_padding_benchmark_times_each_multiple_with_the_same_loss(tmp_p
     assert rows["1"]["speed_vs_unpadded"] == 1.0 and all(x["speed_vs_default_chunks"] > 0 for x in chunks.values())
     for x in [*rows.values(), *chunks.values()]:  # the pad takes no probability, chunks change rounding only
         assert abs(x["loss"] - rows["1"]["loss"]) <= 1e-6 * rows["1"]["loss"]
+    assert res["compiled"] is None and res["settings"]["compile"] is False
     with pytest.raises(SystemExit):
         head_padding.build_parser().parse_args(["--chunk-rows", "0,8"])
+
+
+def test_the_head_padding_benchmark_times_the_compiled_loss_beside_eager(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """--compile adds the head padded to 64 under torch.compile (inductor on the GPU; aot_eager here, which needs no
+    C++ compiler): the same loss, and its speed against the eager loss's."""
+    from benchmarks import head_padding
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda f, **kw: compile_(f, backend="aot_eager", **kw))
+    torch._dynamo.reset()
+    out = tmp_path / "h.json"
+    argv = ["--device", "cpu", "--rows", "8", "--width", "16", "--vocab", "97", "--rounds", "2", "--json", str(out)]
+    assert head_padding.main([*argv, "--compile"]) == 0
+    torch._dynamo.reset()
+    res = json.loads(out.read_text())
+    x, eager = res["compiled"], res["multiples"]["64"]
+    assert res["settings"]["compile"] is True and x["vocab"] == 128 and len(x["runs_s"]) == 2
+    assert x["speed_vs_eager"] == eager["median_s"] / x["median_s"]
+    assert abs(x["loss"] - eager["loss"]) <= 1e-6 * eager["loss"]
 
 
 def test_the_lowp_gemm_benchmark_times_both_paths_and_names_lowps_choice(tmp_path: Path) -> None:

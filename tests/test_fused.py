@@ -19,6 +19,9 @@ pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a sec
 # float32 CPU, these shapes: loss rel worst seen 1.2e-7, gradients norm-rel worst seen 3.1e-7 (summation order only)
 LOSS_REL = 1e-6
 GRAD_NORM_REL = 1e-5
+# bf16 autocast, the gradients made by the public path under torch.compile against eager's private kernels, both
+# rounded to bf16 (one rounding flipped would be about 2e-4 at these shapes): worst seen 0 on this CPU
+LOWP_GRAD_NORM_REL = 1e-3
 
 
 def _norm_rel(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -77,8 +80,9 @@ def test_the_logits_gradient_is_the_references_bit_for_bit_in_any_chunks(num_ite
     nlls, grads = [], []
     for s in range(0, 23, 5):  # chunks of 5 rows, the last one partial
         n = len(t[s : s + 5])
+        safe = torch.where(keep, t, 0)[s : s + 5]
         nll, grad = fused.nll_and_logit_grad(
-            logits[s : s + 5].clone(), torch.where(keep, t, 0)[s : s + 5], keep[s : s + 5], step, zeros[:n]
+            logits[s : s + 5].clone(), safe, keep[s : s + 5], step, torch.float32, zeros[:n]
         )
         nlls.append(nll)
         grads.append(grad)
@@ -218,6 +222,65 @@ def test_the_public_fallback_gives_the_references_loss_and_gradients_to_rounding
     assert any(not torch.equal(x, y) for x, y in zip(got_g, private_g))
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_the_gradient_without_its_dense_incoming_buffer_is_the_kernels_formula_bit_for_bit(grad_dtype) -> None:
+    """The public path makes the logits' gradient without the (n, V) buffer of nll_loss's incoming gradient: the
+    log-softmax backward's formula, g - exp(lp) * sum(g) over the row, with that buffer written out, gives the same
+    bits, rounded once to the gradient's dtype."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(23, 97, generator=g) * 4
+    t = torch.randint(0, 97, (23,), generator=g)
+    t[::4] = IGNORE_INDEX
+    keep, safe = t != IGNORE_INDEX, torch.where(t != IGNORE_INDEX, t, 0)
+    step = -(1.0 / keep.sum().to(torch.float32))
+    nll, got = fused.nll_and_logit_grad(logits.clone(), safe, keep, step, grad_dtype, None)
+    lp = torch.log_softmax(logits, 1)
+    dense = torch.zeros(23, 97)
+    dense[torch.arange(23), safe] = torch.where(keep, step, 0.0)  # (n, V) the incoming gradient
+    want = (dense - lp.exp() * dense.sum(1, keepdim=True)).to(grad_dtype)
+    assert got.dtype == grad_dtype and torch.equal(got, want)
+    assert torch.equal(nll, -(lp[torch.arange(23), safe] * keep).sum())
+
+
+def test_the_compiled_loss_makes_its_gradient_without_a_dense_incoming_buffer() -> None:
+    """Under torch.compile the fused loss runs the public path: the traced forward holds no log-softmax backward
+    kernel and no (n, V) buffer of the incoming gradient, which the compiler would write and read in full each chunk;
+    the loss and gradients stay eager's to rounding."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep_graph(gm, _inputs):  # noqa: ANN001, ANN202
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    torch._dynamo.reset()
+    h, w, b, t = _case(3, 23, 16, 97, False)
+    f = torch.compile(
+        lambda *a: fused.linear_cross_entropy(*a, chunk=8), backend=aot_autograd(fw_compiler=keep_graph), fullgraph=True
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, got_g = _grads(f, h, w, b, t)
+        want, want_g = _grads(lambda *a: fused.linear_cross_entropy(*a, chunk=8), h, w, b, t)
+    torch._dynamo.reset()
+    targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert graphs and not any("_log_softmax_backward_data" in x for x in targets)
+    dense = [
+        n
+        for g in graphs
+        for n in g.graph.nodes
+        if n.op == "call_function"
+        and "index_put" in str(n.target)
+        and n.meta["val"].dtype == torch.float32
+        and n.meta["val"].shape[-1] == 97
+    ]
+    assert not dense  # no scatter into an (n, V) float32 tensor: only the bf16 gradient's targets are written
+    assert abs(float(got - want)) <= LOSS_REL * abs(float(want))
+    for x, y in zip(got_g[:2], want_g[:2]):
+        assert _norm_rel(x, y) <= LOWP_GRAD_NORM_REL
+
+
 @pytest.mark.parametrize("multiple", [8, 64])  # 97 -> 104 and 128 rows: a pad of 7 and of 31
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("private", [True, False])
@@ -314,6 +377,31 @@ def test_fp16_autocast_gradients_survive_a_grad_scaler(device: str) -> None:
     for x, y, e in zip(got[:2], ref[:2], exact[:2]):
         assert x.dtype == torch.float32
         assert _norm_rel(x / scale, e) <= FP16_VS_REFERENCE * _norm_rel(y / scale, e)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_bf16_logits_are_read_by_the_log_softmax_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA, bf16 autocast, eager: torch's CUDA log-softmax reads the chunk's bf16 logits as float32 itself (its
+    half-to-float form) and its backward writes the bf16 gradient, where the float32 copy of the logits and the cast
+    of their gradient were two more passes over each chunk. The loss and gradients are the reference's (its logits
+    upcast, then the loss) to the rounding of a bf16 gradient entry."""
+    seen = []
+    log_softmax = torch._log_softmax
+
+    def spy(x, dim, half_to_float, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.append((x.dtype, half_to_float))
+        return log_softmax(x, dim, half_to_float, **kw)
+
+    h, w, _, t = _case(10, 2048, 64, 8192, False)
+    h, w, t = h.to("cuda"), w.to("cuda"), t.to("cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, want_g = _grads(_reference, h, w, None, t)
+        monkeypatch.setattr(torch, "_log_softmax", spy)
+        got, got_g = _grads(lambda *a: fused.linear_cross_entropy(*a, chunk=1024), h, w, None, t)
+    assert seen == [(torch.bfloat16, True)] * 2  # both chunks, from their bf16 logits
+    assert abs(float(got - want)) <= LOSS_REL * abs(float(want))
+    for x, y in zip(got_g[:2], want_g[:2]):
+        assert x.dtype == torch.float32 and _norm_rel(x, y) <= LOWP_GRAD_NORM_REL
 
 
 def test_the_sparse_wte_gradient_is_taken_on_the_cpu_only(tiny_official: Path) -> None:

@@ -16,7 +16,12 @@
   accumulation through `num_items_in_batch`), the logits' gradient is the reference's bit for bit, and so are the
   hidden states' (their matmul runs row by row). The head weight's gradient is summed over the chunks, so it is
   rounded differently; another incoming gradient scales the made gradients afterwards (the reference scales before),
-  also rounded differently. Its matmuls can run over the head padded with zero rows to a multiple of 64
+  also rounded differently. On CUDA under autocast those kernels read the bf16/fp16 logits as float32 themselves and
+  write the bf16 gradient (no float32 copy of the logits, no cast of their gradient: two fewer passes over each
+  chunk). Under torch.compile the compiler makes its own kernels anyway, so the gradient is written from the backward's
+  formula with the incoming gradient's one entry a row (`nll_and_logit_grad`): the compiled chunk is then one pass
+  that reads the low-precision logits and writes their gradient, where a dense buffer of the incoming gradient would
+  be written and read in full. Its matmuls can run over the head padded with zero rows to a multiple of 64
   (`pad_multiple`, GPT2.set_head_padding: GPU GEMMs are faster on aligned sizes), the pad's logits set to -inf; the
   weight and its gradient keep their V rows.
 
@@ -32,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..devices import autocast_dtype, host_readable
+from ..devices import autocast_dtype, compiling, host_readable
 from ..errors import UsageError
 from .loss import IGNORE_INDEX
 from .lowp import autocast_upcast, mm_upcast
@@ -85,30 +90,51 @@ USE_PRIVATE_OPS = private_ops_usable()
 
 
 def nll_and_logit_grad(
-    logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor, step: torch.Tensor, nll_grad: torch.Tensor | None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    keep: torch.Tensor,
+    step: torch.Tensor,
+    grad_dtype: torch.dtype | None,
+    nll_grad: torch.Tensor | None,
+    lp_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of the mean cross-entropy, in place: (n, V) float32 logits -> the kept targets' summed NLL, and the
-    logits' gradient written over them (None when nll_grad is None: the loss only).
+    """One chunk of the mean cross-entropy: (n, V) logits -> the kept targets' summed NLL, and the logits' gradient
+    in `grad_dtype` (None: the loss only), written over the logits where the dtypes allow.
 
     targets: (n,) in range (anything where not kept); keep: (n,) bool; step: () -1/divisor, the gradient nll_loss's
-    backward gives each kept target for an incoming gradient of 1; nll_grad: an (n, V) float32 buffer of zeros, left
-    zeroed. With the private ops (USE_PRIVATE_OPS) torch's log-softmax kernels themselves run, so each row equals the
-    reference's (F.cross_entropy) bit for bit however the rows are chunked.
+    backward gives each kept target for an incoming gradient of 1.
+    logits: float32 (overwritten by the log-probabilities, then by a float32 gradient); or, on CUDA with the private
+    ops, bf16/fp16 that torch's CUDA log-softmax reads as float32 itself (its half-to-float form: no float32 copy of
+    them is made), the log-probabilities going to `lp_out` ((n, V) float32), a gradient of their dtype over them.
+    nll_grad: an (n, V) float32 buffer of zeros, left zeroed, where torch's own log-softmax backward kernel runs (the
+    private ops, USE_PRIVATE_OPS, outside torch.compile): each row equals the reference's (F.cross_entropy) bit for bit
+    however the rows are chunked. None: the gradient is made from the kernel's formula, g - exp(lp) * sum(g), with the
+    incoming g nonzero at the targets only: -exp(lp) * g_t everywhere in one pass, the targets' entries then computed
+    alone (the public ops, and under torch.compile, whose compiler fuses that pass into the log-softmax's instead of
+    writing and reading a dense buffer of g).
     """
-    if USE_PRIVATE_OPS:
-        lp = torch._log_softmax(logits, 1, False, out=logits)  # (n, V) log-probabilities
+    if logits.dtype != torch.float32:
+        lp = torch._log_softmax(logits, 1, True, out=lp_out)  # (n, V) float32 log-probabilities
+    elif nll_grad is not None:
+        lp = torch._log_softmax(logits, 1, False, out=logits)
     else:
         lp = logits.copy_(torch.log_softmax(logits, dim=1))
     at = (torch.arange(len(targets), device=logits.device), targets)
-    nll = -(lp[at] * keep).sum()
-    if nll_grad is None:
+    lp_t = lp[at]  # (n,) the targets' log-probabilities
+    nll = -(lp_t * keep).sum()
+    if grad_dtype is None:
         return nll, None
-    nll_grad[at] = torch.where(keep, step, 0.0)  # (n, V): nll_loss's incoming gradient for the log-softmax
-    if USE_PRIVATE_OPS:
-        grad = torch._log_softmax_backward_data(nll_grad, lp, 1, torch.float32, out=lp)
-    else:  # log-softmax's backward, public: g - exp(lp) * sum(g) over the row
-        grad = lp.exp_().mul_(-nll_grad.sum(1, keepdim=True)).add_(nll_grad)
-    nll_grad[at] = nll_grad.new_zeros(())  # a zero on the device: a Python number would be copied from the host, a wait
+    g_t = torch.where(keep, step, 0.0)  # (n,) nll_loss's incoming gradient at each row's target, its row's only one
+    if nll_grad is not None:
+        nll_grad[at] = g_t  # (n, V)
+        if grad_dtype == logits.dtype:  # CUDA's half-to-float backward: float32 arithmetic, rounded once on the store
+            grad = torch._log_softmax_backward_data(nll_grad, lp, 1, grad_dtype, out=logits)
+        else:
+            grad = torch._log_softmax_backward_data(nll_grad, lp, 1, torch.float32, out=lp).to(grad_dtype)
+        nll_grad[at] = nll_grad.new_zeros(())  # a zero on the device: a Python number would be copied from the host
+        return nll, grad
+    grad = lp.exp_().mul_(-g_t[:, None]).to(grad_dtype)  # (n, V): 0 - exp(lp) * g_t off the targets
+    grad[at] = lp_t.exp().mul_(-g_t).add_(g_t).to(grad_dtype)  # g_t - exp(lp_t) * g_t, rounded once as the rest is
     return nll, grad
 
 
@@ -152,7 +178,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         R = chunk or chunk_rows(h.device.type, Vp)
         rows = min(N, R)
         buf = torch.empty((rows, Vp), dtype=torch.float32, device=h.device)  # logits -> log-probs -> gradient
-        nll_grad = torch.zeros_like(buf) if any(need) else None
+        private = USE_PRIVATE_OPS and not compiling()
+        # CUDA's log-softmax kernels read autocast's bf16/fp16 logits as float32 and write a bf16/fp16 gradient
+        # themselves: no float32 copy of the logits, no cast pass over the gradient
+        half = private and h.is_cuda and compute is not None and not upcast
+        nll_grad = torch.zeros_like(buf) if any(need) and private else None
+        grad_dtype = (gcompute or torch.float32) if any(need) else None
         step = -(1.0 / divisor)  # () float32, rounded as nll_loss's backward rounds it
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         mm = torch.mm if gcompute is None or not upcast else (lambda a, b: mm_upcast(a, b, gcompute))
@@ -160,7 +191,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for s in range(0, N, R):
                 hc = hm[s : s + R]
                 logits = buf[: hc.shape[0]]
-                if compute is not None and not upcast:
+                if half:
+                    logits = F.linear(hc, wm, bm)  # (n, C) @ (C, Vp) in `compute`
+                elif compute is not None and not upcast:
                     logits.copy_(F.linear(hc, wm, bm))  # (n, C) @ (C, Vp) in `compute`, upcast
                 elif bm is None:
                     torch.mm(hc, wm.t(), out=logits)  # (n, C) @ (C, Vp), as F.linear runs it
@@ -171,12 +204,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if Vp > V:
                     logits[:, V:] = -math.inf  # the pad takes no probability and gets no gradient
                 go = None if nll_grad is None else nll_grad[: hc.shape[0]]
-                nll, g = nll_and_logit_grad(logits, safe[s : s + R], keep[s : s + R], step, go)
+                # the logits' gradient in `gcompute` where there is one: cast back, as the upcast's backward casts it
+                nll, g = nll_and_logit_grad(
+                    logits, safe[s : s + R], keep[s : s + R], step, grad_dtype, go, buf[: hc.shape[0]]
+                )
                 total += nll
                 if g is None:
                     continue
-                if gcompute is not None:  # the logits' gradient cast back, as the upcast's backward casts it
-                    g = g.to(gcompute)
                 if grad_h is not None:
                     if compute is None:
                         torch.mm(g, wg, out=grad_h[s : s + R])  # (n, Vp) @ (Vp, C)
