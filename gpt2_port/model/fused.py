@@ -87,6 +87,9 @@ def private_ops_usable() -> bool:
 
 
 USE_PRIVATE_OPS = private_ops_usable()
+# Where torch's log-softmax kernels take bf16/fp16 input with float32 output and back (`half_to_float`): CUDA's do;
+# the CPU's refuse it.
+HALF_TO_FLOAT_DEVICES = frozenset({"cuda"})
 
 
 def nll_and_logit_grad(
@@ -181,7 +184,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         private = USE_PRIVATE_OPS and not compiling()
         # CUDA's log-softmax kernels read autocast's bf16/fp16 logits as float32 and write a bf16/fp16 gradient
         # themselves: no float32 copy of the logits, no cast pass over the gradient
-        half = private and h.is_cuda and compute is not None and not upcast
+        half = private and h.device.type in HALF_TO_FLOAT_DEVICES and compute is not None and not upcast
         nll_grad = torch.zeros_like(buf) if any(need) and private else None
         grad_dtype = (gcompute or torch.float32) if any(need) else None
         step = -(1.0 / divisor)  # () float32, rounded as nll_loss's backward rounds it
