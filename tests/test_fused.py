@@ -379,65 +379,6 @@ def test_fp16_autocast_gradients_survive_a_grad_scaler(device: str) -> None:
         assert _norm_rel(x / scale, e) <= FP16_VS_REFERENCE * _norm_rel(y / scale, e)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_half_to_float_route_gives_the_float32_copys_loss_and_gradients(monkeypatch, dtype) -> None:  # noqa: ANN001
-    """The route CUDA takes under autocast (the bf16/fp16 logits handed to torch's log-softmax, which reads them as
-    float32, its backward writing a bf16 gradient over them; fp16's gradient stays float32), run here with the two
-    kernels' half-to-float forms stood in for by what they compute (the input widened, the output rounded to the
-    input's dtype): the same loss and gradients bit for bit as the float32 copy of the logits, padded head included."""
-    log_softmax, backward = torch._log_softmax, torch._log_softmax_backward_data
-    calls = []
-
-    def half_log_softmax(x, dim, half_to_float, out=None):  # noqa: ANN001, ANN202
-        calls.append(("forward", x.dtype, half_to_float))
-        return log_softmax(x.float() if half_to_float else x, dim, False, out=out)
-
-    def half_backward(grad, out_, dim, input_dtype, out=None):  # noqa: ANN001, ANN202
-        calls.append(("backward", input_dtype, out is not None and out.dtype))
-        got = backward(grad, out_, dim, torch.float32)
-        return got.to(input_dtype) if out is None else out.copy_(got)
-
-    monkeypatch.setattr(lowp, "_autocast_upcast", [False])  # autocast's own kernels, as on CUDA
-    monkeypatch.setattr(fused, "USE_PRIVATE_OPS", True)
-    h, w, b, t = _case(11, 23, 16, 97, True)
-    with torch.autocast("cpu", dtype=dtype):
-        want, want_g = _grads(lambda *a: fused.linear_cross_entropy(*a, pad_multiple=64, chunk=8), h, w, b, t)
-        monkeypatch.setattr(fused, "HALF_TO_FLOAT_DEVICES", frozenset({"cpu"}))
-        monkeypatch.setattr(torch, "_log_softmax", half_log_softmax)
-        monkeypatch.setattr(torch, "_log_softmax_backward_data", half_backward)
-        got, got_g = _grads(lambda *a: fused.linear_cross_entropy(*a, pad_multiple=64, chunk=8), h, w, b, t)
-    grad = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32  # fp16's gradient products run in float32
-    assert calls == [("forward", dtype, True), ("backward", grad, grad)] * 3  # 23 rows: chunks of 8, 8 and 7
-    assert torch.equal(got, want)
-    for x, y in zip(got_g, want_g):
-        assert torch.equal(x, y)
-
-
-@pytest.mark.cuda
-def test_on_cuda_the_bf16_logits_are_read_by_the_log_softmax_itself(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA, bf16 autocast, eager: torch's CUDA log-softmax reads the chunk's bf16 logits as float32 itself (its
-    half-to-float form) and its backward writes the bf16 gradient, where the float32 copy of the logits and the cast
-    of their gradient were two more passes over each chunk. The loss and gradients are the reference's (its logits
-    upcast, then the loss) to the rounding of a bf16 gradient entry."""
-    seen = []
-    log_softmax = torch._log_softmax
-
-    def spy(x, dim, half_to_float, **kw):  # noqa: ANN001, ANN003, ANN202
-        seen.append((x.dtype, half_to_float))
-        return log_softmax(x, dim, half_to_float, **kw)
-
-    h, w, _, t = _case(10, 2048, 64, 8192, False)
-    h, w, t = h.to("cuda"), w.to("cuda"), t.to("cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        want, want_g = _grads(_reference, h, w, None, t)
-        monkeypatch.setattr(torch, "_log_softmax", spy)
-        got, got_g = _grads(lambda *a: fused.linear_cross_entropy(*a, chunk=1024), h, w, None, t)
-    assert seen == [(torch.bfloat16, True)] * 2  # both chunks, from their bf16 logits
-    assert abs(float(got - want)) <= LOSS_REL * abs(float(want))
-    for x, y in zip(got_g[:2], want_g[:2]):
-        assert x.dtype == torch.float32 and _norm_rel(x, y) <= LOWP_GRAD_NORM_REL
-
-
 def test_the_sparse_wte_gradient_is_taken_on_the_cpu_only(tiny_official: Path) -> None:
     """The fast kernels' sparse wte gradient on the CPU; on a GPU it would be summed by an index_add with atomics
     (not the same bits twice), so there the dense embedding backward runs. 'meta' stands in for the GPU."""

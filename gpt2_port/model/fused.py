@@ -16,14 +16,12 @@
   accumulation through `num_items_in_batch`), the logits' gradient is the reference's bit for bit, and so are the
   hidden states' (their matmul runs row by row). The head weight's gradient is summed over the chunks, so it is
   rounded differently; another incoming gradient scales the made gradients afterwards (the reference scales before),
-  also rounded differently. On CUDA under autocast those kernels read the bf16/fp16 logits as float32 themselves and
-  write the bf16 gradient (no float32 copy of the logits, no cast of their gradient: two fewer passes over each
-  chunk). Under torch.compile the compiler makes its own kernels anyway, so the gradient is written from the backward's
-  formula with the incoming gradient's one entry a row (`nll_and_logit_grad`): the compiled chunk is then one pass
-  that reads the low-precision logits and writes their gradient, where a dense buffer of the incoming gradient would
-  be written and read in full. Its matmuls can run over the head padded with zero rows to a multiple of 64
-  (`pad_multiple`, GPT2.set_head_padding: GPU GEMMs are faster on aligned sizes), the pad's logits set to -inf; the
-  weight and its gradient keep their V rows.
+  also rounded differently. Under torch.compile the compiler makes its own kernels anyway, so the gradient is
+  written from the backward's formula with the incoming gradient's one entry a row (`nll_and_logit_grad`): the
+  compiled chunk is then one pass that reads the low-precision logits and writes their gradient, where a dense
+  buffer of the incoming gradient would be written and read in full. Its matmuls can run over the head padded with
+  zero rows to a multiple of 64 (`pad_multiple`, GPT2.set_head_padding: GPU GEMMs are faster on aligned sizes), the
+  pad's logits set to -inf; the weight and its gradient keep their V rows.
 
 Neither is bit-identical to transformers; the parity report (`gpt2-port parity MODEL --backward --kernels fast`)
 measures them against transformers and against its own eager-vs-sdpa noise. The model uses them only when asked
@@ -87,9 +85,6 @@ def private_ops_usable() -> bool:
 
 
 USE_PRIVATE_OPS = private_ops_usable()
-# Where torch's log-softmax kernels take bf16/fp16 input with float32 output and back (`half_to_float`): CUDA's do;
-# the CPU's refuse it.
-HALF_TO_FLOAT_DEVICES = frozenset({"cuda"})
 
 
 def nll_and_logit_grad(
@@ -99,16 +94,12 @@ def nll_and_logit_grad(
     step: torch.Tensor,
     grad_dtype: torch.dtype | None,
     nll_grad: torch.Tensor | None,
-    lp_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of the mean cross-entropy: (n, V) logits -> the kept targets' summed NLL, and the logits' gradient
-    in `grad_dtype` (None: the loss only), written over the logits where the dtypes allow.
+    """One chunk of the mean cross-entropy, in place: (n, V) float32 logits -> the kept targets' summed NLL, and the
+    logits' gradient in `grad_dtype` (None: the loss only), written over them where it is float32.
 
     targets: (n,) in range (anything where not kept); keep: (n,) bool; step: () -1/divisor, the gradient nll_loss's
     backward gives each kept target for an incoming gradient of 1.
-    logits: float32 (overwritten by the log-probabilities, then by a float32 gradient); or, on CUDA with the private
-    ops, bf16/fp16 that torch's CUDA log-softmax reads as float32 itself (its half-to-float form: no float32 copy of
-    them is made), the log-probabilities going to `lp_out` ((n, V) float32), a gradient of their dtype over them.
     nll_grad: an (n, V) float32 buffer of zeros, left zeroed, where torch's own log-softmax backward kernel runs (the
     private ops, USE_PRIVATE_OPS, outside torch.compile): each row equals the reference's (F.cross_entropy) bit for bit
     however the rows are chunked. None: the gradient is made from the kernel's formula, g - exp(lp) * sum(g), with the
@@ -116,10 +107,8 @@ def nll_and_logit_grad(
     alone (the public ops, and under torch.compile, whose compiler fuses that pass into the log-softmax's instead of
     writing and reading a dense buffer of g).
     """
-    if logits.dtype != torch.float32:
-        lp = torch._log_softmax(logits, 1, True, out=lp_out)  # (n, V) float32 log-probabilities
-    elif nll_grad is not None:
-        lp = torch._log_softmax(logits, 1, False, out=logits)
+    if nll_grad is not None:
+        lp = torch._log_softmax(logits, 1, False, out=logits)  # (n, V) log-probabilities
     else:
         lp = logits.copy_(torch.log_softmax(logits, dim=1))
     at = (torch.arange(len(targets), device=logits.device), targets)
@@ -130,10 +119,7 @@ def nll_and_logit_grad(
     g_t = torch.where(keep, step, 0.0)  # (n,) nll_loss's incoming gradient at each row's target, its row's only one
     if nll_grad is not None:
         nll_grad[at] = g_t  # (n, V)
-        if grad_dtype == logits.dtype:  # CUDA's half-to-float backward: float32 arithmetic, rounded once on the store
-            grad = torch._log_softmax_backward_data(nll_grad, lp, 1, grad_dtype, out=logits)
-        else:
-            grad = torch._log_softmax_backward_data(nll_grad, lp, 1, torch.float32, out=lp).to(grad_dtype)
+        grad = torch._log_softmax_backward_data(nll_grad, lp, 1, torch.float32, out=lp).to(grad_dtype)
         nll_grad[at] = nll_grad.new_zeros(())  # a zero on the device: a Python number would be copied from the host
         return nll, grad
     grad = lp.exp_().mul_(-g_t[:, None]).to(grad_dtype)  # (n, V): 0 - exp(lp) * g_t off the targets
@@ -181,10 +167,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         R = chunk or chunk_rows(h.device.type, Vp)
         rows = min(N, R)
         buf = torch.empty((rows, Vp), dtype=torch.float32, device=h.device)  # logits -> log-probs -> gradient
+        # torch's log-softmax kernels read float32 logits here: their half-to-float form, which would read autocast's
+        # low-precision logits itself, takes fp16 alone on CUDA ("conversion is supported for Half type only", torch
+        # 2.11's libtorch_cuda) and nothing on the CPU
         private = USE_PRIVATE_OPS and not compiling()
-        # CUDA's log-softmax kernels read autocast's bf16/fp16 logits as float32 and write a bf16/fp16 gradient
-        # themselves: no float32 copy of the logits, no cast pass over the gradient
-        half = private and h.device.type in HALF_TO_FLOAT_DEVICES and compute is not None and not upcast
         nll_grad = torch.zeros_like(buf) if any(need) and private else None
         grad_dtype = (gcompute or torch.float32) if any(need) else None
         step = -(1.0 / divisor)  # () float32, rounded as nll_loss's backward rounds it
@@ -194,9 +180,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for s in range(0, N, R):
                 hc = hm[s : s + R]
                 logits = buf[: hc.shape[0]]
-                if half:
-                    logits = F.linear(hc, wm, bm)  # (n, C) @ (C, Vp) in `compute`
-                elif compute is not None and not upcast:
+                if compute is not None and not upcast:
                     logits.copy_(F.linear(hc, wm, bm))  # (n, C) @ (C, Vp) in `compute`, upcast
                 elif bm is None:
                     torch.mm(hc, wm.t(), out=logits)  # (n, C) @ (C, Vp), as F.linear runs it
@@ -208,9 +192,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     logits[:, V:] = -math.inf  # the pad takes no probability and gets no gradient
                 go = None if nll_grad is None else nll_grad[: hc.shape[0]]
                 # the logits' gradient in `gcompute` where there is one: cast back, as the upcast's backward casts it
-                nll, g = nll_and_logit_grad(
-                    logits, safe[s : s + R], keep[s : s + R], step, grad_dtype, go, buf[: hc.shape[0]]
-                )
+                nll, g = nll_and_logit_grad(logits, safe[s : s + R], keep[s : s + R], step, grad_dtype, go)
                 total += nll
                 if g is None:
                     continue
