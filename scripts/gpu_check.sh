@@ -12,7 +12,8 @@
 #               on 100 kB of tiny shakespeare, 124M, float32 and bf16 (each NLL's difference from transformers
 #               beside transformers' own eager-to-sdpa floor); then 124M's forward and fast-kernel backward reports
 #     train     python -m benchmarks.gpu train --sizes gpt2 (tokens/s, MFU, peak memory beside transformers, eager
-#               and compiled), then the fused head padded and not, and its chunk sizes (benchmarks.head_padding)
+#               and compiled), then the fused head padded and not, its chunk sizes, and compiled
+#               (benchmarks.head_padding --compile)
 #     train-xl  the eager sides and `train`'s own loop for gpt2-xl (its 48-layer compiles would not fit one call)
 #     decode    python -m benchmarks.gpu decode --sizes gpt2 (tokens/s beside transformers' generate; ours also
 #               compiled first, as `generate --compile` runs it: inductor's compile runs in its warm-up, after the
