@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gpt2_port.generate import Generation, generate_full, steps
+from gpt2_port.generate import Generation, generate_full
 from gpt2_port.model import GPT2
 
 # transformers' generate as greedy_hf and first_difference run it: greedy, exactly max_new_tokens (no EOS stop)
@@ -25,25 +25,15 @@ def greedy_ours(
     cuda_graph: bool = True,
     compile_step: str | None = None,
     fused_kernels: bool | None = None,
-    one_row: bool = False,
 ) -> torch.Tensor:
     """(B, P) prompt -> (B, new_tokens) greedy continuation through `generate` (the product path), no EOS stop. On
     CUDA with `cuda_graph` a step that was not replayed as a CUDA graph (its capture failed: the same step ran
     eagerly) is an error, so the row timed under the graph's name is the graph; with `compile_step` (a torch.compile
     backend: `generate --compile`) so is a step that did not run compiled. `fused_kernels`: generate's (None: its
-    default, the fused step on CUDA; False: `generate --op-for-op`). `one_row`: a one-row generation's fused step
-    computes its one row alone, not as two equal rows (steps.ONE_ROW_AS set to 1 for the call: what the two rows'
-    cuBLASLt epilogues gain, measured)."""
+    default, the fused step on CUDA; False: `generate --op-for-op`)."""
     opts = dict(do_sample=False, eos_token_id=None, cuda_graph=cuda_graph, compile_step=compile_step or False)
     opts["fused_kernels"] = fused_kernels
-    saved = steps.ONE_ROW_AS
-    steps.ONE_ROW_AS = 1 if one_row else saved
-    try:
-        g = generate_full(model, ids, new_tokens, **opts)
-    finally:
-        steps.ONE_ROW_AS = saved
-    if one_row and g.extra["step_rows"] != ids.shape[0]:
-        raise RuntimeError(f"the step computed {g.extra['step_rows']} rows for {ids.shape[0]}")
+    g = generate_full(model, ids, new_tokens, **opts)
     if compile_step and not g.extra["step"].endswith("(compiled)"):
         raise RuntimeError(f"the decode step ran as {g.extra['step']!r}, not compiled (see the log)")
     return _continuation(model, g, ids, new_tokens, cuda_graph)

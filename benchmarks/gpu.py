@@ -529,8 +529,7 @@ def decode_loops(
     hf_compile: bool,
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The greedy batch-1 loops by row name, in the order they run: ours through `generate` (the CUDA graph; compiled
-    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops, and
-    with its one row computed alone, not as two), then
+    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops), then
     transformers' `generate` (hf None: none of its rows) with its dynamic and its static cache, that one also compiled
     on a GPU where `hf_compile`."""
     cuda = ours.device.type == "cuda"
@@ -540,10 +539,6 @@ def decode_loops(
     fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
     if cuda:  # what the fused step (generate's default there) gains: `generate --op-for-op`
         fns["ours, op for op"] = partial(greedy_ours, ours, ids, N, fused_kernels=False)
-        # what computing the one row as two equal rows gains (steps.step_rows, the CUDA default): from two rows
-        # torch's addmm takes cuBLASLt's bias and GELU epilogues (c_attn and c_fc: 3 kernels a block fewer in bf16),
-        # for twice the cache's reads
-        fns["ours, one row"] = partial(greedy_ours, ours, ids, N, one_row=True)
     # each of our rows keeps a step of its own on the model (another batch, graph, compile or kernel choice): all of
     # them stay kept across the interleaved rounds, where the product's limit would push one out each round, to be
     # recorded (and compiled) again the next

@@ -10,11 +10,11 @@ instead of guessed.
                                      [--no-compile] [--out JSON] [--markdown MD]
 
 train sides: ours fast compiled (`train --compile`'s model) and transformers compiled (with --no-compile: both
-eager), one optimizer step each as benchmarks.gpu times it. decode sides: greedy batch 1 through `generate` (the
-CUDA graph, with the forward's ops, and with the one row computed alone (not as two); compiled first too,
-`generate --compile`) and transformers' `generate` with
-its static cache (compiled on a GPU), in bfloat16; then ours in float32, uncompiled (--decode-dtypes). On the CPU
-(--device cpu --sizes tiny, a smoke run) the "kernels" are the top-level aten ops.
+eager), one optimizer step each as benchmarks.gpu times it, float32 matmuls on TF32 as `train` runs them. decode
+sides: greedy batch 1 through `generate` (the CUDA graph, and with the forward's ops; compiled first too, `generate
+--compile`) and transformers' `generate` with its static cache (compiled on a GPU), in bfloat16; then ours in
+float32, uncompiled (--decode-dtypes), TF32 off as `generate` runs. On the CPU (--device cpu --sizes tiny, a smoke
+run) the "kernels" are the top-level aten ops.
 
 Not a test: the numbers depend on the machine and its load (say so when quoting them). The profiler adds its own
 host time, so the wall figures here are above benchmarks.gpu's; the device's kernel times are what to read.
@@ -177,7 +177,9 @@ def decode_profiles(a: argparse.Namespace, dev: torch.device, size: str, into: d
     """Each of --decode-dtypes in turn: the first with every side, the later ones ours alone, uncompiled (what a dtype
     changes in the same step's kernels; no compile repeated)."""
     from gpt2_port.model import from_pretrained
+    from gpt2_port.train.setup import set_tf32
 
+    set_tf32(dev, False)  # as `generate` runs, after the train sides turned it on: float32 decodes in float32
     ck = checkpoint(size, Path(a.weights_dir))
     ids = torch.randint(0, 50257, (1, a.prompt_len), generator=torch.Generator().manual_seed(0)).to(dev)
     N = a.new_tokens
@@ -193,7 +195,7 @@ def decode_profiles(a: argparse.Namespace, dev: torch.device, size: str, into: d
         loops = decode_loops(ours, hf, ids, N, compile_ours, hf_compile=not a.no_compile)
         # transformers' static cache, compiled where it compiles (a GPU), else eager; not the other loops timed there
         static = next((n for n in reversed(loops) if n.startswith("transformers, static cache")), None)
-        keep = ["ours", "ours, compiled", "ours, op for op", "ours, one row", static]
+        keep = ["ours", "ours, compiled", "ours, op for op", static]
         tag = "" if i == 0 else f" ({dname})"
         fns = {name + (tag if name.startswith("ours") else ""): fn for name, fn in loops.items() if name in keep}
 

@@ -45,35 +45,9 @@ def test_greedy_loops_agree(tiny_official: Path) -> None:
         greedy_hf(ref, ids, 6, compiled=True)
 
 
-def test_the_one_row_loop_computes_its_row_alone_and_puts_the_default_back(tiny_official: Path, monkeypatch) -> None:  # noqa: ANN001
-    """The GPU benchmark's row `ours, one row`: greedy_ours(one_row=True) runs generate with a one-row step
-    (steps.ONE_ROW_AS 1 for the call, then put back) where the default computes the row as two; the rule and the
-    static step made CUDA's here (the CPU runs the plan, and computes one row alone), so the switch is seen: the same
-    tokens either way."""
-    from functools import partial
-
-    from benchmarks import decode
-    from gpt2_port.generate import generate_full, steps
-
-    model, _ = from_pretrained(tiny_official)
-    rows: list[int] = []
-    real = steps.step_rows
-
-    def watch(batch: int, device: torch.device, fused: bool) -> int:
-        rows.append(real(batch, torch.device("cuda"), fused))
-        return rows[-1]
-
-    monkeypatch.setattr(steps, "step_rows", watch)
-    monkeypatch.setattr(decode, "generate_full", partial(generate_full, static_cache=True))
-    ids = torch.randint(0, 50257, (1, 5), generator=torch.Generator().manual_seed(1))
-    a = greedy_ours(model, ids, 6, fused_kernels=True)
-    b = greedy_ours(model, ids, 6, fused_kernels=True, one_row=True)
-    assert rows == [steps.ONE_ROW_AS, 1] and steps.ONE_ROW_AS == 2 and torch.equal(a, b)
-
-
 def test_the_decode_rows_keep_a_step_each_across_the_rounds(tiny_official: Path, monkeypatch) -> None:  # noqa: ANN001
-    """Each of our decode rows keeps a step of its own on the model (on CUDA five: the graph, compiled, uncaptured, op
-    for op, one row); the product keeps fewer per model (steps.KEEP_CAPTURED, 4), which would push one out each
+    """Each of our decode rows keeps a step of its own on the model (on CUDA four: the graph, compiled, uncaptured, op
+    for op); the product keeps fewer per model (steps.KEEP_CAPTURED, 4), which would push one out each
     interleaved round to be recorded, and compiled, again: the benchmark's loops raise the limit to their number."""
     from benchmarks.gpu import decode_loops
     from gpt2_port.generate import steps

@@ -115,8 +115,6 @@ def test_generate_memory_check_refuses_only_what_does_not_fit(tiny_official: Pat
     one = sum(decode_memory(TINY, 1, 1, 3, 4, greedy, True).values())
     assert sum(decode_memory(TINY, 100, 1, 3, 4, greedy, True).values()) == 100 * one  # linear in the samples
     assert decode_memory(TINY, 1, 1, 3, 4, greedy, True)["next-token scores"] == TINY.vocab_size * 12
-    kv = decode_memory(TINY, 1, 1, 3, 4, greedy, True)["KV cache"]
-    assert decode_memory(TINY, 1, 1, 3, 4, greedy, True, cache_rows=2)["KV cache"] == 2 * kv > 0  # one row as two
     monkeypatch.setattr(devices, "available_memory", lambda device: (1000 * one, "faked"))
     argv = ["generate", str(tiny_official), "Hi", "--greedy", "--max-new-tokens", "2"]
     capsys.readouterr()

@@ -87,22 +87,20 @@ def test_inductor_compiles_the_step_on_the_cpu_with_the_same_tokens(tiny_officia
     assert min(same_tokens_where_decided(new_ref, ref.scores, new_got, got.scores, COMPILED_SCORES)) >= 1
 
 
-def test_inductor_compiles_cudas_fused_step_with_its_row_computed_twice_and_its_gelu_in_c_fc(
+def test_inductor_compiles_cudas_fused_step_with_its_gelu_in_c_fc(
     tiny_official: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The fused step as CUDA runs it at batch 1 (its row computed as two, c_fc and its GELU as one
-    torch._addmm_activation: both forced here on the CPU, where that op's GELU is the erf one, on both sides) compiles
-    as one graph with inductor and gives the uncompiled step's tokens wherever the scores decide them."""
-    from gpt2_port.generate import steps
+    """The fused step as CUDA runs it at batch 1 (c_fc and its GELU as one torch._addmm_activation: forced here on
+    the CPU, where that op's GELU is the erf one, on both sides) compiles as one graph with inductor and gives the
+    uncompiled step's tokens wherever the scores decide them."""
     from gpt2_port.model import decode
 
     monkeypatch.setattr(decode, "gelu_in_epilogue", lambda h, wb: wb is not None and wb[1] is not None)
-    monkeypatch.setattr(steps, "step_rows", lambda batch, device, fused: 2 if batch == 1 and fused else batch)
     m, _ = from_pretrained(tiny_official)
     opts = dict(eos_token_id=None, output_scores=True, fused_kernels=True)
     ref = generate_full(m, IDS[:1], 24, static_cache=True, **opts)
     got = generate_full(m, IDS[:1], 24, compile_step=True, **opts)
-    assert got.extra["step"] == "static (compiled)" and ref.extra["step_rows"] == got.extra["step_rows"] == 2
+    assert got.extra["step"] == "static (compiled)"
     new_ref, new_got = ref.sequences[:, 6:], got.sequences[:, 6:]
     assert min(same_tokens_where_decided(new_ref, ref.scores, new_got, got.scores, COMPILED_SCORES)) >= 1
 

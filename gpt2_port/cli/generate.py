@@ -336,7 +336,6 @@ def run(args: argparse.Namespace) -> int:
             "peak_device_mb": peak_dev,
             "decode_step": g.extra["step"],
             "fused_kernels": g.extra["fused_kernels"],
-            "step_rows": g.extra["step_rows"],
             "stop_reasons": g.stop_reasons,
             "model": args.model,
             "device": str(device),

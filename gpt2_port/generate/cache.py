@@ -30,21 +30,10 @@ class KVCache:
         self, cfg: GPT2Config, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         shape = (cfg.n_layer, 2, batch, cfg.n_head, max_len, cfg.head_dim)
-        self._hold(torch.zeros(shape, dtype=dtype, device=device), max_len)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # (n_layer, B, nh, max_len, hs) each
         self.length = 0  # tokens already stored
-
-    def _hold(self, kv: torch.Tensor, max_len: int) -> None:
-        self.kv = kv
-        self.k, self.v = kv[:, 0], kv[:, 1]  # (n_layer, B, nh, max_len, hs) each
         self.max_len = max_len
-
-    def rows(self, n: int) -> KVCache:
-        """A KVCache over this one's first n rows (views of its storage, its fill length), for a forward that fills
-        only those."""
-        view = object.__new__(KVCache)
-        view._hold(self.kv[:, :, :n], self.max_len)  # (n_layer, 2, n, nh, max_len, hs)
-        view.length = self.length
-        return view
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, nh, T, hs) after the current length; return all keys/values (B, nh, S, hs)."""

@@ -15,7 +15,6 @@ from ..devices import MEMORY_HEADROOM, GiB
 from ..errors import UsageError
 from .cache import static_len
 from .protocol import CausalLM
-from .steps import step_rows
 
 # Bytes per (sample, vocabulary entry) that choosing a token holds at its peak, the float32 logits and what processing
 # them makes. Measured on the CPU as the peak RSS of `generate --num-samples 8000 --max-new-tokens 2` on a 2-layer
@@ -51,17 +50,15 @@ def decode_memory(
     act_bytes: int,
     sampling: Mapping,
     cache: bool,
-    cache_rows: int | None = None,
 ) -> dict[str, int]:
     """Estimated bytes a generation adds to the loaded model, by part: the KV cache (k and v of every layer for
-    every row the step computes, `cache_rows`, by default the samples, and position), the prompt's forward (over the
-    whole sequence each step without the cache), and the next-token scores of every sample."""
+    every sample and position), the prompt's forward (over the whole sequence each step without the cache), and the
+    next-token scores of every sample."""
     C = cfg.n_embd
     forward_len = prompt_len if cache else total_len
     slots = static_len(total_len, cfg.n_positions)  # the static cache's (CUDA's) rounded length: at most 63 more
-    rows = samples if cache_rows is None else cache_rows
     return {
-        "KV cache": 2 * cfg.n_layer * rows * slots * C * act_bytes if cache else 0,
+        "KV cache": 2 * cfg.n_layer * samples * slots * C * act_bytes if cache else 0,
         "prompt forward": samples * forward_len * C * act_bytes * PREFILL_PER_TOKEN,
         "next-token scores": samples * cfg.vocab_size * score_bytes(sampling),
     }
@@ -74,8 +71,7 @@ def check_decode_memory(
     model runs, naming the parts and the most samples that fit."""
     cfg = model.config
     total_len = prompt_len + min(new_tokens, cfg.n_positions - prompt_len)
-    rows = step_rows(samples, model.device, fused_kernels=True)  # one sample's step on CUDA computes two rows
-    parts = decode_memory(cfg, samples, prompt_len, total_len, model.dtype.itemsize, sampling, cache, rows)
+    parts = decode_memory(cfg, samples, prompt_len, total_len, model.dtype.itemsize, sampling, cache)
     need = sum(parts.values())
     avail, source = devices.available_memory(model.device)
     budget = int(avail * MEMORY_HEADROOM)

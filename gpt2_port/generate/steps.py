@@ -17,10 +17,8 @@
   graph, static shapes, traced once per kept step; inductor fuses each block's layer norms, GELU and residual adds:
   about 10 kernels a block in its code read on the CPU), then is captured as above. On CUDA the static step runs
   fewer kernels than the forward's ops (`fused_kernels`, DecodePlan.static_step: torch's one tanh-GELU kernel for
-  the eight ops of gelu_new, in bf16/fp16 in c_fc's matmul, each residual add done by its projection's matmul), and a
-  one-row generation's step computes its row twice (`step_rows`), so that c_attn and c_fc take cuBLASLt's epilogues:
-  10 kernels a block in bf16 (11 in float32) where the forward's ops take 22, in a step whose time on a GPU is mostly
-  its launches.
+  the eight ops of gelu_new, in bf16/fp16 in c_fc's matmul): 8 kernels a block fewer in bf16, 7 in float32, in a
+  step whose time on a GPU is mostly its launches.
 """
 
 from __future__ import annotations
@@ -42,18 +40,6 @@ from .protocol import CausalLM
 log = logging.getLogger(__name__)
 
 KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_layer x B x L x C values)
-# The rows a one-row generation's fused static step computes on CUDA: two equal rows, because from two rows torch's
-# addmm of a bias runs cuBLASLt with the bias in its epilogue (and `_addmm_activation` with the bias and the GELU),
-# where over one row it copies the bias into the output before cuBLAS's GEMM (torch's `isInputCompliesAddmmCudaLt`
-# wants more than one row): c_attn and c_fc launch one kernel each, not two and three, for twice the cache's reads and
-# the second row's share of the small kernels. 1: the one row alone (the GPU benchmark's row `ours, one row`).
-ONE_ROW_AS = 2
-
-
-def step_rows(batch: int, device: torch.device, fused_kernels: bool) -> int:
-    """The rows a static step for `batch` rows computes: ONE_ROW_AS for one row on CUDA with the fused kernels (the
-    row and copies of it), else `batch`."""
-    return ONE_ROW_AS if batch == 1 and fused_kernels and device.type == "cuda" else batch
 
 
 class ForwardSteps:
@@ -64,11 +50,6 @@ class ForwardSteps:
     def __init__(self, model: CausalLM, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> None:
         self.model, self.seq, self.mask, self.cache = model, seq, mask, cache
         self.device = model.device
-
-    @property
-    def rows(self) -> int:
-        """The rows each step computes: the generation's."""
-        return self.seq.shape[0]
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         with without_cudnn_attention(self.device):
@@ -172,28 +153,18 @@ class StaticSteps:
             name += " (compile failed)" if self.compiled.failed else " (compiled)"
         return name
 
-    @property
-    def rows(self) -> int:
-        """The rows each step computes: the generation's, or more (`step_rows`: a one-row generation as two)."""
-        return self.cache.tok.shape[0]
-
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """(B, T) prompt -> (B, 1, C); B is the step's rows or, for one row computed as several, 1: the forward
-        fills the cache's first row and the others repeat it, so every row of each step computes the same token."""
+        """(B, T) prompt -> (B, 1, C): the forward fills the cache, then the step's inputs are set for the first new
+        token."""
         cache = self.cache
         cache.length = 0
         # a reused cache: an earlier generation's keys and values must not reach the masked slots (a NaN there would
         # pass through the attention's additive mask)
         cache.kv.zero_()
-        B = ids.shape[0]
-        fill = cache if B == self.rows else cache.rows(B)
         model = self._model()
         with without_cudnn_attention(model.device):  # type: ignore[union-attr]  # each prompt length a new shape
-            h = model(ids, attention_mask=mask, cache=fill, last_only=True, hidden_only=True)  # type: ignore[misc]
-        if fill is not cache:
-            cache.kv[:, :, B:].copy_(cache.kv[:, :, :B])  # (n_layer, 2, rows - 1, ...) from the row's one
-        cache.length = fill.length
-        cache.start(mask, ids.shape[1])  # the mask, position and token of one row go to every row (broadcast)
+            h = model(ids, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)  # type: ignore[misc]
+        cache.start(mask, ids.shape[1])
         return h
 
     @property
@@ -205,11 +176,11 @@ class StaticSteps:
         return self.compiled.compile_s if self.compiled is not None else 0.0
 
     def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
-        """(B,) tokens -> (B, 1, C): the step's first B rows (all of them but where one row is computed as several)."""
+        """(B,) tokens -> (B, 1, C)."""
         self.cache.feed(tok, slot)
-        h = self.run()  # (rows, 1, C)
+        h = self.run()
         self.cache.advance()
-        return h[: tok.shape[0]]
+        return h
 
 
 def static_steps(  # noqa: ANN001
@@ -228,7 +199,6 @@ def static_steps(  # noqa: ANN001
     kept: OrderedDict = model.__dict__.setdefault("_static_steps", OrderedDict())
     weights = tuple(p.data_ptr() for p in model.parameters())
     length = static_len(max_len, model.config.n_positions)
-    batch = step_rows(batch, model.device, fused_kernels)  # one row as two shares the two-row step
     # inference mode makes inference tensors, which a later call outside it may not write: kept apart; a graph
     # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
     amp = autocast_dtype(model.device.type)

@@ -14,8 +14,8 @@ c_attn view, per-layer cache views) and the same aten ops run on the same tensor
 for whole steps against the forward, with and without padding); `DecodePlan.static_step` attends over all slots of a
 StaticKVCache with a mask, every shape fixed, so that generate/ can capture it once as a CUDA graph and replay it (its
 tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ; on CUDA generate
-runs it with fewer kernels, `fused_kernels`: torch's one-kernel GELU, in c_fc's matmul on CUDA in bf16/fp16, the
-residual adds done by the projections' matmuls). Both store a token's key and value with one write a layer
+runs it with fewer kernels, `fused_kernels`: torch's one-kernel GELU, in c_fc's matmul on CUDA in bf16/fp16). Both
+store a token's key and value with one write a layer
 (KVCache.kv): with c_attn's one matmul they are one view of its output; separate projections are stacked first.
 Neither carries logic of its own: no dropout, no taps, no module hooks.
 
@@ -64,48 +64,22 @@ def _weights(m: nn.Module) -> Weights | None:
     return (m.weight, m.bias) if type(m) is nn.Linear else None
 
 
-def _own_matmul(t: torch.Tensor, wb: Weights | None) -> bool:
-    """Whether a fused form may run the matmul of the input t by a plain Linear's weights `wb` itself: the weights
-    are there, in t's dtype, and autocast is off (it would cast them, which the forward's call does instead)."""
-    return wb is not None and t.dtype == wb[0].dtype and autocast_dtype(t.device.type) is None
-
-
-def add_projected(x: torch.Tensor, y: torch.Tensor, proj: Linear, wb: Weights | None = None) -> torch.Tensor:
-    """x + proj(y) for the (B, 1, C) residual stream x and the projection's (B, 1, in) input y.
-
-    With the projection's weight and bias `wb` (and x, y and the weight in one dtype, autocast off): the matmul adds
-    into x itself (`addmm_`), then the bias: x + y W^T, then + b, rounded in that order (x + proj(y) rounds y W^T + b
-    first). On CUDA that is 2 kernels where x + proj(y) takes 3 for a one-row batch: addmm of a 1-D bias over one
-    row runs cuBLAS's plain GEMM (cuBLASLt's bias epilogue wants more than one row) after a kernel that copies the
-    bias into the output; in place, the GEMM adds into x and nothing is copied. x is changed in place and returned.
-    cuBLAS adds x after the products' sum (tests/test_cuda.py holds it to x + proj(y)'s distance from float64); this
-    CPU's BLAS adds a one-row product's terms into x one by one, several times farther from float64: one reason the
-    CPU's steps keep x + proj(y)."""
-    if not (_own_matmul(y, wb) and x.dtype == y.dtype):
-        return x + proj(y)
-    w, b = wb  # type: ignore[misc]
-    x2 = x.view(-1, x.shape[-1])  # (B, C)
-    x2.addmm_(y.reshape(-1, y.shape[-1]), w.t())  # x += y @ W^T: W is (out, in)
-    if b is not None:
-        x2.add_(b)
-    return x
-
-
 def gelu_in_epilogue(h: torch.Tensor, wb: Weights | None) -> bool:
     """Whether `gelu_projected` runs c_fc and its GELU as one `torch._addmm_activation` for the (B, 1, C) input h: on
-    CUDA, with c_fc's weight and bias (a plain Linear), h and the weight in one 16-bit dtype, autocast off. There the
-    op is the tanh GELU (cuBLASLt's GELU-and-bias epilogue from two rows up; on one row cuBLAS's GEMM, then torch's
-    tanh-GELU kernel in place); on the CPU it is the erf GELU, another function, so never there. Float32 keeps the
-    matmul and torch's GELU kernel apart: the epilogue's tanh is not established to round as torch's does."""
-    if not _own_matmul(h, wb) or wb[1] is None:  # type: ignore[index]
+    CUDA, with c_fc's weight and bias (a plain Linear), h and the weight in one 16-bit dtype, autocast off (it would
+    cast them, which the forward's call does instead). There the op is the tanh GELU, in cuBLASLt's GELU-and-bias
+    epilogue (one kernel at batch 1 too: `nvjet_..._gelubias` in an H100's profile, torch 2.11); on the CPU it is the
+    erf GELU, another function, so never there. Float32 keeps the matmul and torch's GELU kernel apart: the
+    epilogue's tanh is not established to round as torch's does."""
+    if wb is None or wb[1] is None or h.dtype != wb[0].dtype or autocast_dtype(h.device.type) is not None:
         return False
     return h.device.type == "cuda" and h.dtype in (torch.bfloat16, torch.float16)
 
 
 def gelu_projected(h: torch.Tensor, c_fc: Linear, wb: Weights | None) -> torch.Tensor:
     """(B, 1, C) -> (B, 1, 4C): the tanh GELU of c_fc(h). Where `gelu_in_epilogue` holds, one
-    `torch._addmm_activation`: from two rows up one cuBLASLt kernel computes the products, adds the bias and applies
-    the GELU to the float32 sums before rounding once, where c_fc then torch's GELU kernel take two and round twice;
+    `torch._addmm_activation`: one cuBLASLt kernel computes the products, adds the bias and applies the GELU to the
+    float32 sums before rounding once, where c_fc then torch's GELU kernel take two and round twice;
     else c_fc, then torch's one tanh-GELU kernel (fused.gelu_tanh)."""
     if not gelu_in_epilogue(h, wb):
         return gelu_tanh(c_fc(h))
@@ -125,12 +99,10 @@ class LayerStep:
     k: Linear
     v: Linear
     c_proj: Linear
-    c_proj_wb: Weights | None  # c_proj's weight and bias when it is a plain Linear (for `add_projected`)
     ln_2: tuple[torch.Tensor, torch.Tensor]
     c_fc: Linear
     c_fc_wb: Weights | None
     mlp_proj: Linear
-    mlp_proj_wb: Weights | None
     eps: float
     n_head: int
 
@@ -146,12 +118,10 @@ class LayerStep:
             k=_linear(a.k_proj),
             v=_linear(a.v_proj),
             c_proj=_linear(a.c_proj),
-            c_proj_wb=_weights(a.c_proj),
             ln_2=(block.ln_2.weight, block.ln_2.bias),
             c_fc=_linear(block.mlp.c_fc),
             c_fc_wb=_weights(block.mlp.c_fc),
             mlp_proj=_linear(block.mlp.c_proj),
-            mlp_proj_wb=_weights(block.mlp.c_proj),
             eps=block.ln_1.eps,
             n_head=a.n_head,
         )
@@ -159,8 +129,7 @@ class LayerStep:
     def __call__(self, x: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
         """(B, 1, C) residual stream -> (B, 1, C), as `Block.forward` computes it in eval mode; `fused`: with fewer
         kernels, the same function rounded otherwise: the GELU as torch's one tanh-GELU kernel (fused.gelu_tanh, not
-        gelu_new's eight ops), in c_fc's matmul where it can be (`gelu_projected`), and each residual add done by its
-        projection's matmul (`add_projected`). x is then updated in place."""
+        gelu_new's eight ops), in c_fc's matmul where it can be (`gelu_projected`)."""
         B, _, C = x.shape
         nh, hs = self.n_head, C // self.n_head
         h = F.layer_norm(x, (C,), *self.ln_1, self.eps)  # (B, 1, C)
@@ -173,11 +142,10 @@ class LayerStep:
             kv = torch.stack([self.k(h), self.v(h)]).view(2, B, 1, nh, hs).transpose(2, 3)  # (2, B, nh, 1, hs)
         q = q.view(B, 1, nh, hs).transpose(1, 2)  # (B, nh, 1, hs)
         y = attend(self.layer, q, kv).transpose(1, 2).reshape(B, 1, C)  # (B, 1, C): heads side by side
-        x = add_projected(x, y, self.c_proj, self.c_proj_wb if fused else None)
+        x = x + self.c_proj(y)
         h = F.layer_norm(x, (C,), *self.ln_2, self.eps)
-        if not fused:
-            return x + self.mlp_proj(gelu_new(self.c_fc(h)))
-        return add_projected(x, gelu_projected(h, self.c_fc, self.c_fc_wb), self.mlp_proj, self.mlp_proj_wb)
+        act = gelu_projected(h, self.c_fc, self.c_fc_wb) if fused else gelu_new(self.c_fc(h))  # (B, 1, 4C)
+        return x + self.mlp_proj(act)
 
 
 class DecodePlan:
@@ -261,14 +229,12 @@ class DecodePlan:
         as torch's one tanh-GELU kernel (fused.gelu_tanh) instead of the forward's eight ops (gelu_new): float32 1 ulp
         apart on about 1% of inputs; bf16/fp16 op for op rounds each of the eight results to its dtype, the kernel
         computes in float32 and rounds once; on CUDA in bf16/fp16 done with c_fc's matmul (`gelu_projected`: the
-        epilogue of cuBLASLt's kernel, from two rows up). Each residual add done by its projection's matmul
-        (`add_projected`): on CUDA at batch 1 one kernel fewer for each of the two. On a GPU, where a batch-1 decode
-        step's time is its kernels' count more than their work, and with the one row computed as two (generate/
-        steps.py `step_rows`: torch's addmm of a bias then takes cuBLASLt's bias epilogue, where over one row it copies
-        the bias into the output before cuBLAS's GEMM), a block launches 10 kernels in bf16/fp16 and 11 in float32
-        where op for op it launches 22 (ln_1, c_attn, the cache write, SDPA, c_proj's matmul and bias, ln_2, c_fc
-        with its GELU (float32: c_fc, the GELU), the MLP's projection's matmul and bias; op for op c_attn and c_fc
-        each copy their bias first, the GELU is eight kernels and each residual add one more)."""
+        epilogue of cuBLASLt's kernel). On a GPU, where a batch-1 decode step's time is its kernels' count more than
+        their work, a block then launches 8 kernels fewer in bf16/fp16 (c_fc and its GELU in one) and 7 in float32
+        (c_fc, then the GELU's one kernel) than op for op: in a profile of 124M on an H100 (torch 2.11, batch 1),
+        12.6 kernels a block against 20.4 in bf16, 12.5 against 19.4 in float32. The residual adds stay the
+        forward's: there torch's addmm of a bias took cuBLASLt's bias epilogue at batch 1 too, so adding into the
+        residual in the matmul saved no kernel (measured) and rounded otherwise."""
         return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views), fused_kernels)
 
     def cache_views(self, cache: KVCache) -> CacheViews:
