@@ -1277,14 +1277,33 @@ def test_tf32_is_on_by_default_and_no_tf32_turns_it_off(
     flag,
     want,  # noqa: ANN001
 ) -> None:
-    """What `train` asks of setup.set_tf32 (which acts on CUDA only: float32 matmuls on TF32 tensor cores)."""
+    """What `train` asks of setup.set_tf32 (which acts on CUDA only: float32 matmuls on TF32 tensor cores), and that
+    the run puts the flags back when it ends."""
     from gpt2_port.train import loop
 
     seen = []
-    monkeypatch.setattr(loop, "set_tf32", lambda device, on: seen.append(on))
+    monkeypatch.setattr(loop, "set_tf32", lambda device, on: seen.append(on) or (lambda: seen.append("put back")))
     argv = ["--init", str(small_ckpt), "--data", str(small_data), "--out", str(tmp_path / "run"), "--steps", "1"]
     assert train(*argv, *FAST, "--eval-every", "0", "--no-progress", *flag) == 0
-    assert seen == [want]
+    assert seen == [want, "put back"]
+
+
+def test_set_tf32_returns_what_puts_the_flags_back_as_they_were() -> None:
+    """set_tf32 on a CUDA device (only flags are set, so it runs anywhere) turns TF32 on for float32 matmuls and
+    cuDNN, and what it returns puts both back: a float32 generation after a training run in one process runs in
+    float32. On the CPU it sets nothing."""
+    from gpt2_port.train.setup import set_tf32
+
+    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # noqa: E731
+    before = flags()
+    put_back = set_tf32(torch.device("cuda"), not before[0])
+    try:
+        assert flags() == (not before[0], not before[0])
+    finally:
+        put_back()
+    assert flags() == before
+    set_tf32(torch.device("cpu"), not before[0])()
+    assert flags() == before
 
 
 @pytest.mark.parametrize(("given", "dtype"), [("bfloat16", "bf16"), ("float16", "fp16"), ("BF16", "bf16")])

@@ -172,7 +172,7 @@ class Trainer:
         if resume is not None:
             self._restore(resume, Path(resume_dir or self.out))
             self.last_saved = resume.step
-        set_tf32(self.device, args.tf32)
+        self._put_back_tf32 = set_tf32(self.device, args.tf32)  # called when run() ends
         self.flops_per_token = flops_per_token(cfg, self.block_size)
         self.peak, self.peak_source = peak_flops(self.device, args.dtype, args.tf32, d.world_size)  # global rate
         self.net: nn.Module = model
@@ -507,6 +507,13 @@ class Trainer:
         return n == self.args.steps or self._evaluates(n) or self._samples(n) or self._saves(n) or self._stops_at(n)
 
     def run(self) -> TrainResult:
+        """The training run (see the class); the TF32 flags it set are put back when it ends, however it ends."""
+        try:
+            return self._run()
+        finally:
+            self._put_back_tf32()
+
+    def _run(self) -> TrainResult:
         a, d = self.args, self.dist
         self.run_dir.start(self.records)  # a resume continues the log from its step
         if self.cb.on_start and d.is_main:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,11 +53,20 @@ def prepare_model(model: GPT2, args: TrainArgs, device: torch.device) -> GPT2:
     return model.train().requires_grad_(True)
 
 
-def set_tf32(device: torch.device, on: bool) -> None:
-    """float32 matmuls and convolutions on TF32 tensor cores (CUDA; `train` only, never the parity checker)."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = on
-        torch.backends.cudnn.allow_tf32 = on
+def set_tf32(device: torch.device, on: bool) -> Callable[[], None]:
+    """float32 matmuls and convolutions on TF32 tensor cores (CUDA; `train` only, never the parity checker). Returns
+    what puts both flags back as they were (a training run ends with it, so a float32 generation or evaluation after
+    it in the same process runs in float32)."""
+    if device.type != "cuda":
+        return lambda: None
+    was = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+    def put_back() -> None:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = was
+
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    return put_back
 
 
 # cuBLAS's workspace setting that makes its matmuls deterministic (torch refuses a cuBLAS call in deterministic mode
