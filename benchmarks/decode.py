@@ -9,8 +9,9 @@ Every loop returns the generated token ids, so a run can check that both impleme
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend
 
-from gpt2_port.generate import Generation, generate_full
+from gpt2_port.generate import Generation, generate_full, steps
 from gpt2_port.model import GPT2
 
 # transformers' generate as greedy_hf and first_difference run it: greedy, exactly max_new_tokens (no EOS stop)
@@ -25,15 +26,22 @@ def greedy_ours(
     cuda_graph: bool = True,
     compile_step: str | None = None,
     fused_kernels: bool | None = None,
+    attention: list[SDPBackend] | None = None,
 ) -> torch.Tensor:
     """(B, P) prompt -> (B, new_tokens) greedy continuation through `generate` (the product path), no EOS stop. On
     CUDA with `cuda_graph` a step that was not replayed as a CUDA graph (its capture failed: the same step ran
     eagerly) is an error, so the row timed under the graph's name is the graph; with `compile_step` (a torch.compile
     backend: `generate --compile`) so is a step that did not run compiled. `fused_kernels`: generate's (None: its
-    default, the fused step on CUDA; False: `generate --op-for-op`)."""
+    default, the fused step on CUDA; False: `generate --op-for-op`). `attention`: the SDPA kernels the static step
+    may run for this call (steps.STATIC_BACKENDS, put back after; None: the library's)."""
     opts = dict(do_sample=False, eos_token_id=None, cuda_graph=cuda_graph, compile_step=compile_step or False)
     opts["fused_kernels"] = fused_kernels
-    g = generate_full(model, ids, new_tokens, **opts)
+    saved = steps.STATIC_BACKENDS
+    steps.STATIC_BACKENDS = saved if attention is None else attention
+    try:
+        g = generate_full(model, ids, new_tokens, **opts)
+    finally:
+        steps.STATIC_BACKENDS = saved
     if compile_step and not g.extra["step"].endswith("(compiled)"):
         raise RuntimeError(f"the decode step ran as {g.extra['step']!r}, not compiled (see the log)")
     return _continuation(model, g, ids, new_tokens, cuda_graph)

@@ -13,16 +13,15 @@ the device's dense peak for the dtype) and peak device memory. Also timed: the f
 the fused head-and-loss (the fast kernels with and without it), the fused head over a vocabulary padded to a multiple
 of 64 (50304 rows, nanoGPT's; `train`'s default on CUDA) against GPT-2's 50257, and the bare head matmul either way.
 
-decode: greedy decoding at batch 1 (ours through `generate`: the fixed-shape step replayed as a CUDA graph, and the
-same step run eagerly; transformers' `generate` with its dynamic and its static cache, eager, and on a GPU the static
-cache compiled as generate compiles it: torch.compile, "reduce-overhead"), in bfloat16, float32 and float16
-(--dtypes; the larger sizes bfloat16 alone unless --xl-all-dtypes; float16 after the sampled batches, so that a run
-cut short keeps the goals' figures), runs interleaved; tokens/s, the tokens equal to
-transformers' in the same dtype before the first difference, the bandwidth cap (the GPU's measured read bandwidth /
-bytes of weights read per token), and ours in each low precision against ours in float32. Then sampled generation
-(top-k 50, seeded) of padded batches of prompts, ours against transformers: tokens/s of all rows (ours an error
-where its step was not replayed as the CUDA graph).
-
+decode: greedy decoding at batch 1 (ours through `generate`: the fixed-shape step replayed as a CUDA graph, and the same
+step run eagerly; on a GPU also with the forward's ops and with other attention kernels in the step; transformers'
+`generate` with its dynamic and its static cache, eager, and on a GPU the static cache compiled as generate compiles it:
+torch.compile, "reduce-overhead"), in bfloat16, float32 and float16 (--dtypes; the larger sizes bfloat16 alone unless
+--xl-all-dtypes; float16 after the sampled batches, so that a run cut short keeps the goals' figures), runs interleaved;
+tokens/s, the tokens equal to transformers' in the same dtype before the first difference, the bandwidth cap (the GPU's
+measured read bandwidth / bytes of weights read per token), and ours in each low precision against ours in float32. Then
+sampled generation (top-k 50, seeded) of padded batches of prompts, ours against transformers: tokens/s of all rows
+(ours an error where its step was not replayed as the CUDA graph).
 A side that fails (out of memory, a compile error) gets its error in its row and the others still run; with --out the
 JSON is rewritten after each side, so a run cut short keeps what it measured. --dtype fp16 trains with a GradScaler.
 """
@@ -44,6 +43,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from benchmarks.decode import first_difference, greedy_hf, greedy_ours, same_prefix, sampled_ours
 from gpt2_port.config import PRESETS, GPT2Config
@@ -529,7 +529,8 @@ def decode_loops(
     hf_compile: bool,
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The greedy batch-1 loops by row name, in the order they run: ours through `generate` (the CUDA graph; compiled
-    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops), then
+    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops, and
+    attending with cuDNN's kernel (bf16/fp16) and with the math one), then
     transformers' `generate` (hf None: none of its rows) with its dynamic and its static cache, that one also compiled
     on a GPU where `hf_compile`."""
     cuda = ours.device.type == "cuda"
@@ -539,6 +540,11 @@ def decode_loops(
     fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
     if cuda:  # what the fused step (generate's default there) gains: `generate --op-for-op`
         fns["ours, op for op"] = partial(greedy_ours, ours, ids, N, fused_kernels=False)
+        # the static step's attention kernel, against the memory-efficient one it runs: cuDNN's (bf16/fp16), which
+        # plans once over the step's fixed shapes, and the math one (a few small kernels: matmul, softmax, matmul)
+        if ours.dtype in (torch.bfloat16, torch.float16):
+            fns["ours, cuDNN attention"] = partial(greedy_ours, ours, ids, N, attention=[SDPBackend.CUDNN_ATTENTION])
+        fns["ours, math attention"] = partial(greedy_ours, ours, ids, N, attention=[SDPBackend.MATH])
     # each of our rows keeps a step of its own on the model (another batch, graph, compile or kernel choice): all of
     # them stay kept across the interleaved rounds, where the product's limit would push one out each round, to be
     # recorded (and compiled) again the next

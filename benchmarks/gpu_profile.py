@@ -9,12 +9,12 @@ instead of guessed.
                                      [--steps 3] [--new-tokens 64] [--decode-dtypes bfloat16,float32] [--top 20]
                                      [--no-compile] [--out JSON] [--markdown MD]
 
-train sides: ours fast compiled (`train --compile`'s model) and transformers compiled (with --no-compile: both
-eager), one optimizer step each as benchmarks.gpu times it, float32 matmuls on TF32 as `train` runs them. decode
-sides: greedy batch 1 through `generate` (the CUDA graph, and with the forward's ops; compiled first too, `generate
---compile`) and transformers' `generate` with its static cache (compiled on a GPU), in bfloat16; then ours in
-float32, uncompiled (--decode-dtypes), TF32 off as `generate` runs. On the CPU (--device cpu --sizes tiny, a smoke
-run) the "kernels" are the top-level aten ops.
+train sides: ours fast compiled (`train --compile`'s model) and transformers compiled (with --no-compile: both eager),
+one optimizer step each as benchmarks.gpu times it, float32 matmuls on TF32 as `train` runs them. decode sides: greedy
+batch 1 through `generate` (the CUDA graph, with the forward's ops, attending with cuDNN's kernel and with the math one;
+compiled first too, `generate --compile`) and transformers' `generate` with its static cache (compiled on a GPU), in
+bfloat16; then ours in float32, uncompiled (--decode-dtypes), TF32 off as `generate` runs. On the CPU (--device cpu
+--sizes tiny, a smoke run) the "kernels" are the top-level aten ops.
 
 Not a test: the numbers depend on the machine and its load (say so when quoting them). The profiler adds its own
 host time, so the wall figures here are above benchmarks.gpu's; the device's kernel times are what to read.
@@ -195,7 +195,7 @@ def decode_profiles(a: argparse.Namespace, dev: torch.device, size: str, into: d
         loops = decode_loops(ours, hf, ids, N, compile_ours, hf_compile=not a.no_compile)
         # transformers' static cache, compiled where it compiles (a GPU), else eager; not the other loops timed there
         static = next((n for n in reversed(loops) if n.startswith("transformers, static cache")), None)
-        keep = ["ours", "ours, compiled", "ours, op for op", static]
+        keep = ["ours", "ours, compiled", "ours, op for op", "ours, cuDNN attention", "ours, math attention", static]
         tag = "" if i == 0 else f" ({dname})"
         fns = {name + (tag if name.startswith("ours") else ""): fn for name, fn in loops.items() if name in keep}
 

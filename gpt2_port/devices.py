@@ -211,7 +211,12 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 VARYING_SHAPE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def attention_backends(device: torch.device, backends: list[SDPBackend]) -> contextlib.AbstractContextManager:
+    """On CUDA, SDPA restricted to `backends` while the block runs (torch's global backend flags, put back after);
+    elsewhere nothing (the choice is among CUDA's kernels)."""
+    return sdpa_kernel(backends) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def without_cudnn_attention(device: torch.device) -> contextlib.AbstractContextManager:
-    """On CUDA, SDPA without its cuDNN kernel while the block runs (torch's global backend flags, put back after);
-    elsewhere nothing (no other device has cuDNN attention)."""
-    return sdpa_kernel(VARYING_SHAPE_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
+    """On CUDA, SDPA without its cuDNN kernel while the block runs; elsewhere nothing."""
+    return attention_backends(device, VARYING_SHAPE_BACKENDS)

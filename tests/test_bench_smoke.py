@@ -45,6 +45,29 @@ def test_greedy_loops_agree(tiny_official: Path) -> None:
         greedy_hf(ref, ids, 6, compiled=True)
 
 
+def test_a_decode_row_with_other_attention_kernels_sets_them_for_its_call_alone(tiny_official: Path) -> None:
+    """greedy_ours(attention=...) (the GPU benchmark's rows `ours, cuDNN attention` and `ours, math attention`):
+    generate's static step is made with those SDPA kernels (steps.STATIC_BACKENDS for the call, then put back); the
+    same tokens here, where the CPU's SDPA has one kernel for both."""
+    from functools import partial
+    from unittest import mock
+
+    from torch.nn.attention import SDPBackend
+
+    from benchmarks import decode
+    from gpt2_port.generate import generate_full, steps
+
+    model, _ = from_pretrained(tiny_official)
+    ids = torch.randint(0, 50257, (1, 5), generator=torch.Generator().manual_seed(1))
+    default = steps.STATIC_BACKENDS
+    with mock.patch.object(decode, "generate_full", partial(generate_full, static_cache=True)):
+        a = greedy_ours(model, ids, 6)
+        b = greedy_ours(model, ids, 6, attention=[SDPBackend.MATH])
+    assert steps.STATIC_BACKENDS is default and torch.equal(a, b)
+    made = [s.backends for s in model.__dict__["_static_steps"].values()]
+    assert len(made) == 2 and [SDPBackend.MATH] in made and default in made
+
+
 def test_the_decode_rows_keep_a_step_each_across_the_rounds(tiny_official: Path, monkeypatch) -> None:  # noqa: ANN001
     """Each of our decode rows keeps a step of its own on the model (on CUDA four: the graph, compiled, uncaptured, op
     for op); the product keeps fewer per model (steps.KEEP_CAPTURED, 4), which would push one out each

@@ -194,6 +194,35 @@ def test_the_cuda_graph_decode_gives_the_eager_steps_tokens(tiny_official: Path)
         assert first.capture_s > 0 and graph.capture_s == 0 and graph.decode_s > 0  # recorded once, not counted
 
 
+@pytest.mark.parametrize("kernel", ["cuDNN", "math"])
+def test_the_static_step_with_another_attention_kernel_records_and_gives_its_tokens(
+    tiny_official: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    """The GPU benchmark's rows `ours, cuDNN attention` and `ours, math attention` (steps.STATIC_BACKENDS set for the
+    call): in bf16 the static step attends with that kernel alone (seen in the aten ops it dispatches, run eagerly),
+    is recorded as a CUDA graph (not `static (capture failed)`), and gives the default step's tokens wherever the
+    scores decide them."""
+    from torch.nn.attention import SDPBackend
+
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full, steps
+    from gpt2_port.model.attention_kernel import attention_kernels
+
+    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, device="cuda")
+    ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
+    opts = dict(eos_token_id=None, output_scores=True)
+    want = generate_full(m, ids, 40, **opts)
+    backend = SDPBackend.CUDNN_ATTENTION if kernel == "cuDNN" else SDPBackend.MATH
+    monkeypatch.setattr(steps, "STATIC_BACKENDS", [backend])
+    seen = attention_kernels(lambda: generate_full(m, ids, 4, cuda_graph=False, **opts), torch.device("cuda"))
+    assert kernel in seen, seen  # the prefill's own kernel beside it
+    got = generate_full(m, ids, 40, **opts)
+    assert want.extra["step"] == got.extra["step"] == "cuda graph"
+    new = [g.sequences[:, 5:].cpu() for g in (want, got)]
+    scores = [[s.cpu() for s in g.scores] for g in (want, got)]
+    assert min(same_tokens_where_decided(new[0], scores[0], new[1], scores[1], 2e-2)) >= 1
+
+
 def test_the_compiled_step_recorded_as_a_cuda_graph_gives_the_uncompiled_graphs_tokens(tiny_official: Path) -> None:
     """`compile_step=True` (`generate --compile`): inductor's triton kernels, compiled once during the graph's warm-up
     and recorded in it; float32 and bf16 tokens are the uncompiled graph's wherever the scores decide them, the step

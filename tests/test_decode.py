@@ -644,6 +644,44 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     assert torch.backends.cuda.cudnn_sdp_enabled()  # put back
 
 
+def test_the_static_step_attends_with_the_kernels_set_when_it_was_made(monkeypatch) -> None:  # noqa: ANN001
+    """steps.STATIC_BACKENDS (what the GPU benchmark's attention rows set for their call) is read when a static step
+    is made: that step runs SDPA with those kernels alone on CUDA (a stand-in device reports the flags), whatever the
+    setting is later, and a generation under another setting makes and keeps a step of its own (a kept graph records
+    one kernel). The default excludes cuDNN's."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend
+
+    from gpt2_port.devices import VARYING_SHAPE_BACKENDS
+    from gpt2_port.generate import steps
+
+    assert steps.STATIC_BACKENDS == VARYING_SHAPE_BACKENDS and SDPBackend.CUDNN_ATTENTION not in steps.STATIC_BACKENDS
+    cuda = torch.backends.cuda
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def call(*_a, **_k) -> torch.Tensor:
+        seen.append((cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()))
+        return torch.zeros(1, 1, 4)
+
+    model = type("Stand", (), {"device": torch.device("cuda"), "__call__": lambda self, *a, **k: call()})()
+    plan = SimpleNamespace(static_step=lambda cache, views, fused: call(), cache_views=lambda cache: None)
+    cache = SimpleNamespace(kv=torch.zeros(1), tok=torch.zeros(1, 1), feed=lambda tok, slot: None, advance=lambda: None)
+    monkeypatch.setattr(steps, "STATIC_BACKENDS", [SDPBackend.CUDNN_ATTENTION])
+    made = steps.StaticSteps(model, plan, cache, cuda_graph=False)  # type: ignore[arg-type]
+    monkeypatch.setattr(steps, "STATIC_BACKENDS", VARYING_SHAPE_BACKENDS)
+    made.next(torch.zeros(1, dtype=torch.long), 3)
+    steps.StaticSteps(model, plan, cache, cuda_graph=False).next(torch.zeros(1, dtype=torch.long), 3)  # type: ignore[arg-type]
+    assert seen == [(True, False, False), (False, True, True)] and cuda.cudnn_sdp_enabled()  # and put back
+
+    m, ids = _chaotic(), torch.tensor([[5, 17, 42]])
+    generate_full(m, ids, 4, eos_token_id=None, static_cache=True)
+    monkeypatch.setattr(steps, "STATIC_BACKENDS", [SDPBackend.MATH])
+    generate_full(m, ids, 4, eos_token_id=None, static_cache=True)
+    kept = m.__dict__["_static_steps"].values()
+    assert sorted(len(s.backends) for s in kept) == [1, len(VARYING_SHAPE_BACKENDS)]
+
+
 @pytest.mark.parametrize("static_cache", [False, True])
 def test_forced_decoding_gives_the_scores_generate_chose_from(tiny_official: Path, static_cache: bool) -> None:
     """Fed the tokens greedy generate chose, the teacher-forced decoding (what parity holds against transformers'

@@ -8,11 +8,12 @@
   so does every prefill (each prompt length is a new shape);
 - `StaticSteps`: DecodePlan.static_step over a StaticKVCache, every shape fixed for the whole generation, captured
   as a CUDA graph on CUDA (the GPU's default; `cuda_graph=False`: the same step run eagerly). It too attends with
-  cuDNN's kernel excluded on CUDA: the masked SDPA then runs the memory-efficient kernel (or the math one), which
-  CUDA-graph decoders capture, where whether cuDNN's attention captures is not established; the captured graph and
-  the eager fallback run the same kernel either way. A captured step is kept on the
-  model for the next call with the same batch, length bucket (cache.static_len) and dtype; it holds the model only
-  weakly, so `del model` frees the model, its kept caches and their graphs without waiting for the garbage collector.
+  cuDNN's kernel excluded on CUDA (`STATIC_BACKENDS`): the masked SDPA then runs the memory-efficient kernel (or the
+  math one); whether cuDNN's, which transformers' compiled static step ran in its CUDA graph at half that kernel's
+  time, pays in ours is still to measure. The captured graph and the eager fallback run the same kernel either way.
+  A captured step is kept on the model for the next call with the same batch, length bucket (cache.static_len),
+  dtype and attention kernels; it holds the model only weakly, so `del model` frees the model, its kept caches and
+  their graphs without waiting for the garbage collector.
   With `compile_step` (`generate --compile`) the static step goes through torch.compile first (`CompiledStep`: one
   graph, static shapes, traced once per kept step; inductor fuses each block's layer norms, GELU and residual adds:
   about 10 kernels a block in its code read on the CPU), then is captured as above. On CUDA the static step runs
@@ -32,7 +33,14 @@ from collections.abc import Callable
 
 import torch
 
-from ..devices import autocast_dtype, error_chain, out_of_memory, without_cudnn_attention
+from ..devices import (
+    VARYING_SHAPE_BACKENDS,
+    attention_backends,
+    autocast_dtype,
+    error_chain,
+    out_of_memory,
+    without_cudnn_attention,
+)
 from .cache import KVCache, StaticKVCache, static_len
 from .cuda_graph import CapturedStep
 from .protocol import CausalLM
@@ -40,6 +48,11 @@ from .protocol import CausalLM
 log = logging.getLogger(__name__)
 
 KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_layer x B x L x C values)
+# The SDPA kernels the static step may run on CUDA: cuDNN's excluded, as for the steps whose shapes vary. Its shapes
+# are fixed, so cuDNN would plan once there; whether its kernel pays in the captured step is what the GPU benchmark's
+# rows `ours, cuDNN attention` and `ours, math attention` measure, each setting this for its call (transformers'
+# compiled static step ran cuDNN's at 4.9 us a layer on an H100 where ours ran the memory-efficient one at 9.7).
+STATIC_BACKENDS = VARYING_SHAPE_BACKENDS
 
 
 class ForwardSteps:
@@ -132,9 +145,10 @@ class StaticSteps:
         self.plan, self.cache, self.fused_kernels = plan, cache, fused_kernels
         device = model.device  # type: ignore[attr-defined]
         views = plan.cache_views(cache)
+        self.backends = backends = list(STATIC_BACKENDS)
 
         def step() -> torch.Tensor:
-            with without_cudnn_attention(device):  # the kernel the graph records, and the same when run eagerly
+            with attention_backends(device, backends):  # the kernel the graph records, and the same when run eagerly
                 return plan.static_step(cache, views, fused_kernels)
 
         self.compiled = CompiledStep(step, compile_step) if compile_step else None
@@ -203,6 +217,7 @@ def static_steps(  # noqa: ANN001
     # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
     amp = autocast_dtype(model.device.type)
     key = (batch, length, model.dtype, str(model.device), cuda_graph, compile_step, fused_kernels)
+    key += (tuple(STATIC_BACKENDS),)  # the attention kernel a step records
     key += (torch.is_inference_mode_enabled(),)
     key += (amp, weights)
     if key in kept:
