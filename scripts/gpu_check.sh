@@ -28,11 +28,11 @@
 # Phases run in the order given. Device time is short (15 minutes a session, machine starts included, each call at
 # most 10): one full call first, TESTS_ARGS=-vv TRAIN_ARGS=--key-only DECODE_ARGS="--dtypes bfloat16,float32"
 # BUDGET_S=565 (under the call's limit) `tests train decode`, then at once DECODE_ARGS="--no-hf-compile --batches="
-# `decode-xl profile parity` with what is left (a machine idle for 30 s is given back; none starts with under 4
-# minutes left). On an H200 (2026-11-27) the first two took 359 s and 232 s (then `parity decode-xl`; ours compiled,
-# not in the decode phases yet, adds its compiles, and so do train's `ours fast compiled, no fused loss` and decode's
-# `ours, op for op` row, added since, and `profile`, not yet run: two compiles of each side's), and `train-xl`
-# fit a third call (102 s). A step still running at the deadline
+# with what is left (a machine idle for 30 s is given back; none starts with under 4 minutes left). On an H100
+# (2026-11-28) the first took 444 s (tests 96, train 161, its head benchmark 30, decode 138) and `profile parity
+# decode-xl` 352 s with the start's 33 s, decode-xl cut at its deadline after ours' row: 836 s of the 900 in all,
+# none left for `train-xl` (102 s on an H200). Decode's attention rows, added since, add two generations a dtype.
+# A step still running at the deadline
 # (BUDGET_S after the start, default 570 s) is stopped, so the bundle after it is made; steps left after the deadline
 # are named as not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks rewrite their JSON after
 # every side and round, and `python -m benchmarks.gpu KIND --render-from JSON --markdown M --plot P` renders a
