@@ -107,9 +107,11 @@ def test_layer_step_is_bit_identical_to_block_forward(which: str, padded: bool, 
     cfg, B, past = model.config, 2, 5
     caches = [KVCache(cfg, B, past + 1, model.dtype, "cpu") for _ in range(2)]
     g = torch.Generator().manual_seed(0)
-    caches[0].k.normal_(generator=g), caches[0].v.normal_(generator=g)  # past keys and values (the slot at past too)
+    for kv in caches[0].layers:  # past keys and values (the slot at past too)
+        kv.normal_(generator=g)
     for c in caches:
-        c.k.copy_(caches[0].k), c.v.copy_(caches[0].v)
+        for kv, first in zip(c.layers, caches[0].layers, strict=True):
+            kv.copy_(first)
         c.length = past
     mask2d = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]) if padded else None
     mask = build_mask(mask2d, 1, past + 1, torch.device("cpu"))
@@ -335,7 +337,7 @@ def test_the_cpu_never_runs_the_gelu_in_c_fcs_matmul_whose_gelu_there_is_the_erf
 
 @pytest.mark.parametrize("which", ["official", "chaotic"])
 def test_a_static_step_stores_each_layers_key_and_value_with_one_write(which: str, request) -> None:  # noqa: ANN001
-    """The cache holds each layer's keys and values side by side (KVCache.kv): the static step stores a token's key
+    """The cache holds each layer's keys and values side by side (KVCache.layers): the static step stores a token's key
     and value with one index_copy_ a layer, a kernel a CUDA graph replays per block. With c_attn's one matmul (the
     official layout) k and v are one view of its output, no copy; separate q/k/v projections stack theirs first."""
     from collections import Counter
@@ -348,7 +350,9 @@ def test_a_static_step_stores_each_layers_key_and_value_with_one_write(which: st
     with torch.no_grad(), OpNames() as seen:
         plan.step(torch.tensor([[3]]), cache)
     assert Counter(seen.seen)["copy_"] == n  # the plan's step: one write a layer too
-    assert cache.k.data_ptr() == cache.kv.data_ptr() and cache.k[0].is_contiguous() and cache.v[0].is_contiguous()
+    for i, kv in enumerate(cache.layers):  # each layer's own tensor; its keys and values contiguous views of it
+        assert cache.k[i].data_ptr() == kv.data_ptr() and cache.k[i].is_contiguous() and cache.v[i].is_contiguous()
+    assert len({kv.untyped_storage().data_ptr() for kv in cache.layers}) == n
 
 
 @pytest.mark.parametrize(
@@ -457,7 +461,7 @@ def test_kept_static_steps_hold_neither_the_model_nor_its_old_weights() -> None:
     m.to(torch.bfloat16)
     generate_full(m, ids, 5, eos_token_id=None, static_cache=True)
     (new,) = m.__dict__["_static_steps"].values()
-    assert new is not old and new.cache.k.dtype == torch.bfloat16
+    assert new is not old and new.cache.k[0].dtype == torch.bfloat16
     gc.disable()
     try:
         ref = weakref.ref(m)
@@ -635,7 +639,8 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     plan = SimpleNamespace(step=call, static_step=static, cache_views=lambda cache: None)
     PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
     # the static step's prefill (a new prompt length, a new shape) and its fixed-shape step
-    cache = SimpleNamespace(kv=torch.zeros(1), tok=torch.zeros(1, 1), length=0, start=lambda mask, n: None)
+    cache = SimpleNamespace(bias=torch.zeros(1), tok=torch.zeros(1, 1), length=0, start=lambda mask, n: None)
+    cache.zero_ = lambda: None
     cache.feed, cache.advance = (lambda tok, slot: None), (lambda: None)
     static = StaticSteps(model, plan, cache, cuda_graph=False)  # type: ignore[arg-type]
     static.prefill(seq[:, :3], None)
@@ -666,7 +671,7 @@ def test_the_static_step_attends_with_the_kernels_set_when_it_was_made(monkeypat
 
     model = type("Stand", (), {"device": torch.device("cuda"), "__call__": lambda self, *a, **k: call()})()
     plan = SimpleNamespace(static_step=lambda cache, views, fused: call(), cache_views=lambda cache: None)
-    cache = SimpleNamespace(kv=torch.zeros(1), tok=torch.zeros(1, 1), feed=lambda tok, slot: None, advance=lambda: None)
+    cache = SimpleNamespace(bias=torch.zeros(1), tok=torch.zeros(1, 1), feed=lambda tok, s: None, advance=lambda: None)
     monkeypatch.setattr(steps, "STATIC_BACKENDS", [SDPBackend.CUDNN_ATTENTION])
     made = steps.StaticSteps(model, plan, cache, cuda_graph=False)  # type: ignore[arg-type]
     monkeypatch.setattr(steps, "STATIC_BACKENDS", VARYING_SHAPE_BACKENDS)

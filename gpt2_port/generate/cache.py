@@ -22,25 +22,34 @@ def static_len(total_len: int, n_positions: int) -> int:
 
 
 class KVCache:
-    """Preallocated `[n_layer, B, nh, max_len, hs]` key and value tensors and a fill length. Both are views of one
-    `kv` tensor `[n_layer, 2, B, nh, max_len, hs]`, so that a decode step stores a token's key and value with one
-    write (model/decode.py); each layer's keys (`k[i]`) and values (`v[i]`) are still contiguous blocks."""
+    """Preallocated keys and values and a fill length: for each layer one `[2, B, nh, max_len, hs]` tensor
+    (`layers[i]`), its keys `k[i]` and values `v[i]` (`[B, nh, max_len, hs]` each, contiguous) views of it, so that a
+    decode step stores a token's key and value with one write (model/decode.py). Each layer's is a tensor of its own,
+    not a view of one cache-wide tensor: torch.compile's inductor then writes a token's key and value into it in
+    place, where into a view of a larger input it copies the whole layer's keys and values out and back a step (read
+    in its code on the CPU: 2 x 2 x B x nh x max_len x hs values a layer, a token)."""
 
     def __init__(
         self, cfg: GPT2Config, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
-        shape = (cfg.n_layer, 2, batch, cfg.n_head, max_len, cfg.head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # (n_layer, B, nh, max_len, hs) each
+        shape = (2, batch, cfg.n_head, max_len, cfg.head_dim)
+        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
+        self.k = [kv[0] for kv in self.layers]  # n_layer x (B, nh, max_len, hs)
+        self.v = [kv[1] for kv in self.layers]
         self.length = 0  # tokens already stored
         self.max_len = max_len
+
+    def zero_(self) -> None:
+        """Every key and value 0."""
+        for kv in self.layers:
+            kv.zero_()
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, nh, T, hs) after the current length; return all keys/values (B, nh, S, hs)."""
         start, end = self.length, self.length + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class StaticKVCache(KVCache):

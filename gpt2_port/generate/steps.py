@@ -153,7 +153,7 @@ class StaticSteps:
 
         self.compiled = CompiledStep(step, compile_step) if compile_step else None
         body = self.compiled or step
-        self.run = CapturedStep(body, cache.kv.device) if cuda_graph else body
+        self.run = CapturedStep(body, cache.bias.device) if cuda_graph else body
 
     @property
     def name(self) -> str:
@@ -174,7 +174,7 @@ class StaticSteps:
         cache.length = 0
         # a reused cache: an earlier generation's keys and values must not reach the masked slots (a NaN there would
         # pass through the attention's additive mask)
-        cache.kv.zero_()
+        cache.zero_()
         model = self._model()
         with without_cudnn_attention(model.device):  # type: ignore[union-attr]  # each prompt length a new shape
             h = model(ids, attention_mask=mask, cache=cache, last_only=True, hidden_only=True)  # type: ignore[misc]

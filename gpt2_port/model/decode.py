@@ -16,7 +16,7 @@ StaticKVCache with a mask, every shape fixed, so that generate/ can capture it o
 tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ; on CUDA generate
 runs it with fewer kernels, `fused_kernels`: torch's one-kernel GELU, in c_fc's matmul on CUDA in bf16/fp16). Both
 store a token's key and value with one write a layer
-(KVCache.kv): with c_attn's one matmul they are one view of its output; separate projections are stacked first.
+(KVCache.layers): with c_attn's one matmul they are one view of its output; separate projections are stacked first.
 Neither carries logic of its own: no dropout, no taps, no module hooks.
 
 Inference only: `for_model` gives no plan (and `step` refuses) in train mode or when a parameter needs a gradient, and
@@ -203,7 +203,7 @@ class DecodePlan:
         -inf elsewhere, so the same arithmetic), read as it is where it is in q's dtype (SDPA takes an additive mask
         in q's dtype only; under autocast it is converted once a step, at the first layer): no kernel of the step
         makes it, where SDPA would convert a boolean in every layer."""
-        ks, vs, kvs = views or self.cache_views(cache)
+        kvs = (views or self.cache_views(cache))[2]
         mask, slot, scale = cache.bias, cache.slot, self.scale
         bias: list[torch.Tensor] = []  # this step's additive mask in q's dtype, (B, 1, 1, max_len)
 
@@ -213,7 +213,11 @@ class DecodePlan:
             kvs[i].index_copy_(3, slot, kv.to(kvs[i].dtype))
             if not bias or bias[0].dtype != q.dtype:
                 bias[:] = [mask.to(q.dtype)[:, None, None, :]]  # the cache's own tensor where the dtypes agree
-            return F.scaled_dot_product_attention(q, ks[i], vs[i], attn_mask=bias[0], scale=scale)
+            # the keys and values as views made here of the layer's tensor just written: views made before the step
+            # and passed in would be inputs aliasing it, and torch.compile would copy the layer's whole cache out and
+            # back around the write (inductor's code, read on the CPU); so made, it writes the one slot in place
+            keys, values = kvs[i].unbind(0)  # (B, nh, max_len, hs) each
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias[0], scale=scale)
 
         return attend
 
@@ -238,12 +242,11 @@ class DecodePlan:
         return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views), fused_kernels)
 
     def cache_views(self, cache: KVCache) -> CacheViews:
-        """Per-layer (B, nh, max_len, hs) views of the cache's keys and values, and (2, B, nh, max_len, hs) of both,
-        made once per cache (the last cache's kept)."""
-        key = id(cache.kv)
+        """Per-layer (B, nh, max_len, hs) keys and values of the cache, and (2, B, nh, max_len, hs) both, looked up
+        once per cache (the last cache's kept)."""
+        key = id(cache.layers)
         if self._views is None or self._views[0] != key:
-            n = range(len(self.layers))
-            self._views = (key, ([cache.k[i] for i in n], [cache.v[i] for i in n], [cache.kv[i] for i in n]))
+            self._views = (key, (list(cache.k), list(cache.v), list(cache.layers)))
         return self._views[1]
 
     def step(self, input_ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
