@@ -13,11 +13,10 @@ c_attn view, per-layer cache views) and the same aten ops run on the same tensor
 `model(tok, cache=..., hidden_only=True)` (tests/test_decode.py checks it bitwise, per block against `Block.forward` and
 for whole steps against the forward, with and without padding); `DecodePlan.static_step` attends over all slots of a
 StaticKVCache with a mask, every shape fixed, so that generate/ can capture it once as a CUDA graph and replay it (its
-tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ; on CUDA generate
-runs it with fewer kernels, `fused_kernels`: torch's one-kernel GELU, in c_fc's matmul on CUDA in bf16/fp16). Both
-store a token's key and value with one write a layer
-(KVCache.layers): with c_attn's one matmul they are one view of its output; separate projections are stacked first.
-Neither carries logic of its own: no dropout, no taps, no module hooks.
+tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ; on CUDA generate runs
+it with fewer kernels, `fused_kernels`: torch's one-kernel GELU, in c_fc's matmul on CUDA in bf16/fp16). Both store a
+token's key and value with one write a layer (KVCache.layers): with c_attn's one matmul they are one view of its output;
+separate projections are stacked first. Neither carries logic of its own: no dropout, no taps, no module hooks.
 
 Inference only: `for_model` gives no plan (and `step` refuses) in train mode or when a parameter needs a gradient, and
 none while activations are recorded, edited or hooked, or the attention is the manual one; those go through
