@@ -107,7 +107,7 @@ def nll_and_logit_grad(
     alone (the public ops, and under torch.compile, whose compiler fuses that pass into the log-softmax's instead of
     writing and reading a dense buffer of g).
     """
-    if nll_grad is not None:
+    if USE_PRIVATE_OPS and not compiling():  # in place, torch's own kernel (the loss alone too: no (n, V) temporary)
         lp = torch._log_softmax(logits, 1, False, out=logits)  # (n, V) log-probabilities
     else:
         lp = logits.copy_(torch.log_softmax(logits, dim=1))
