@@ -357,6 +357,28 @@ def test_the_profiles_kernel_kinds_and_busy_time() -> None:
     assert {n: kind_of(n) for n in names} == names
 
 
+def test_the_profiles_device_time_is_its_kernels_not_the_annotations_over_them() -> None:
+    """A CUDA profile's device events hold the ranges of `record_function` annotations (the optimizer's step) beside
+    the kernels: only the kernels, copies and fills are counted."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.gpu_profile import device_events
+
+    def event(name: str, device: DeviceType, annotation: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation)
+
+    events = [
+        event("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_bias_NNT", DeviceType.CUDA),
+        event("Optimizer.step#AdamW.step", DeviceType.CUDA, annotation=True),
+        event("Memcpy DtoH (Device -> Pinned)", DeviceType.CUDA),
+        event("aten::addmm", DeviceType.CPU),
+        event("Optimizer.step#AdamW.step", DeviceType.CPU, annotation=True),
+    ]
+    assert [e.name for e in device_events(events)] == [events[0].name, events[2].name]
+
+
 def test_a_cut_short_gpu_run_renders_from_its_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The JSON is rewritten after every side (train), and after every loop's first run and every round (decode): a
     run killed at the device's time limit leaves the rows it timed, and `--render-from` makes its Markdown and plot

@@ -720,6 +720,38 @@ def test_a_greedy_choice_runs_no_fill_of_the_nonfinite_logits(sample: bool) -> N
         assert torch.equal(tok, torch.argmax(m.head(h)[:, -1].float(), dim=-1))
 
 
+@pytest.mark.parametrize("how", ["greedy", "penalty", "scores", "sampled"])
+def test_a_plain_greedy_choice_takes_the_argmax_of_the_logits_as_the_head_makes_them(how: str) -> None:
+    """A bf16 model's greedy choice, with nothing to process or keep, is the argmax of the head's bf16 logits: no
+    float32 copy of the (B, V) logits is made (a kernel a token on a GPU), and the token is the float32 logits'
+    argmax (the cast is exact: the same order, the same ties), min_new_tokens' EOS fill included. A repetition
+    penalty, kept scores or sampling take the float32 logits, as transformers' processors do."""
+    from conftest import OpNames
+
+    from gpt2_port.generate.choose import NextToken
+
+    m = _chaotic().to(torch.bfloat16)
+    opts = {"sampled": {"do_sample": True, "top_k": 0}, "penalty": {"repetition_penalty": 1.3}}.get(how, {})
+    settings = SamplingSettings.from_options(opts)
+    seen = torch.zeros(2, m.config.vocab_size, dtype=torch.bool) if how == "penalty" else None
+    record = [] if how == "scores" else None
+    h = torch.randn(2, 1, m.config.n_embd, dtype=torch.bfloat16)
+    ref = m.head(h)[:, -1].float()
+    top = int(ref[0].argmax())
+    for hold in (None, (top, 1)):  # the second: that token is EOS and may not come yet
+        choose = NextToken(m, settings, seen, torch.Generator().manual_seed(0), False, record, hold)
+        with torch.no_grad(), OpNames() as ops:
+            tok, _ = choose(h)
+        casts = ops.seen.count("_to_copy")
+        assert casts == (0 if how == "greedy" else 1), ops.seen
+        if how in ("greedy", "scores"):
+            want = ref.clone()
+            if hold is not None:
+                want[:, top] = -float("inf")
+            assert torch.equal(tok, want.argmax(dim=-1))
+            assert hold is None or int(tok[0]) != top
+
+
 def test_a_token_is_written_into_the_sequence_by_its_choice_with_no_copy() -> None:
     """The loop's own kernels a token, counted over the tokens between two generation lengths (a static greedy run
     with no EOS): the chosen ids (finished rows padded) are written by their `where` straight into the sequence's

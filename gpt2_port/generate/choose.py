@@ -1,6 +1,7 @@
 """Choosing each row's next token on the device, without waiting for it: the fast greedy head where it proves its
-argmax, else the head's float32 logits, processed (sampling.py), then argmax or a draw from the softmax. Whether the
-logits (and a sampled distribution) were finite travels beside the ids: the loop learns both in one transfer a token."""
+argmax, else the head's logits, processed in float32 (sampling.py), then argmax (of the logits in the model's dtype
+where nothing processes them) or a draw from the softmax. Whether the logits (and a sampled distribution) were finite
+travels beside the ids: the loop learns both in one transfer a token."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ class NextToken:
         greedy = not settings.do_sample and settings.repetition_penalty == 1.0
         usable = fast_head and greedy and record is None and FastGreedyHead.usable(model)
         self.fast_head = FastGreedyHead.for_model(model) if usable else None
+        # a plain argmax takes the head's logits in the model's dtype: their float32 copy (exact, so the same order
+        # and the same ties) is only needed where scores are processed or kept (a (B, V) cast kernel a token less)
+        self.plain_argmax = greedy and record is None
         self.exact_steps = 0  # steps where the fast head could not prove its argmax
 
     def __call__(self, h: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,11 +57,13 @@ class NextToken:
             if nxt is not None:
                 return nxt, torch.ones((), dtype=torch.bool)
             self.exact_steps += 1
-        logits = self.model.head(h)[:, -1].float()  # (B, V)
+        logits = self.model.head(h)[:, -1]  # (B, V)
+        if not self.plain_argmax:
+            logits = logits.float()
         finite = all_finite(logits)
         if held:  # transformers' MinNewTokensLengthLogitsProcessor: EOS's score -inf (a column fill: no host copy)
             logits[:, self.hold_eos[0]] = -float("inf")
-        if self.fast_head is not None:
+        if self.plain_argmax:
             return torch.argmax(logits, dim=-1), finite
         if self.settings.do_sample:
             # non-finite logits: draw from harmless scores instead (NaN probabilities would make an arbitrary token);

@@ -2,7 +2,8 @@
 
 The decoding rules follow transformers' `generate` so that results can be compared token for token:
 
-- next-token logits are taken in float32; the repetition penalty applies first (also when greedy), then, when sampling,
+- next-token logits are taken in float32 (a plain greedy argmax reads them in the model's dtype: the same token,
+  the cast being exact); the repetition penalty applies first (also when greedy), then, when sampling,
   temperature, top-k and top-p, each written as transformers' logits processors write it; sampling draws from the
   softmax as `torch.multinomial` does (from `torch.Generator` seeded with `seed`, so a seed repeats its output);
 - a row that has produced `eos_token_id` (or a stop string) is finished; its later positions hold `pad_token_id`
