@@ -115,15 +115,15 @@ def test_generate_memory_check_refuses_only_what_does_not_fit(tiny_official: Pat
     one = sum(decode_memory(TINY, 1, 1, 3, 4, greedy, True).values())
     assert sum(decode_memory(TINY, 100, 1, 3, 4, greedy, True).values()) == 100 * one  # linear in the samples
     assert decode_memory(TINY, 1, 1, 3, 4, greedy, True)["next-token scores"] == TINY.vocab_size * 12
-    monkeypatch.setattr(devices, "available_memory", lambda device: (1000 * one, "faked"))
+    monkeypatch.setattr(devices, "available_memory", lambda device: (100 * one, "faked"))
     argv = ["generate", str(tiny_official), "Hi", "--greedy", "--max-new-tokens", "2"]
     capsys.readouterr()
-    assert main([*argv, "--num-samples", "901"]) == 2
+    assert main([*argv, "--num-samples", "91"]) == 2
     err = capsys.readouterr().err
     fits = int(re.search(r"\(faked\); try --num-samples (\d+)", err).group(1))  # type: ignore[union-attr]
-    assert "memory: 901 sample(s) of 3 tokens" in err and fits in (899, 900), err  # 90% of 1000 (float rounding)
+    assert "memory: 91 sample(s) of 3 tokens" in err and fits in (89, 90), err  # 90% of 100 (float rounding)
     assert main([*argv, "--num-samples", str(fits)]) == 0
-    assert main([*argv, "--num-samples", "901", "--no-memory-check"]) == 0
+    assert main([*argv, "--num-samples", "91", "--no-memory-check"]) == 0
 
 
 def test_demo_checkpoint_takes_the_largest_seed(tmp_path: Path):

@@ -9,6 +9,7 @@ it does not know, or one that imports up the table or across into a sibling, fai
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import subprocess
@@ -64,38 +65,40 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports(name: str, source: str, is_package: bool = False) -> list[tuple[str, int, bool]]:
+@functools.cache  # every planted-import case scans the whole tree again: each file is parsed once a process
+def imports(name: str, source: str, is_package: bool = False) -> tuple[tuple[str, int, bool], ...]:
     """(absolute module imported, line, inside a function) for every import in `source`, wherever it sits.
     `from pkg import x` counts as `pkg.x` (the submodule or a name in pkg: both run pkg)."""
     pkg = name if is_package else name.rpartition(".")[0]
-    tree = ast.parse(source)
-    in_function = {
-        id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef) for n in ast.walk(f)
-    }
     out = []
-    for node in ast.walk(tree):
-        lazy = id(node) in in_function
-        if isinstance(node, ast.Import):
-            out += [(a.name, node.lineno, lazy) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            out += [(f"{mod}.{a.name}" if a.name != "*" else mod, node.lineno, lazy) for a in node.names]
-    return out
+
+    def visit(node: ast.AST, lazy: bool) -> None:  # one walk of the tree, knowing whether a function holds the node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                out.extend((a.name, child.lineno, lazy) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = pkg.split(".")
+                    base = base[: len(base) - (child.level - 1)]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module or ""
+                out.extend((f"{mod}.{a.name}" if a.name != "*" else mod, child.lineno, lazy) for a in child.names)
+            visit(child, lazy or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
+
+    visit(ast.parse(source), False)
+    return tuple(out)
 
 
-def edits_sys_path(source: str) -> list[int]:
+@functools.cache
+def edits_sys_path(source: str) -> tuple[int, ...]:
     """Lines that touch sys.path (or site.addsitedir): any use, read or write, is flagged."""
     lines = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if (node.value.id, node.attr) in (("sys", "path"), ("site", "addsitedir")):
                 lines.append(node.lineno)
-    return lines
+    return tuple(lines)
 
 
 def room_of(module: str, known: set[str]) -> str | None:
