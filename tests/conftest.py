@@ -30,20 +30,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=NO_CUDA))
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """What every worker holds from here on (torch, transformers and the compiler stack imported, the test modules
-    collected) moved out of the garbage collector's reach: the parity checker collects cycles between its phases
-    (a model freed before the next is loaded), and each full collection would scan this heap again (in
-    test_backward_parity 98 collections took 22 s of 55). Collected once first, so no garbage is kept."""
-    import gc
-
-    import torch._dynamo  # noqa: F401  (imported by the first compile otherwise: its objects outside the freeze)
-    import transformers.models.gpt2.modeling_gpt2  # noqa: F401
-
-    gc.collect()
-    gc.freeze()
-
-
 def hide_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """No CUDA for the rest of a test: torch.cuda.is_available() is False in this process, and the commands it starts
     see no device (CUDA_VISIBLE_DEVICES empty)."""
