@@ -158,7 +158,6 @@ class DecodePlan:
         self.layers = [LayerStep.of(block) for block in model.h]
         self.wte, self.wpe = model.wte.weight, model.wpe.weight
         self.ln_f = (model.ln_f.weight, model.ln_f.bias)
-        self._views: tuple[int, CacheViews] | None = None
 
     @staticmethod
     def for_model(model: nn.Module) -> DecodePlan | None:
@@ -225,8 +224,7 @@ class DecodePlan:
     ) -> torch.Tensor:
         """One token per row from the cache's device inputs (tok, pos, slot, bias) -> (B, 1, C) ln_f output. No host
         value is read, so a CUDA graph can record it once and replay it for every token. `views`: the cache's
-        `cache_views`, passed by a caller that keeps them (a compiled step then reads no state of the plan that
-        another cache's step changes, which would make torch.compile trace it again).
+        `cache_views`, passed by a caller that looked them up once (StaticSteps).
 
         `fused_kernels`: the same function in fewer kernels, rounded otherwise (LayerStep's `fused`). The MLP's GELU
         as torch's one tanh-GELU kernel (fused.gelu_tanh) instead of the forward's eight ops (gelu_new): float32 1 ulp
@@ -240,13 +238,11 @@ class DecodePlan:
         residual in the matmul saved no kernel (measured) and rounded otherwise."""
         return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views), fused_kernels)
 
-    def cache_views(self, cache: KVCache) -> CacheViews:
-        """Per-layer (B, nh, max_len, hs) keys and values of the cache, and (2, B, nh, max_len, hs) both, looked up
-        once per cache (the last cache's kept)."""
-        key = id(cache.layers)
-        if self._views is None or self._views[0] != key:
-            self._views = (key, (list(cache.k), list(cache.v), list(cache.layers)))
-        return self._views[1]
+    @staticmethod
+    def cache_views(cache: KVCache) -> CacheViews:
+        """Per-layer (B, nh, max_len, hs) keys and values of the cache, and (2, B, nh, max_len, hs) both: the lists
+        the cache keeps."""
+        return cache.k, cache.v, cache.layers
 
     def step(self, input_ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, 1) ids at position cache.length -> (B, 1, C) ln_f output, as `model(..., hidden_only=True)` gives.
