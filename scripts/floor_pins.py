@@ -1,13 +1,13 @@
 """Print pyproject.toml's version floors as pip pins: each `name>=X` of [project] dependencies and every extra becomes
-`name==X`, one a line. `./dev` installs .venv-floor under these as constraints, so the lowest versions pyproject
-declares are the versions that venv tests.
+`name==X` (with its environment marker, `name==X; marker`, where it has one), one a line. `./dev` installs
+.venv-floor under these as constraints, so the lowest versions pyproject declares are the versions that venv tests.
 
     python scripts/floor_pins.py [PYPROJECT]
     python scripts/floor_pins.py --check PINS    (in .venv-floor, after pip: is each pin what got installed?)
 
 A requirement without a `>=` floor, or a name whose floors differ between lists, is an error (exit 2). `--check` names
 every package whose installed version is not its pin ("2.11" and "2.11.0" are equal; a local tag like "+cu128" is
-ignored), or that is not installed, in one line, exit 1.
+ignored), or that is not installed, in one line, exit 1; a pin whose marker does not hold here is not looked for.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9][0-9A-Za-z.]*)\s*$")
+# name>=floor, and an environment marker after a ";" where a package exists on some platforms only (triton: Linux)
+REQ = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9][0-9A-Za-z.]*)\s*(?:;\s*(\S.*?))?\s*$")
 
 
 def requirements(text: str) -> list[str]:
@@ -33,6 +34,7 @@ def requirements(text: str) -> list[str]:
 def floor_pins(text: str) -> list[str]:
     """`name==floor` for every requirement, each name once (names compared as pip compares them)."""
     pins: dict[str, str] = {}
+    markers: dict[str, str] = {}
     for req in requirements(text):
         m = REQ.match(req)
         if m is None:
@@ -40,7 +42,18 @@ def floor_pins(text: str) -> list[str]:
         name, floor = re.sub(r"[-_.]+", "-", m.group(1)).lower(), m.group(2)
         if pins.setdefault(name, floor) != floor:
             raise ValueError(f"requirement {name}: floors {pins[name]} and {floor} differ between lists")
-    return [f"{name}=={floor}" for name, floor in pins.items()]
+        if m.group(3):
+            markers[name] = m.group(3)
+    return [f"{name}=={floor}" + (f"; {markers[name]}" if name in markers else "") for name, floor in pins.items()]
+
+
+def applies(marker: str) -> bool:
+    """Whether a pin's environment marker holds for this interpreter (packaging's rule, as pip applies it)."""
+    try:
+        from packaging.markers import Marker
+    except ImportError:  # pip's own copy, where packaging is not installed apart
+        from pip._vendor.packaging.markers import Marker
+    return Marker(marker).evaluate()
 
 
 def _version_key(version: str) -> list[int | str]:
@@ -59,10 +72,14 @@ def _installed(name: str) -> str | None:
 
 
 def off_pins(pins: list[str]) -> list[str]:
-    """`name VERSION (want PIN)` for each `name==PIN` this interpreter does not have installed at exactly PIN."""
+    """`name VERSION (want PIN)` for each `name==PIN` this interpreter does not have installed at exactly PIN (a pin
+    whose marker, after a ";", does not hold here is not looked for)."""
     bad = []
-    for pin in pins:
-        name, want = pin.split("==")
+    for line in pins:
+        pin, _, marker = line.partition(";")
+        if marker.strip() and not applies(marker.strip()):
+            continue  # not installed here, by its marker
+        name, want = pin.strip().split("==")
         have = _installed(name)
         if have is None or _version_key(have) != _version_key(want):
             bad.append(f"{name} {have.split('+')[0] if have else 'not installed'} (want {want})")
@@ -75,7 +92,7 @@ def check(path: Path) -> int:
     except OSError as e:
         print(f"floor_pins: {path}: {e}", file=sys.stderr)
         return 2
-    if malformed := [p for p in pins if p.count("==") != 1]:
+    if malformed := [p for p in pins if p.partition(";")[0].count("==") != 1]:
         print(f"floor_pins: {path}: {malformed[0]!r}: expected 'name==version'", file=sys.stderr)
         return 2
     if bad := off_pins(pins):

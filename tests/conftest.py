@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt2_port.config import GPT2Config
 from gpt2_port.io.demo import write_demo_checkpoint
 from gpt2_port.io.safetensors_io import SafetensorsFile
 from gpt2_port.model import GPT2
+
+# Where there is no GPU, triton (pyproject's dev extra) runs its kernels in its interpreter, on the CPU: the tests of
+# the GPU's add-and-layer-norm kernel (tests/test_add_norm.py) run it so. Its own @triton.jit helpers (tl.sum...) read
+# this when triton is first imported, so it is set before that, for this process and the commands it starts.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 NO_CUDA = (
@@ -188,6 +197,22 @@ def hf_greedy(hf_model, ids: torch.Tensor, mask: torch.Tensor | None, n: int, **
         return_dict_in_generate=True,
         **kw,
     )
+
+
+def norm_ulps(
+    y: torch.Tensor, s: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
+) -> tuple[float, float, float]:
+    """A layer norm `y` of the rounded residual sum `s` (weight w, bias b) against torch's: the largest distance from
+    torch's `F.layer_norm(s)`, and ours and torch's largest from float64's, each in ulps of the dtype at the size of
+    the value's larger term (|w * normed| or |b|: where the two nearly cancel, y is small and its own ulp says nothing
+    of the error)."""
+    want = F.layer_norm(s, s.shape[-1:], w, b, eps)
+    normed = F.layer_norm(s.double(), s.shape[-1:], eps=eps)
+    truth = normed * w.double() + b.double()
+    t = (normed * w.double()).abs().maximum(b.double().abs()).to(s.dtype)
+    ulp = (torch.nextafter(t, torch.full_like(t, float("inf"))) - t).double()
+    apart = ((y.double() - want.double()).abs() / ulp).max().item()
+    return apart, ((y.double() - truth).abs() / ulp).max().item(), ((want.double() - truth).abs() / ulp).max().item()
 
 
 def same_tokens_where_decided(

@@ -575,35 +575,68 @@ def test_eval_check_on_cuda_lies_within_its_tolerance_beside_the_floor(
         assert c["as_close_as_reference"] is True, c
 
 
-def test_the_fused_step_takes_eight_kernels_a_block_out_of_the_recorded_step(tiny_official: Path) -> None:
+def test_the_fused_step_takes_ten_kernels_a_block_out_of_the_recorded_step(tiny_official: Path) -> None:
     """On the GPU, through the profiler as benchmarks.gpu_profile reads it (every kernel of a replayed CUDA graph
-    counted): a batch-1 bf16 decode token through the fused step (generate's default on CUDA) runs 8 kernels a block
-    fewer than with the forward's ops (`--op-for-op`), all of them elementwise: c_fc with its GELU is one
-    `_addmm_activation` (cuBLASLt's GELU-and-bias epilogue), where op for op c_fc is one GEMM with its bias and
-    gelu_new eight kernels; the same matmul count either way (torch's addmm of a bias takes cuBLASLt's bias epilogue
-    at batch 1 as well: 124M on an H100, torch 2.11, benchmarks/results-gpu-h100/profile.json). Its kernels are seen
-    at all (the profile's own premise)."""
+    counted): a batch-1 bf16 decode token through the fused step (generate's default on CUDA) runs 10 kernels a block
+    and one more a token fewer than with the forward's ops (`--op-for-op`), all of them elementwise: c_fc with its GELU
+    is one `_addmm_activation` (cuBLASLt's GELU-and-bias epilogue), where op for op c_fc is one GEMM with its bias and
+    gelu_new eight kernels; each residual add (two a block, and the embeddings') is one kernel with the layer norm
+    after it (model/add_norm.py's Triton kernel, a norm by its name: as many as torch's layer norms); the same
+    matmul count either way (torch's addmm of a bias takes cuBLASLt's bias epilogue at batch 1 as well: 124M on an
+    H100, torch 2.11, benchmarks/results-gpu-h100/profile.json). Its kernels are seen at all (the profile's own
+    premise)."""
     from benchmarks.gpu_profile import profile
     from gpt2_port import GPT2
     from gpt2_port.generate import generate_full
+    from gpt2_port.model import add_norm
 
     m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, device="cuda")
     ids = torch.tensor([[464, 2444, 4721, 511, 3835]], device="cuda")
     N = 16
-    per_token, kinds = {}, {}
+    per_token, kinds, names = {}, {}, {}
     for fused in (True, False):
         run = lambda f=fused: generate_full(m, ids, N, eos_token_id=None, do_sample=False, fused_kernels=f)  # noqa: E731
         g = run()  # the capture
         assert g.extra["step"] == "cuda graph" and g.extra["fused_kernels"] is fused
-        r = profile(run, torch.device("cuda"), 1, N, 5)
+        r = profile(run, torch.device("cuda"), 1, N, 100)  # every kernel's name among the top
         per_token[fused] = r["kernels_per_unit"]
         kinds[fused] = {k: v["count_per_unit"] * N for k, v in r["kinds"].items()}
+        names[fused] = {k["name"] for k in r["top"]}
         assert r["busy_us_per_unit"] > 0 and kinds[fused].get("matmul", 0) >= 4 * N
+    assert not add_norm._broken and any("_add_layer_norm" in n for n in names[True]), names[True]
+    n = m.config.n_layer
     fewer = (per_token[False] - per_token[True]) * N
-    # by kind: the GELU's eight elementwise kernels a block, every other kind the same
+    # by kind: the GELU's eight elementwise kernels a block and the residual adds, every other kind the same
     by_kind = {k: round(kinds[False].get(k, 0) - kinds[True].get(k, 0)) for k in kinds[False].keys() | kinds[True]}
-    assert fewer == pytest.approx(8 * m.config.n_layer * (N - 1)), (per_token, by_kind)
-    assert {k: v for k, v in by_kind.items() if v} == {"elementwise": 8 * m.config.n_layer * (N - 1)}, by_kind
+    assert fewer == pytest.approx((10 * n + 1) * (N - 1)), (per_token, by_kind)
+    assert {k: v for k, v in by_kind.items() if v} == {"elementwise": (10 * n + 1) * (N - 1)}, by_kind
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bf16", "fp16"])
+def test_the_add_norm_kernel_adds_as_torch_adds_and_norms_within_an_ulp_of_torchs_layer_norm(
+    dtype: torch.dtype,
+) -> None:
+    """model/add_norm.py's Triton kernel on the GPU (the fused decode step's): the residual sum bit for bit torch's
+    `x + d` (the float32 sum rounded to nearest even, in every dtype), its layer norm within an ulp of torch's
+    `F.layer_norm` in bf16 and fp16 (8 in float32) at the size of each value's larger term, and as far from float64's
+    at most that much more than torch's. GPT-2's widths (768, gpt2-xl's 1600) over 3 rows."""
+    from conftest import norm_ulps
+
+    from gpt2_port.model import add_norm
+
+    ulps = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 1}[dtype]  # as on the CPU (tests/test_add_norm.py)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for width in (768, 1600):
+        x = (torch.randn(3, 1, width, device="cuda", generator=g) * 4).to(dtype)  # a residual stream's scale
+        d = torch.randn(3, 1, width, device="cuda", generator=g).to(dtype)
+        w = (1 + 0.5 * torch.randn(width, device="cuda", generator=g)).to(dtype)
+        b = (0.5 * torch.randn(width, device="cuda", generator=g)).to(dtype)
+        assert add_norm.in_kernel(x, d, (w, b))
+        s, y = add_norm.add_norm(x, d, (w, b), 1e-5, kernel=True)
+        assert not add_norm._broken, add_norm._broken
+        assert torch.equal(s, x + d)
+        off, ours, theirs = norm_ulps(y, s, w, b, 1e-5)
+        assert off <= ulps and ours <= theirs + ulps, (width, off, ours, theirs)
 
 
 def test_c_fc_with_its_gelu_in_cublaslts_epilogue_is_the_tanh_gelu() -> None:

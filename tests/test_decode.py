@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import TINY, OpNames, chaotic_model, decode_steps, exp_draws, same_tokens_where_decided
 
 from gpt2_port.errors import UsageError
@@ -102,7 +103,8 @@ def test_plan_refuses_to_pass_the_context() -> None:
 @pytest.mark.parametrize("which", ["official", "chaotic"])
 def test_layer_step_is_bit_identical_to_block_forward(which: str, padded: bool, request: pytest.FixtureRequest) -> None:
     """The one block step both decoders run equals `Block.forward` bit for bit, output and cache writes, with the
-    fused c_attn view (official) and with separate q/k/v (chaotic)."""
+    fused c_attn view (official) and with separate q/k/v (chaotic); the norm it applies after its last residual add
+    (any norm it is given: the next block's ln_1 or ln_f) is torch's layer norm of that output."""
     model = request.getfixturevalue("official") if which == "official" else _chaotic()
     cfg, B, past = model.config, 2, 5
     caches = [KVCache(cfg, B, past + 1, model.dtype, "cpu") for _ in range(2)]
@@ -120,8 +122,11 @@ def test_layer_step_is_bit_identical_to_block_forward(which: str, padded: bool, 
         for i, block in enumerate(model.h):
             x = torch.randn(B, 1, cfg.n_embd, generator=g)
             ref = block(x, mask, caches[0])
-            got = plan.layers[i](x, plan.attention(caches[1], mask))
+            step = plan.layers[i]
+            h = F.layer_norm(x, (cfg.n_embd,), *step.ln_1, step.eps)  # what the step before hands it
+            got, normed = step(x, h, plan.attention(caches[1], mask), step.ln_2)
             assert torch.equal(got, ref), f"block {i}: max diff {(got - ref).abs().max().item():.3e}"
+            assert torch.equal(normed, F.layer_norm(ref, (cfg.n_embd,), *step.ln_2, step.eps))  # the norm after it
             assert torch.equal(caches[0].k[i], caches[1].k[i]) and torch.equal(caches[0].v[i], caches[1].v[i])
 
 
@@ -196,8 +201,6 @@ def test_the_static_step_attends_through_the_caches_own_additive_mask_as_the_boo
     each layer; building it from one took three kernels a token); under autocast converted to q's dtype once a step.
     The same output, bit for bit, as the boolean gives."""
     from collections import Counter
-
-    import torch.nn.functional as F
 
     from gpt2_port.generate.cache import StaticKVCache
     from gpt2_port.model import decode
@@ -299,7 +302,6 @@ def test_the_fused_step_runs_c_fc_and_its_gelu_as_one_op_where_the_epilogue_can(
     one torch._addmm_activation a block (on CUDA one cuBLASLt kernel), with no GELU op and no addmm
     of c_fc's own; its arguments are c_fc's weight and bias: the CPU's op computes the erf GELU, so the values are
     checked against c_fc then the erf GELU (the CUDA op's tanh GELU: tests/test_cuda.py)."""
-    import torch.nn.functional as F
 
     from gpt2_port.model import decode
 
@@ -321,7 +323,6 @@ def test_the_cpu_never_runs_the_gelu_in_c_fcs_matmul_whose_gelu_there_is_the_erf
     """torch._addmm_activation's GELU is the tanh one on CUDA (cuBLASLt's epilogue) but the erf one on the CPU, another
     function than GPT-2's: `gelu_in_epilogue` never holds on the CPU, in any dtype. If torch's CPU op became the tanh
     GELU, the first assertion fails and the CPU could take it too."""
-    import torch.nn.functional as F
 
     from gpt2_port.model.decode import gelu_in_epilogue
 
@@ -403,7 +404,6 @@ def test_the_static_step_attends_over_one_shape_for_the_whole_generation(monkeyp
     """The pinned choice behind "bf16 never slower than float32": every decode step's attention sees keys of one
     length (the buffer's), so an attention backend that plans per shape (cuDNN on an H100) plans once. The plan's
     dynamic step, by contrast, grows its keys by one per token."""
-    import torch.nn.functional as F
 
     from gpt2_port.model import decode
 

@@ -28,16 +28,18 @@ def _floor_pins():
 def test_every_dependency_is_pinned_to_its_floor() -> None:
     r = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    pins = dict(line.split("==") for line in r.stdout.split())
+    pins = dict(line.partition(";")[0].strip().split("==") for line in r.stdout.splitlines())
     text = (REPO / "pyproject.toml").read_text()
     project = text[text.index("[project]") : text.index("[project.scripts]")]  # not [build-system]'s setuptools
-    declared = re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)"', project)
+    declared = re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)(?:;[^"]*)?"', project)
     assert declared and {n.lower(): v for n, v in declared} == pins
-    assert {"torch", "transformers", "huggingface-hub", "safetensors", "numpy"} <= set(pins)
+    assert {"torch", "transformers", "huggingface-hub", "safetensors", "numpy", "triton"} <= set(pins)
+    assert "triton==3.6; sys_platform == 'linux'" in r.stdout.splitlines()  # its marker kept: pip applies it
 
 
 def test_the_private_ops_are_listed_for_exactly_the_two_torches_ci_tests() -> None:
-    floor = dict(line.split("==") for line in _floor_pins().floor_pins((REPO / "pyproject.toml").read_text()))["torch"]
+    pins = _floor_pins().floor_pins((REPO / "pyproject.toml").read_text())
+    floor = dict(line.partition(";")[0].split("==") for line in pins)["torch"]
     (pin,) = re.findall(r"TORCH_SPEC:-torch==([0-9.]+)", (REPO / "dev").read_text())
     assert fused.PRIVATE_OPS_TESTED == {fused.minor_version(floor), fused.minor_version(pin)}
 
@@ -81,6 +83,22 @@ def test_the_check_names_each_package_off_its_pin_in_one_line(tmp_path: Path) ->
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert "torch " in r.stderr and "(want 0.1)" in r.stderr and "no-such-package not installed (want 1.0)" in r.stderr
     assert "pytest" not in r.stderr
+
+
+def test_a_pin_whose_marker_does_not_hold_here_is_not_looked_for(tmp_path: Path) -> None:
+    """A requirement with an environment marker (`triton>=3.6; sys_platform == 'linux'`) keeps it in its pin, and
+    `--check` looks for the package only where the marker holds: a missing package under a marker that is false here
+    passes, under one that is true it is named."""
+    py = tmp_path / "pyproject.toml"
+    deps = '["torch>=2.11", "no-such-package>=1.0; python_version < \'3\'"]'
+    py.write_text(f'[project]\nname = "x"\ndependencies = {deps}\n')
+    r = subprocess.run([sys.executable, str(SCRIPT), str(py)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.splitlines() == ["torch==2.11", "no-such-package==1.0; python_version < '3'"]
+    pins = tmp_path / "pins.txt"
+    for marker, rc in (("python_version < '3'", 0), ("python_version >= '3'", 1)):
+        pins.write_text(f"no-such-package==1.0; {marker}\n")
+        r = subprocess.run([sys.executable, str(SCRIPT), "--check", str(pins)], capture_output=True, text=True)
+        assert r.returncode == rc and ("no-such-package not installed" in r.stderr) == bool(rc), (marker, r.stderr)
 
 
 @pytest.mark.parametrize(

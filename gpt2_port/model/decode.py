@@ -8,13 +8,17 @@ c_attn view, per-layer cache views) and the same aten ops run on the same tensor
     ln_1 -> one c_attn matmul, split -> attend (cache write, SDPA) -> c_proj -> residual add
     -> ln_2 -> c_fc -> gelu_new (op for op) -> mlp c_proj -> residual add;  ln_f at the end
 
+(each residual add and the norm after it, the next block's ln_1 or ln_f, one `add_norm` call: torch's add then its
+layer norm, the forward's two ops, or on CUDA with `fused_kernels` one kernel).
+
 `LayerStep` is that block step, written once. How a step attends is passed in: `DecodePlan.step` writes the
 `KVCache` at its fill length and attends over the filled keys, so its hidden state is bit-identical to
 `model(tok, cache=..., hidden_only=True)` (tests/test_decode.py checks it bitwise, per block against `Block.forward` and
 for whole steps against the forward, with and without padding); `DecodePlan.static_step` attends over all slots of a
 StaticKVCache with a mask, every shape fixed, so that generate/ can capture it once as a CUDA graph and replay it (its
 tokens equal the dynamic step's; its sums run over the masked slots too, so its bits may differ; on CUDA generate runs
-it with fewer kernels, `fused_kernels`: torch's one-kernel GELU, in c_fc's matmul on CUDA in bf16/fp16). Both store a
+it with fewer kernels, `fused_kernels`: torch's one-kernel GELU, in c_fc's matmul on CUDA in bf16/fp16, and each
+residual add with the layer norm after it as one kernel, add_norm.py). Both store a
 token's key and value with one write a layer (KVCache.layers): with c_attn's one matmul they are one view of its output;
 separate projections are stacked first. Neither carries logic of its own: no dropout, no taps, no module hooks.
 
@@ -36,6 +40,7 @@ from torch import nn
 from ..devices import autocast_dtype
 from ..errors import UsageError
 from ..generate.cache import KVCache, StaticKVCache
+from .add_norm import Norm, add_norm
 from .c_attn import fused_qkv
 from .fused import gelu_tanh
 from .lowp import linear_wb
@@ -92,13 +97,13 @@ class LayerStep:
     """One block's tensors and callables, looked up once; calling it runs `Block.forward` on one token per row."""
 
     layer: int
-    ln_1: tuple[torch.Tensor, torch.Tensor]
+    ln_1: Norm
     qkv: Linear | None  # one (B, 1, C) -> (B, 1, 3C) matmul over the checkpoint's c_attn, when q/k/v are views of it
     q: Linear
     k: Linear
     v: Linear
     c_proj: Linear
-    ln_2: tuple[torch.Tensor, torch.Tensor]
+    ln_2: Norm
     c_fc: Linear
     c_fc_wb: Weights | None
     mlp_proj: Linear
@@ -125,13 +130,17 @@ class LayerStep:
             n_head=a.n_head,
         )
 
-    def __call__(self, x: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
-        """(B, 1, C) residual stream -> (B, 1, C), as `Block.forward` computes it in eval mode; `fused`: with fewer
-        kernels, the same function rounded otherwise: the GELU as torch's one tanh-GELU kernel (fused.gelu_tanh, not
-        gelu_new's eight ops), in c_fc's matmul where it can be (`gelu_projected`)."""
+    def __call__(
+        self, x: torch.Tensor, h: torch.Tensor, attend: Attend, after: Norm, fused: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, 1, C) residual stream x and its ln_1 output h -> the block's output and its layer norm by `after` (the
+        next block's ln_1, or ln_f): `Block.forward` in eval mode, the norm that follows it included, so that each
+        residual add and the norm after it are one `add_norm`. `fused`: with fewer kernels, the same function rounded
+        otherwise: the GELU as torch's one tanh-GELU kernel (fused.gelu_tanh, not gelu_new's eight ops), in c_fc's
+        matmul where it can be (`gelu_projected`), and each add with its norm as one kernel where one can run them
+        (add_norm.in_kernel: CUDA)."""
         B, _, C = x.shape
         nh, hs = self.n_head, C // self.n_head
-        h = F.layer_norm(x, (C,), *self.ln_1, self.eps)  # (B, 1, C)
         if self.qkv is not None:
             qkv = self.qkv(h)  # (B, 1, 3C): q | k | v
             q = qkv[..., :C]
@@ -141,10 +150,9 @@ class LayerStep:
             kv = torch.stack([self.k(h), self.v(h)]).view(2, B, 1, nh, hs).transpose(2, 3)  # (2, B, nh, 1, hs)
         q = q.view(B, 1, nh, hs).transpose(1, 2)  # (B, nh, 1, hs)
         y = attend(self.layer, q, kv).transpose(1, 2).reshape(B, 1, C)  # (B, 1, C): heads side by side
-        x = x + self.c_proj(y)
-        h = F.layer_norm(x, (C,), *self.ln_2, self.eps)
+        x, h = add_norm(x, self.c_proj(y), self.ln_2, self.eps, fused)
         act = gelu_projected(h, self.c_fc, self.c_fc_wb) if fused else gelu_new(self.c_fc(h))  # (B, 1, 4C)
-        return x + self.mlp_proj(act)
+        return add_norm(x, self.mlp_proj(act), after, self.eps, fused)
 
 
 class DecodePlan:
@@ -167,16 +175,16 @@ class DecodePlan:
             return None
         return DecodePlan(model)
 
-    def embed(self, input_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """(B, 1) ids and their positions ((B|1, 1) or (1,)) -> (B, 1, C) token + position embeddings."""
-        return F.embedding(input_ids, self.wte) + F.embedding(pos, self.wpe)
-
-    def run(self, x: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
-        """(B, 1, C) embeddings -> (B, 1, C) ln_f output, every block attending through `attend` (`fused`: LayerStep's,
-        x then updated in place)."""
-        for layer in self.layers:
-            x = layer(x, attend, fused)
-        return F.layer_norm(x, (self.C,), *self.ln_f, self.eps)
+    def run(self, input_ids: torch.Tensor, pos: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
+        """(B, 1) ids and their positions ((B|1, 1) or (1,)) -> (B, 1, C) ln_f output, every block attending through
+        `attend`. The token and position embeddings are added and normed by ln_1 in one `add_norm`, as is each
+        block's residual add with the norm after it (`fused`: LayerStep's)."""
+        norms = [layer.ln_1 for layer in self.layers[1:]] + [self.ln_f]
+        tok, pos = F.embedding(input_ids, self.wte), F.embedding(pos, self.wpe)  # (B, 1, C), (B|1, 1, C)
+        x, h = add_norm(tok, pos, self.layers[0].ln_1, self.eps, fused)
+        for layer, after in zip(self.layers, norms):
+            x, h = layer(x, h, attend, after, fused)
+        return h
 
     def attention(self, cache: KVCache, mask: torch.Tensor | None) -> Attend:
         """Attend as `GPT2.forward` does with `cache`: store k, v at the fill length, SDPA over the filled keys.
@@ -233,10 +241,12 @@ class DecodePlan:
         epilogue of cuBLASLt's kernel). On a GPU, where a batch-1 decode step's time is its kernels' count more than
         their work, a block then launches 8 kernels fewer in bf16/fp16 (c_fc and its GELU in one) and 7 in float32
         (c_fc, then the GELU's one kernel) than op for op: in a profile of 124M on an H100 (torch 2.11, batch 1),
-        12.6 kernels a block against 20.4 in bf16, 12.5 against 19.4 in float32. The residual adds stay the
-        forward's: there torch's addmm of a bias took cuBLASLt's bias epilogue at batch 1 too, so adding into the
-        residual in the matmul saved no kernel (measured) and rounded otherwise."""
-        return self.run(self.embed(cache.tok, cache.pos), self.static_attention(cache, views), fused_kernels)
+        12.6 kernels a block against 20.4 in bf16, 12.5 against 19.4 in float32. On CUDA each residual add and the
+        layer norm after it are one Triton kernel too (add_norm.py: the sum torch's bit for bit, the norm within an
+        ulp): 2 kernels a block and one a token fewer. Adding a projection into the residual in its matmul instead
+        saved no kernel there (torch's addmm of a bias took cuBLASLt's bias epilogue at batch 1 too) and rounded
+        otherwise."""
+        return self.run(cache.tok, cache.pos, self.static_attention(cache, views), fused_kernels)
 
     @staticmethod
     def cache_views(cache: KVCache) -> CacheViews:
@@ -265,6 +275,6 @@ class DecodePlan:
         else:
             pos = torch.arange(past, S, device=input_ids.device)[None]  # (1, 1)
             mask = None
-        h = self.run(self.embed(input_ids, pos), self.attention(cache, mask))
+        h = self.run(input_ids, pos, self.attention(cache, mask))
         cache.length = S
         return h  # (B, 1, C)

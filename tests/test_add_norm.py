@@ -1,0 +1,191 @@
+"""The residual add and the layer norm after it (model/add_norm.py): torch's two ops everywhere but CUDA, and on CUDA
+one Triton kernel, run here on the CPU through triton's interpreter (the same program, executed by numpy), inside
+the whole static decode step too. The kernel on a GPU: tests/test_cuda.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY, chaotic_model, norm_ulps
+
+from gpt2_port.model import add_norm as add_norm_mod
+
+pytest.importorskip("triton", reason="NOT RUN: triton is not installed (pyproject's dev extra brings it)")
+from gpt2_port.model import add_norm_triton  # noqa: E402
+
+# conftest.py sets TRITON_INTERPRET=1 where there is no GPU, before triton is imported: the kernel is then interpreted
+# on the CPU. On a GPU machine it compiles for the GPU instead (CPU tensors can't go there): tests/test_cuda.py runs it.
+interpreted_here = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="NOT RUN: triton compiles for the GPU in this process (CUDA is present); tests/test_cuda.py runs the kernel",
+)
+
+# The kernel's layer norm against torch's, both from the same rounded sum, in ulps of the dtype at the size of the
+# value's larger term (|w * normed| or |b|): its mean and variance are summed in another order. Worst seen (widths 64,
+# 768, 1600): float32 4 ulps from torch's (3.4 from float64's, torch's 4.4), and 6 under the floors' configuration,
+# where torch's layer norm is its unvectorised kernel (3.7 from float64's, torch's 2.2 .. 3.6); fp16 within 0.01 (1.0
+# from float64's, as torch's); bf16 2 (2.0 from float64's, torch's 1.0): triton's interpreter converts float32 to bf16
+# by dropping the low bits, an error of up to 1 ulp where rounding to nearest makes 0.5 (a GPU rounds:
+# tests/test_cuda.py holds it to 1).
+ULPS = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 2}
+
+
+@pytest.fixture
+def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """add_norm takes the kernel on the CPU (triton's interpreter runs it); the kernel never fails meanwhile (a
+    failure would leave torch's ops, and a comparison with them would pass for nothing)."""
+    monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: True)
+    monkeypatch.setattr(add_norm_mod, "_broken", [])
+    yield
+    assert not add_norm_mod._broken, add_norm_mod._broken
+
+
+def _inputs(dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 1, width, generator=g) * 4).to(dtype)  # a residual stream's scale
+    d = torch.randn(rows, 1, width, generator=g).to(dtype)
+    w = (1 + 0.5 * torch.randn(width, generator=g)).to(dtype)
+    b = (0.5 * torch.randn(width, generator=g)).to(dtype)
+    return x, d, w, b
+
+
+@interpreted_here
+@pytest.mark.exactness
+@pytest.mark.parametrize("width", [64, 768, 1600])  # 1600: gpt2-xl's, not a power of two (a masked tail)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "fp16", "bf16"])
+def test_the_kernel_adds_as_torch_adds_and_norms_within_an_ulp_of_torchs_layer_norm(
+    interpreted: None, dtype: torch.dtype, width: int
+) -> None:
+    """The kernel's residual sum is torch's `x + d` bit for bit (float32 and fp16; bf16 within one ulp, and only
+    there: triton's interpreter converts float32 to bf16 by dropping the low bits, where a GPU rounds to nearest even
+    as torch does, which tests/test_cuda.py checks bit for bit); its layer norm of that sum is within `ULPS` of torch's
+    `F.layer_norm`, and as far from float64's as torch's at most `ULPS` more. Three rows, each normalised on its own."""
+    x, d, w, b = _inputs(dtype, 3, width)
+    s, y = add_norm_mod.add_norm(x, d, (w, b), 1e-5, kernel=True)
+    want_s = x + d
+    if dtype == torch.bfloat16:
+        up = torch.nextafter(want_s, want_s.sign() * float("inf"))  # the next bf16 from 0 outward
+        assert ((s == want_s) | (s == torch.nextafter(want_s, want_s.sign() * 0.0)) | (s == up)).all()
+        s = want_s  # the norm below from torch's sum; the kernel's own differs by the interpreter's truncation
+        _, y = add_norm_triton.launch(x - x, want_s, w, b, 1e-5)  # 0 + s is s exactly: the norm of torch's sum
+    else:
+        assert torch.equal(s, want_s)
+    off, ours, theirs = norm_ulps(y, want_s, w, b, 1e-5)
+    assert off <= ULPS[dtype] and ours <= theirs + ULPS[dtype], (off, ours, theirs)
+    assert y.shape == s.shape == x.shape and y.dtype == s.dtype == dtype
+
+
+@interpreted_here
+@pytest.mark.exactness
+def test_each_row_is_normalised_on_its_own_and_eps_is_the_one_given(interpreted: None) -> None:
+    """A row of equal values normalises to the bias alone (its variance 0, so eps alone keeps it finite); a row
+    scaled by 1000 normalises as its unscaled copy does, to float32's rounding; a large eps shrinks the output by the
+    factor torch's gives."""
+    w, b = torch.ones(768), torch.linspace(-1, 1, 768)
+    x = torch.randn(3, 1, 768, generator=torch.Generator().manual_seed(1))
+    x[0] = 2.5
+    x[2] = x[1] * 1000
+    _, y = add_norm_mod.add_norm(x, torch.zeros_like(x), (w, b), 1e-5, kernel=True)
+    assert torch.equal(y[0, 0], b) and torch.allclose(y[2], y[1], atol=1e-5)
+    for eps in (1e-5, 10.0):
+        _, y = add_norm_mod.add_norm(x[1:2], torch.zeros_like(x[1:2]), (w, b), eps, kernel=True)
+        torch.testing.assert_close(y, F.layer_norm(x[1:2], (768,), w, b, eps), rtol=1e-6, atol=1e-6)
+
+
+def test_the_cpu_runs_torchs_add_and_layer_norm_whatever_is_asked() -> None:
+    """No kernel on the CPU (in_kernel never holds there): add_norm is torch's add and layer norm, bit for bit, with or
+    without `kernel`, broadcasting as torch's add does (the plan's (1, 1, C) position embedding beside (B, 1, C))."""
+    x, d, w, b = _inputs(torch.float32, 2, 64)
+    for dd in (d, d[:1]):
+        assert not add_norm_mod.in_kernel(x, dd, (w, b))
+        for kernel in (False, True):
+            s, y = add_norm_mod.add_norm(x, dd, (w, b), 1e-5, kernel=kernel)
+            assert torch.equal(s, x + dd) and torch.equal(y, F.layer_norm(x + dd, (64,), w, b, 1e-5))
+
+
+def test_a_kernel_that_fails_once_leaves_torchs_ops_from_then_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kernel that cannot compile or launch (a triton too old or too new, a GPU it has no code for) is logged once,
+    naming its error, and torch's ops give the result, then and on every later call (never tried again)."""
+    calls = []
+
+    def broken(*args: object) -> None:
+        calls.append(1)
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_200\nmore lines")
+
+    monkeypatch.setattr(add_norm_mod, "_broken", [])
+    monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: not add_norm_mod._broken)
+    monkeypatch.setattr(add_norm_triton, "launch", broken)
+    x, d, w, b = _inputs(torch.float32, 2, 64)
+    with caplog.at_level(logging.WARNING, logger=add_norm_mod.__name__):
+        for _ in range(3):
+            s, y = add_norm_mod.add_norm(x, d, (w, b), 1e-5, kernel=True)
+            assert torch.equal(s, x + d) and torch.equal(y, F.layer_norm(x + d, (64,), w, b, 1e-5))
+    assert len(calls) == 1
+    (rec,) = caplog.records
+    assert "RuntimeError: PTX .version 9.9 does not support .target sm_200" in rec.getMessage()
+    assert "more lines" not in rec.getMessage() and "torch's add and layer norm run instead" in rec.getMessage()
+
+
+def test_the_kernel_is_not_taken_for_what_it_does_not_handle() -> None:
+    """in_kernel's conditions that hold apart from the device (a CPU tensor here, where it never holds): mixed dtypes
+    (autocast's float32 residual beside a bf16 projection), float64, other shapes, non-contiguous rows."""
+    x, d, w, b = _inputs(torch.bfloat16, 2, 64)
+    assert not add_norm_mod.in_kernel(x, d, (w, b))  # the CPU
+    cases = {
+        "mixed": (x.float(), d, (w, b)),
+        "float64": (x.double(), d.double(), (w.double(), b.double())),
+        "shapes": (x, d[:1], (w, b)),
+        "strided": (torch.cat([x, x], -1)[..., ::2], d, (w, b)),
+    }
+    for name, (xx, dd, norm) in cases.items():  # `takes`: the rules for the operands, whatever their device
+        assert not add_norm_mod.takes(xx, dd, norm), name
+    assert add_norm_mod.takes(x, d, (w, b))
+
+
+@interpreted_here
+@pytest.mark.exactness
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_the_static_step_with_the_kernel_makes_the_forwards_tokens(interpreted: None, dtype: torch.dtype) -> None:
+    """The whole fused static step (generate's on CUDA) with each residual add and the norm after it in the kernel
+    (here interpreted on the CPU): no add and no layer norm op of torch's is left but the kernel's calls, 2 a block and
+    one for the embeddings; its ln_f output within a few ulps of the step with torch's ops, and 12 greedy tokens
+    equal to the forward's."""
+    from collections import Counter
+
+    from conftest import OpNames
+
+    from gpt2_port.generate import generate_full
+    from gpt2_port.generate.cache import StaticKVCache
+    from gpt2_port.model.decode import DecodePlan
+
+    m = chaotic_model(TINY, seed=3).to(dtype)
+    plan = DecodePlan.for_model(m)
+    st = StaticKVCache(m.config, 2, 8, m.dtype, "cpu")
+    with torch.no_grad():
+        m(torch.tensor([[3], [5]]), cache=st, hidden_only=True)
+        st.start(None, 1)
+        st.feed(torch.tensor([4, 6]), 1)
+        with OpNames() as seen:
+            got = plan.static_step(st, fused_kernels=True)
+        ops = Counter(seen.seen)
+        want = plan.static_step(st, fused_kernels=False)
+    n = m.config.n_layer
+    assert "layer_norm" not in ops and "native_layer_norm" not in ops and ops["add"] == 0, ops
+    assert ops["empty_like"] == 2 * (2 * n + 1), ops  # each kernel call's sum and norm
+    tol = {torch.float32: 1e-4, torch.bfloat16: 0.1}[dtype]  # the GELU's one kernel and the norms: other roundings
+    assert (got.float() - want.float()).abs().max().item() < tol
+    ids = torch.tensor([[464, 2444, 4721]])
+    g = generate_full(m, ids, 12, eos_token_id=None, static_cache=True, fused_kernels=True)
+    f = generate_full(m, ids, 12, eos_token_id=None, fast_step=False)
+    assert g.extra["step"] == "static" and g.extra["fused_kernels"] and f.extra["step"] == "forward"
+    if dtype == torch.float32:
+        assert torch.equal(g.sequences, f.sequences)
+    else:  # bf16: the interpreter's truncating casts besides; the first tokens, before any near tie
+        assert torch.equal(g.sequences[:, :6], f.sequences[:, :6])
