@@ -33,15 +33,17 @@ def greedy_ours(
     eagerly) is an error, so the row timed under the graph's name is the graph; with `compile_step` (a torch.compile
     backend: `generate --compile`) so is a step that did not run compiled. `fused_kernels`: generate's (None: its
     default, the fused step on CUDA; False: `generate --op-for-op`). `attention`: the SDPA kernels the static step
-    may run for this call (steps.STATIC_BACKENDS, put back after; None: the library's)."""
+    may run for this call, in place of its one-kernel attention (steps.STATIC_BACKENDS and steps.ATTENTION_KERNEL,
+    put back after; None: the library's)."""
     opts = dict(do_sample=False, eos_token_id=None, cuda_graph=cuda_graph, compile_step=compile_step or False)
     opts["fused_kernels"] = fused_kernels
-    saved = steps.STATIC_BACKENDS
-    steps.STATIC_BACKENDS = saved if attention is None else attention
+    saved = steps.STATIC_BACKENDS, steps.ATTENTION_KERNEL
+    if attention is not None:
+        steps.STATIC_BACKENDS, steps.ATTENTION_KERNEL = attention, False
     try:
         g = generate_full(model, ids, new_tokens, **opts)
     finally:
-        steps.STATIC_BACKENDS = saved
+        steps.STATIC_BACKENDS, steps.ATTENTION_KERNEL = saved
     if compile_step and not g.extra["step"].endswith("(compiled)"):
         raise RuntimeError(f"the decode step ran as {g.extra['step']!r}, not compiled (see the log)")
     return _continuation(model, g, ids, new_tokens, cuda_graph)

@@ -47,7 +47,7 @@ from torch.nn.attention import SDPBackend
 
 from benchmarks.decode import first_difference, greedy_hf, greedy_ours, same_prefix, sampled_ours
 from gpt2_port.config import PRESETS, GPT2Config
-from gpt2_port.devices import out_of_memory, parse_device
+from gpt2_port.devices import VARYING_SHAPE_BACKENDS, out_of_memory, parse_device
 from gpt2_port.errors import GPT2PortError, UsageError
 from gpt2_port.files import check_writable, write_output
 from gpt2_port.generate import steps as generate_steps
@@ -532,7 +532,8 @@ def decode_loops(
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The greedy batch-1 loops by row name, in the order they run: ours through `generate` (the CUDA graph; compiled
     first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops, and
-    attending with cuDNN's kernel (bf16/fp16) and with the math one), then
+    attending through SDPA after the cache write, with its memory-efficient kernel, cuDNN's (bf16/fp16) and the math
+    one), then
     transformers' `generate` (hf None: none of its rows) with its dynamic and its static cache, that one also compiled
     on a GPU where `hf_compile`."""
     cuda = ours.device.type == "cuda"
@@ -542,8 +543,10 @@ def decode_loops(
     fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
     if cuda:  # what the fused step (generate's default there) gains: `generate --op-for-op`
         fns["ours, op for op"] = partial(greedy_ours, ours, ids, N, fused_kernels=False)
-        # the static step's attention kernel, against the memory-efficient one it runs: cuDNN's (bf16/fp16), which
-        # plans once over the step's fixed shapes, and the math one (a few small kernels: matmul, softmax, matmul)
+        # the fused step's one-kernel attention (the cache write included) against SDPA's kernels after the cache
+        # write: the memory-efficient one (what the step ran before), cuDNN's (bf16/fp16), which plans once over the
+        # step's fixed shapes, and the math one (a few small kernels: matmul, softmax, matmul)
+        fns["ours, SDPA attention"] = partial(greedy_ours, ours, ids, N, attention=list(VARYING_SHAPE_BACKENDS))
         if ours.dtype in (torch.bfloat16, torch.float16):
             fns["ours, cuDNN attention"] = partial(greedy_ours, ours, ids, N, attention=[SDPBackend.CUDNN_ATTENTION])
         fns["ours, math attention"] = partial(greedy_ours, ours, ids, N, attention=[SDPBackend.MATH])

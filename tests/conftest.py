@@ -215,6 +215,24 @@ def norm_ulps(
     return apart, ((y.double() - truth).abs() / ulp).max().item(), ((want.double() - truth).abs() / ulp).max().item()
 
 
+def attention_inputs(dtype: torch.dtype, hs: int, L: int = 130, seed: int = 0) -> tuple:
+    """q and kv as LayerStep makes them (views of one (B, 1, 3C) c_attn output), a layer's cache of L slots (130: two
+    blocks of 64 and a part), its additive mask (row 0 left-padded past the first block, so a block all masked comes
+    first; row 1 seeing every slot up to the token's), and the token's slot."""
+    B, nh = 2, 3
+    C = nh * hs
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, 1, 3 * C, generator=g).to(dtype)
+    q = qkv[..., :C].view(B, 1, nh, hs).transpose(1, 2)  # (B, nh, 1, hs)
+    kv = qkv[..., C:].view(B, 1, 2, nh, hs).permute(2, 0, 3, 1, 4)  # (2, B, nh, 1, hs)
+    layer = torch.randn(2, B, nh, L, hs, generator=g).to(dtype)
+    slot = torch.tensor([L - 10])
+    bias = torch.full((B, L), float("-inf"))
+    bias[0, 70 : L - 9] = 0.0
+    bias[1, : L - 9] = 0.0
+    return q, kv, layer, bias.to(dtype), slot
+
+
 def same_tokens_where_decided(
     ref: torch.Tensor,
     ref_scores: list[torch.Tensor],

@@ -194,14 +194,15 @@ def test_the_cuda_graph_decode_gives_the_eager_steps_tokens(tiny_official: Path)
         assert first.capture_s > 0 and graph.capture_s == 0 and graph.decode_s > 0  # recorded once, not counted
 
 
-@pytest.mark.parametrize("kernel", ["cuDNN", "math"])
+@pytest.mark.parametrize("kernel", ["memory-efficient", "cuDNN", "math"])
 def test_the_static_step_with_another_attention_kernel_records_and_gives_its_tokens(
     tiny_official: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
-    """The GPU benchmark's rows `ours, cuDNN attention` and `ours, math attention` (steps.STATIC_BACKENDS set for the
-    call): in bf16 the static step attends with that kernel alone (seen in the aten ops it dispatches, run eagerly),
-    is recorded as a CUDA graph (not `static (capture failed)`), and gives the default step's tokens wherever the
-    scores decide them."""
+    """The GPU benchmark's rows `ours, SDPA attention`, `ours, cuDNN attention` and `ours, math attention`
+    (steps.STATIC_BACKENDS set for the call, steps.ATTENTION_KERNEL off): in bf16 the static step attends through SDPA
+    with that kernel alone (seen in the aten ops it dispatches, run eagerly), is recorded as a CUDA graph (not `static
+    (capture failed)`), and gives the default step's tokens (its one-kernel attention) wherever the scores decide
+    them."""
     from torch.nn.attention import SDPBackend
 
     from gpt2_port import GPT2
@@ -212,8 +213,9 @@ def test_the_static_step_with_another_attention_kernel_records_and_gives_its_tok
     ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
     opts = dict(eos_token_id=None, output_scores=True)
     want = generate_full(m, ids, 40, **opts)
-    backend = SDPBackend.CUDNN_ATTENTION if kernel == "cuDNN" else SDPBackend.MATH
-    monkeypatch.setattr(steps, "STATIC_BACKENDS", [backend])
+    backend = {"memory-efficient": SDPBackend.EFFICIENT_ATTENTION, "cuDNN": SDPBackend.CUDNN_ATTENTION}
+    monkeypatch.setattr(steps, "STATIC_BACKENDS", [backend.get(kernel, SDPBackend.MATH)])
+    monkeypatch.setattr(steps, "ATTENTION_KERNEL", False)
     seen = attention_kernels(lambda: generate_full(m, ids, 4, cuda_graph=False, **opts), torch.device("cuda"))
     assert kernel in seen, seen  # the prefill's own kernel beside it
     got = generate_full(m, ids, 40, **opts)
@@ -575,20 +577,21 @@ def test_eval_check_on_cuda_lies_within_its_tolerance_beside_the_floor(
         assert c["as_close_as_reference"] is True, c
 
 
-def test_the_fused_step_takes_ten_kernels_a_block_out_of_the_recorded_step(tiny_official: Path) -> None:
+def test_the_fused_step_takes_eleven_kernels_a_block_out_of_the_recorded_step(tiny_official: Path) -> None:
     """On the GPU, through the profiler as benchmarks.gpu_profile reads it (every kernel of a replayed CUDA graph
-    counted): a batch-1 bf16 decode token through the fused step (generate's default on CUDA) runs 10 kernels a block
-    and one more a token fewer than with the forward's ops (`--op-for-op`), all of them elementwise: c_fc with its GELU
-    is one `_addmm_activation` (cuBLASLt's GELU-and-bias epilogue), where op for op c_fc is one GEMM with its bias and
-    gelu_new eight kernels; each residual add (two a block, and the embeddings') is one kernel with the layer norm
-    after it (model/add_norm.py's Triton kernel, a norm by its name: as many as torch's layer norms); the same
-    matmul count either way (torch's addmm of a bias takes cuBLASLt's bias epilogue at batch 1 as well: 124M on an
-    H100, torch 2.11, benchmarks/results-gpu-h100/profile.json). Its kernels are seen at all (the profile's own
-    premise)."""
+    counted): a batch-1 bf16 decode token through the fused step (generate's default on CUDA) runs 11 kernels a block
+    and one more a token fewer than with the forward's ops (`--op-for-op`): c_fc with its GELU is one
+    `_addmm_activation` (cuBLASLt's GELU-and-bias epilogue), where op for op c_fc is one GEMM with its bias and gelu_new
+    eight elementwise kernels; each residual add (two a block, and the embeddings') is one kernel with the layer norm
+    after it (model/add_norm.py's Triton kernel, a norm by its name: as many as torch's layer norms); the cache write
+    (index_copy_, a copy) is one kernel with the attention (model/decode_attention.py's, an attention by its name: as
+    many as SDPA's); the same matmul count either way (torch's addmm of a bias takes cuBLASLt's bias epilogue at batch 1
+    as well: 124M on an H100, torch 2.11, benchmarks/results-gpu-h100/profile.json). Its kernels are seen at all (the
+    profile's own premise)."""
     from benchmarks.gpu_profile import profile
     from gpt2_port import GPT2
     from gpt2_port.generate import generate_full
-    from gpt2_port.model import add_norm
+    from gpt2_port.model import add_norm, decode_attention
 
     m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, device="cuda")
     ids = torch.tensor([[464, 2444, 4721, 511, 3835]], device="cuda")
@@ -603,13 +606,46 @@ def test_the_fused_step_takes_ten_kernels_a_block_out_of_the_recorded_step(tiny_
         kinds[fused] = {k: v["count_per_unit"] * N for k, v in r["kinds"].items()}
         names[fused] = {k["name"] for k in r["top"]}
         assert r["busy_us_per_unit"] > 0 and kinds[fused].get("matmul", 0) >= 4 * N
-    assert not add_norm._broken and any("_add_layer_norm" in n for n in names[True]), names[True]
+    assert add_norm.KERNEL.broken is None and decode_attention.KERNEL.broken is None
+    assert {"_add_layer_norm", "_decode_attention"} <= {n.split("(")[0].split()[-1] for n in names[True]}, names[True]
     n = m.config.n_layer
     fewer = (per_token[False] - per_token[True]) * N
-    # by kind: the GELU's eight elementwise kernels a block and the residual adds, every other kind the same
+    # by kind: the GELU's eight elementwise kernels a block and the residual adds, the cache writes, every other kind
+    # the same
     by_kind = {k: round(kinds[False].get(k, 0) - kinds[True].get(k, 0)) for k in kinds[False].keys() | kinds[True]}
-    assert fewer == pytest.approx((10 * n + 1) * (N - 1)), (per_token, by_kind)
-    assert {k: v for k, v in by_kind.items() if v} == {"elementwise": (10 * n + 1) * (N - 1)}, by_kind
+    assert fewer == pytest.approx((11 * n + 1) * (N - 1)), (per_token, by_kind)
+    assert {k: v for k, v in by_kind.items() if v} == {"elementwise": (10 * n + 1) * (N - 1), "copy": n * (N - 1)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bf16", "fp16"])
+def test_the_attention_kernel_writes_the_slot_and_attends_within_rounding_of_float64(dtype: torch.dtype) -> None:
+    """model/decode_attention.py's Triton kernel on the GPU (the fused decode step's): the token's key and value in
+    their slot bit for bit, the rest of the cache untouched, and the attention over the masked cache within the
+    dtype's epsilon times the output's largest value of float64's (4 in float32), a block all masked first included;
+    CUDA graph capture and replay give the same output. The CPU test's inputs (tests/test_gpu_kernels.py), on the GPU,
+    GPT-2's head size."""
+    import torch.nn.functional as F
+    from conftest import attention_inputs
+
+    from gpt2_port.model import decode_attention
+
+    q, kv, layer, bias, slot = (t.cuda() for t in attention_inputs(dtype, 64))
+    assert decode_attention.in_kernel(q, kv, layer, bias)
+    want_layer = layer.clone().index_copy_(3, slot, kv)
+    out = decode_attention.attend(q, kv, layer, bias, slot, 0.125, lambda: pytest.fail("the fallback ran"))
+    assert decode_attention.KERNEL.broken is None and torch.equal(layer, want_layer)
+    keys, values = want_layer.double().unbind(0)
+    truth = F.scaled_dot_product_attention(
+        q.double(), keys, values, attn_mask=bias.double()[:, None, None], scale=0.125
+    )
+    err = (out.double() - truth).abs().max().item() / (torch.finfo(dtype).eps * truth.abs().max().item())
+    assert out.shape == q.shape and err <= (4.0 if dtype == torch.float32 else 1.0), err
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        replayed = decode_attention.attend(q, kv, layer, bias, slot, 0.125, lambda: pytest.fail("the fallback ran"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bf16", "fp16"])
@@ -633,7 +669,7 @@ def test_the_add_norm_kernel_adds_as_torch_adds_and_norms_within_an_ulp_of_torch
         b = (0.5 * torch.randn(width, device="cuda", generator=g)).to(dtype)
         assert add_norm.in_kernel(x, d, (w, b))
         s, y = add_norm.add_norm(x, d, (w, b), 1e-5, kernel=True)
-        assert not add_norm._broken, add_norm._broken
+        assert add_norm.KERNEL.broken is None, add_norm.KERNEL.broken
         assert torch.equal(s, x + d)
         off, ours, theirs = norm_ulps(y, s, w, b, 1e-5)
         assert off <= ulps and ours <= theirs + ulps, (width, off, ours, theirs)

@@ -635,7 +635,7 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     fwd = ForwardSteps(model, seq, None, None)
     fwd.prefill(seq[:, :3], None)
     fwd.next(seq[:, 3], 3)
-    static = lambda cache, views, fused_kernels: call()  # noqa: E731
+    static = lambda cache, views, fused_kernels, attention_kernel: call()  # noqa: E731
     plan = SimpleNamespace(step=call, static_step=static, cache_views=lambda cache: None)
     PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
     # the static step's prefill (a new prompt length, a new shape) and its fixed-shape step
@@ -670,7 +670,9 @@ def test_the_static_step_attends_with_the_kernels_set_when_it_was_made(monkeypat
         return torch.zeros(1, 1, 4)
 
     model = type("Stand", (), {"device": torch.device("cuda"), "__call__": lambda self, *a, **k: call()})()
-    plan = SimpleNamespace(static_step=lambda cache, views, fused: call(), cache_views=lambda cache: None)
+    plan = SimpleNamespace(
+        static_step=lambda cache, views, fused, attention_kernel: call(), cache_views=lambda cache: None
+    )
     cache = SimpleNamespace(bias=torch.zeros(1), tok=torch.zeros(1, 1), feed=lambda tok, s: None, advance=lambda: None)
     monkeypatch.setattr(steps, "STATIC_BACKENDS", [SDPBackend.CUDNN_ATTENTION])
     made = steps.StaticSteps(model, plan, cache, cuda_graph=False)  # type: ignore[arg-type]

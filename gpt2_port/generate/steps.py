@@ -11,6 +11,8 @@
   cuDNN's kernel excluded on CUDA (`STATIC_BACKENDS`): the masked SDPA then runs the memory-efficient kernel (or the
   math one); whether cuDNN's, which transformers' compiled static step ran in its CUDA graph at half that kernel's
   time, pays in ours is still to measure. The captured graph and the eager fallback run the same kernel either way.
+  The fused step on CUDA (below) attends through model/decode_attention.py's one kernel instead (`ATTENTION_KERNEL`),
+  the cache write included.
   A captured step is kept on the model for the next call with the same batch, length bucket (cache.static_len),
   dtype and attention kernels; it holds the model only weakly, so `del model` frees the model, its kept caches and
   their graphs without waiting for the garbage collector.
@@ -19,8 +21,8 @@
   about 10 kernels a block in its code read on the CPU), then is captured as above. On CUDA the static step runs
   fewer kernels than the forward's ops (`fused_kernels`, DecodePlan.static_step: torch's one tanh-GELU kernel for
   the eight ops of gelu_new, in bf16/fp16 in c_fc's matmul, and each residual add with the layer norm after it as
-  one Triton kernel, model/add_norm.py): 10 kernels a block fewer in bf16, 9 in float32, in a step whose time on a
-  GPU is mostly its launches.
+  one Triton kernel, model/add_norm.py, and the cache write with the attention as another): 11 kernels a block
+  fewer in bf16, 10 in float32, in a step whose time on a GPU is mostly its launches.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_
 # rows `ours, cuDNN attention` and `ours, math attention` measure, each setting this for its call (transformers'
 # compiled static step ran cuDNN's at 4.9 us a layer on an H100 where ours ran the memory-efficient one at 9.7).
 STATIC_BACKENDS = VARYING_SHAPE_BACKENDS
+# The fused static step's attention (generate's on CUDA) as model/decode_attention.py's one kernel: the token's key and
+# value stored and attended over the cache in one launch a block. False: the cache write and SDPA with STATIC_BACKENDS
+# (what the GPU benchmark's SDPA rows set for their call, beside the default).
+ATTENTION_KERNEL = True
 
 
 class ForwardSteps:
@@ -147,10 +153,11 @@ class StaticSteps:
         device = model.device  # type: ignore[attr-defined]
         views = plan.cache_views(cache)
         self.backends = backends = list(STATIC_BACKENDS)
+        self.attention_kernel = kernel = ATTENTION_KERNEL
 
         def step() -> torch.Tensor:
             with attention_backends(device, backends):  # the kernel the graph records, and the same when run eagerly
-                return plan.static_step(cache, views, fused_kernels)
+                return plan.static_step(cache, views, fused_kernels, kernel)
 
         self.compiled = CompiledStep(step, compile_step) if compile_step else None
         body = self.compiled or step
@@ -218,7 +225,7 @@ def static_steps(  # noqa: ANN001
     # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
     amp = autocast_dtype(model.device.type)
     key = (batch, length, model.dtype, str(model.device), cuda_graph, compile_step, fused_kernels)
-    key += (tuple(STATIC_BACKENDS),)  # the attention kernel a step records
+    key += (tuple(STATIC_BACKENDS), ATTENTION_KERNEL)  # the attention kernel a step records
     key += (torch.is_inference_mode_enabled(),)
     key += (amp, weights)
     if key in kept:

@@ -7,39 +7,32 @@ launching its kernels one after another, and these are two kernels where one wou
 124M in bf16 (benchmarks/results-gpu-h100/profile.md, torch 2.11) the step's 25 layer norms took 74 us of a 566 us
 token and its adds 24 more kernels, where inductor's fused add and layer norm ran at 1.5 us each in the compiled step.
 
-`add_norm(..., kernel=True)` runs them as one Triton kernel (add_norm_triton.py) where `in_kernel` holds: on CUDA,
-triton installed, not under torch.compile (which fuses them itself) or autocast (whose layer norm runs in float32 on
-inputs of other dtypes), x, d, weight and bias of one dtype (float32, bf16 or fp16), x and d of one shape and
-contiguous. The residual sum is torch's bit for bit (the float32 sum rounded once to the dtype, as torch's add
-stores it); the layer norm is the same function rounded otherwise (its mean and variance summed in another order:
-within an ulp of torch's in bf16 and fp16, 8 in float32, in the tests). A kernel that fails to compile or launch
-(the first call compiles it) is logged once and torch's ops run from then on. Elsewhere, and with kernel=False,
+`add_norm(..., kernel=True)` runs them as one Triton kernel (add_norm_triton.py) where `in_kernel` holds: where
+gpu_kernel.py lets a kernel run (CUDA, triton installed, not under torch.compile, which fuses the two itself, nor
+autocast, whose layer norm runs in float32 on inputs of other dtypes), x, d, weight and bias of one dtype (float32,
+bf16 or fp16), x and d of one shape and contiguous. The residual sum is torch's bit for bit (the float32 sum rounded
+once to the dtype, as torch's add stores it); the layer norm is the same function rounded otherwise (its mean and
+variance summed in another order: within an ulp of torch's in bf16 and fp16, 8 in float32, in the tests). A kernel
+that fails is logged once and torch's ops run from then on (gpu_kernel.py). Elsewhere, and with kernel=False,
 torch's two ops: the forward's.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-
 import torch
 import torch.nn.functional as F
 
-from ..devices import autocast_dtype, compiling, out_of_memory
-
-log = logging.getLogger(__name__)
+from .gpu_kernel import GpuKernel
 
 Norm = tuple[torch.Tensor, torch.Tensor]  # a LayerNorm's weight and bias, (C,) each
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_WIDTH = 16384  # one program holds a row in registers: wider rows take torch's ops
-_broken: list[str] = []  # the kernel failed once in this process (its error): torch's ops from then on
+KERNEL = GpuKernel("the add-and-layer-norm kernel", "torch's add and layer norm")
 
 
 def in_kernel(x: torch.Tensor, d: torch.Tensor, norm: Norm) -> bool:
     """Whether `add_norm(x, d, norm, eps, kernel=True)` runs the one Triton kernel (see the module docstring)."""
-    if x.device.type != "cuda" or _broken or compiling() or autocast_dtype("cuda") is not None:
-        return False
-    return takes(x, d, norm) and triton_installed()
+    return KERNEL.may_run(x) and takes(x, d, norm)
 
 
 def takes(x: torch.Tensor, d: torch.Tensor, norm: Norm) -> bool:
@@ -53,24 +46,22 @@ def takes(x: torch.Tensor, d: torch.Tensor, norm: Norm) -> bool:
     return x.shape[-1] <= MAX_WIDTH and w.shape == b.shape == x.shape[-1:]
 
 
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def add_norm(
     x: torch.Tensor, d: torch.Tensor, norm: Norm, eps: float, kernel: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., C) x and d -> (x + d, layer_norm(x + d) with `norm`'s weight and bias): in one kernel where `kernel`
     and `in_kernel` hold, else as torch's add then torch's layer norm."""
+
+    def torch_ops() -> tuple[torch.Tensor, torch.Tensor]:
+        s = x + d
+        return s, F.layer_norm(s, s.shape[-1:], *norm, eps)
+
     if kernel and in_kernel(x, d, norm):
-        try:
+
+        def launch() -> tuple[torch.Tensor, torch.Tensor]:
             from .add_norm_triton import launch
 
             return launch(x, d, *norm, eps)
-        except Exception as e:  # noqa: BLE001 - any compiler or launch failure leaves torch's ops, the same function
-            if out_of_memory(e):
-                raise
-            _broken.append(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
-            log.warning("the add-and-layer-norm kernel failed (%s); torch's add and layer norm run instead", _broken[0])
-    s = x + d
-    return s, F.layer_norm(s, s.shape[-1:], *norm, eps)
+
+        return KERNEL.run(launch, torch_ops)
+    return torch_ops()

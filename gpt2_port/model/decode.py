@@ -40,6 +40,7 @@ from torch import nn
 from ..devices import autocast_dtype
 from ..errors import UsageError
 from ..generate.cache import KVCache, StaticKVCache
+from . import decode_attention
 from .add_norm import Norm, add_norm
 from .c_attn import fused_qkv
 from .fused import gelu_tanh
@@ -162,7 +163,7 @@ class DecodePlan:
         cfg = model.config
         self._model = weakref.ref(model)  # a plan may be kept on its model (generate/steps.py): no cycle
         self.n_positions = cfg.n_positions
-        self.C, self.eps, self.scale = cfg.n_embd, cfg.layer_norm_epsilon, cfg.head_dim**-0.5
+        self.eps, self.scale = cfg.layer_norm_epsilon, cfg.head_dim**-0.5
         self.layers = [LayerStep.of(block) for block in model.h]
         self.wte, self.wpe = model.wte.weight, model.wpe.weight
         self.ln_f = (model.ln_f.weight, model.ln_f.bias)
@@ -201,9 +202,10 @@ class DecodePlan:
 
         return attend
 
-    def static_attention(self, cache: StaticKVCache, views: CacheViews | None = None) -> Attend:
+    def static_attention(self, cache: StaticKVCache, views: CacheViews | None = None, kernel: bool = False) -> Attend:
         """Attend over all `max_len` slots of a StaticKVCache: store k, v at its slot tensor (index_copy_), SDPA with
-        the (B, 1, 1, max_len) mask of the slots each row sees. Every shape is the generation's: capturable.
+        the (B, 1, 1, max_len) mask of the slots each row sees. Every shape is the generation's: capturable. `kernel`:
+        both in one kernel where decode_attention.py's can run (CUDA), the same function rounded otherwise.
 
         The mask is the cache's own additive one (`bias`: the values SDPA would make of the boolean, 0 where seen and
         -inf elsewhere, so the same arithmetic), read as it is where it is in q's dtype (SDPA takes an additive mask
@@ -214,6 +216,11 @@ class DecodePlan:
         bias: list[torch.Tensor] = []  # this step's additive mask in q's dtype, (B, 1, 1, max_len)
 
         def attend(i: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            if kernel and decode_attention.in_kernel(q, kv, kvs[i], mask):
+                return decode_attention.attend(q, kv, kvs[i], mask, slot, scale, lambda: sdpa(i, q, kv))
+            return sdpa(i, q, kv)
+
+        def sdpa(i: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             # the key and the value in one write, in the cache's dtype, as the dynamic step's copy_ stores them (under
             # autocast they come out of the matmul in bf16/fp16; index_copy_ does not cast)
             kvs[i].index_copy_(3, slot, kv.to(kvs[i].dtype))
@@ -228,25 +235,30 @@ class DecodePlan:
         return attend
 
     def static_step(
-        self, cache: StaticKVCache, views: CacheViews | None = None, fused_kernels: bool = False
+        self,
+        cache: StaticKVCache,
+        views: CacheViews | None = None,
+        fused_kernels: bool = False,
+        attention_kernel: bool = True,
     ) -> torch.Tensor:
         """One token per row from the cache's device inputs (tok, pos, slot, bias) -> (B, 1, C) ln_f output. No host
         value is read, so a CUDA graph can record it once and replay it for every token. `views`: the cache's
         `cache_views`, passed by a caller that looked them up once (StaticSteps).
 
-        `fused_kernels`: the same function in fewer kernels, rounded otherwise (LayerStep's `fused`). The MLP's GELU
-        as torch's one tanh-GELU kernel (fused.gelu_tanh) instead of the forward's eight ops (gelu_new): float32 1 ulp
+        `fused_kernels`: the same function in fewer kernels, rounded otherwise (LayerStep's `fused`). The MLP's GELU as
+        torch's one tanh-GELU kernel (fused.gelu_tanh) instead of the forward's eight ops (gelu_new): float32 1 ulp
         apart on about 1% of inputs; bf16/fp16 op for op rounds each of the eight results to its dtype, the kernel
         computes in float32 and rounds once; on CUDA in bf16/fp16 done with c_fc's matmul (`gelu_projected`: the
         epilogue of cuBLASLt's kernel). On a GPU, where a batch-1 decode step's time is its kernels' count more than
         their work, a block then launches 8 kernels fewer in bf16/fp16 (c_fc and its GELU in one) and 7 in float32
-        (c_fc, then the GELU's one kernel) than op for op: in a profile of 124M on an H100 (torch 2.11, batch 1),
-        12.6 kernels a block against 20.4 in bf16, 12.5 against 19.4 in float32. On CUDA each residual add and the
-        layer norm after it are one Triton kernel too (add_norm.py: the sum torch's bit for bit, the norm within an
-        ulp): 2 kernels a block and one a token fewer. Adding a projection into the residual in its matmul instead
-        saved no kernel there (torch's addmm of a bias took cuBLASLt's bias epilogue at batch 1 too) and rounded
-        otherwise."""
-        return self.run(cache.tok, cache.pos, self.static_attention(cache, views), fused_kernels)
+        (c_fc, then the GELU's one kernel) than op for op: in a profile of 124M on an H100 (torch 2.11, batch 1), 12.6
+        kernels a block against 20.4 in bf16, 12.5 against 19.4 in float32. On CUDA each residual add and the layer norm
+        after it are one Triton kernel too (add_norm.py: the sum torch's bit for bit, the norm within an ulp): 2 kernels
+        a block and one a token fewer; and with `attention_kernel` each block's cache write and attention one more
+        (decode_attention.py): 1 a block fewer again. Adding a projection into the residual in its matmul instead saved
+        no kernel there (torch's addmm of a bias took cuBLASLt's bias epilogue at batch 1 too) and rounded otherwise."""
+        attend = self.static_attention(cache, views, fused_kernels and attention_kernel)
+        return self.run(cache.tok, cache.pos, attend, fused_kernels)
 
     @staticmethod
     def cache_views(cache: KVCache) -> CacheViews:

@@ -1,6 +1,8 @@
-"""The residual add and the layer norm after it (model/add_norm.py): torch's two ops everywhere but CUDA, and on CUDA
-one Triton kernel, run here on the CPU through triton's interpreter (the same program, executed by numpy), inside
-the whole static decode step too. The kernel on a GPU: tests/test_cuda.py."""
+"""The decode step's hand-written GPU kernels, run here on the CPU through triton's interpreter (the same programs,
+executed by numpy), alone and inside the whole static decode step: the residual add with the layer norm after it
+(model/add_norm.py; torch's two ops everywhere but CUDA) and the cache write with the attention (model/
+decode_attention.py; the cache write and SDPA elsewhere); what happens when one fails (model/gpu_kernel.py). The
+kernels on a GPU: tests/test_cuda.py."""
 
 from __future__ import annotations
 
@@ -11,12 +13,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, chaotic_model, norm_ulps
+from conftest import TINY, attention_inputs, chaotic_model, norm_ulps
 
 from gpt2_port.model import add_norm as add_norm_mod
 
 pytest.importorskip("triton", reason="NOT RUN: triton is not installed (pyproject's dev extra brings it)")
-from gpt2_port.model import add_norm_triton  # noqa: E402
+from gpt2_port.model import add_norm_triton, decode_attention  # noqa: E402
 
 # conftest.py sets TRITON_INTERPRET=1 where there is no GPU, before triton is imported: the kernel is then interpreted
 # on the CPU. On a GPU machine it compiles for the GPU instead (CPU tensors can't go there): tests/test_cuda.py runs it.
@@ -37,12 +39,14 @@ ULPS = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 2}
 
 @pytest.fixture
 def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """add_norm takes the kernel on the CPU (triton's interpreter runs it); the kernel never fails meanwhile (a
-    failure would leave torch's ops, and a comparison with them would pass for nothing)."""
+    """The kernels run on the CPU (triton's interpreter runs them) wherever the step asks for them; neither fails
+    meanwhile (a failure would leave torch's ops, and a comparison with them would pass for nothing)."""
     monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: True)
-    monkeypatch.setattr(add_norm_mod, "_broken", [])
+    monkeypatch.setattr(decode_attention, "in_kernel", decode_attention.takes)  # its operands' rules, not the device
+    for mod in (add_norm_mod, decode_attention):
+        monkeypatch.setattr(mod.KERNEL, "broken", None)
     yield
-    assert not add_norm_mod._broken, add_norm_mod._broken
+    assert add_norm_mod.KERNEL.broken is None and decode_attention.KERNEL.broken is None
 
 
 def _inputs(dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -119,11 +123,11 @@ def test_a_kernel_that_fails_once_leaves_torchs_ops_from_then_on(
         calls.append(1)
         raise RuntimeError("PTX .version 9.9 does not support .target sm_200\nmore lines")
 
-    monkeypatch.setattr(add_norm_mod, "_broken", [])
-    monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: not add_norm_mod._broken)
+    monkeypatch.setattr(add_norm_mod.KERNEL, "broken", None)
+    monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: add_norm_mod.KERNEL.broken is None)
     monkeypatch.setattr(add_norm_triton, "launch", broken)
     x, d, w, b = _inputs(torch.float32, 2, 64)
-    with caplog.at_level(logging.WARNING, logger=add_norm_mod.__name__):
+    with caplog.at_level(logging.WARNING, logger="gpt2_port.model.gpu_kernel"):
         for _ in range(3):
             s, y = add_norm_mod.add_norm(x, d, (w, b), 1e-5, kernel=True)
             assert torch.equal(s, x + d) and torch.equal(y, F.layer_norm(x + d, (64,), w, b, 1e-5))
@@ -152,11 +156,12 @@ def test_the_kernel_is_not_taken_for_what_it_does_not_handle() -> None:
 @interpreted_here
 @pytest.mark.exactness
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-def test_the_static_step_with_the_kernel_makes_the_forwards_tokens(interpreted: None, dtype: torch.dtype) -> None:
-    """The whole fused static step (generate's on CUDA) with each residual add and the norm after it in the kernel
-    (here interpreted on the CPU): no add and no layer norm op of torch's is left but the kernel's calls, 2 a block and
-    one for the embeddings; its ln_f output within a few ulps of the step with torch's ops, and 12 greedy tokens
-    equal to the forward's."""
+def test_the_static_step_with_the_kernels_makes_the_forwards_tokens(interpreted: None, dtype: torch.dtype) -> None:
+    """The whole fused static step (generate's on CUDA) with each residual add and the norm after it in one kernel and
+    each block's cache write and attention in another (here interpreted on the CPU): no add, layer norm, index_copy_
+    or SDPA op of torch's is left, but the add-and-norm kernel's outputs (2 a block and one for the embeddings); its
+    ln_f output within a few ulps of the step with torch's ops, and 12 greedy tokens equal to the forward's. With
+    `attention_kernel=False` (steps.ATTENTION_KERNEL) the attention is the cache write and SDPA again."""
     from collections import Counter
 
     from conftest import OpNames
@@ -172,13 +177,18 @@ def test_the_static_step_with_the_kernel_makes_the_forwards_tokens(interpreted: 
         m(torch.tensor([[3], [5]]), cache=st, hidden_only=True)
         st.start(None, 1)
         st.feed(torch.tensor([4, 6]), 1)
-        with OpNames() as seen:
-            got = plan.static_step(st, fused_kernels=True)
-        ops = Counter(seen.seen)
+        ops = {}
+        for attention_kernel in (True, False):
+            with OpNames() as seen:
+                got = plan.static_step(st, fused_kernels=True, attention_kernel=attention_kernel)
+            ops[attention_kernel] = Counter(seen.seen)
         want = plan.static_step(st, fused_kernels=False)
     n = m.config.n_layer
-    assert "layer_norm" not in ops and "native_layer_norm" not in ops and ops["add"] == 0, ops
-    assert ops["empty_like"] == 2 * (2 * n + 1), ops  # each kernel call's sum and norm
+    for kernel, o in ops.items():
+        assert "layer_norm" not in o and "native_layer_norm" not in o and o["add"] == 0, o
+        assert o["empty_like"] == 2 * (2 * n + 1), o  # each add-and-norm call's sum and norm
+        sdpa = any("scaled_dot_product" in name for name in o)
+        assert (o["index_copy_"], sdpa) == ((0, False) if kernel else (n, True)), o
     tol = {torch.float32: 1e-4, torch.bfloat16: 0.1}[dtype]  # the GELU's one kernel and the norms: other roundings
     assert (got.float() - want.float()).abs().max().item() < tol
     ids = torch.tensor([[464, 2444, 4721]])
@@ -189,3 +199,57 @@ def test_the_static_step_with_the_kernel_makes_the_forwards_tokens(interpreted: 
         assert torch.equal(g.sequences, f.sequences)
     else:  # bf16: the interpreter's truncating casts besides; the first tokens, before any near tie
         assert torch.equal(g.sequences[:, :6], f.sequences[:, :6])
+
+
+def _sdpa(q: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    keys, values = layer.unbind(0)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, None, None, :], scale=scale)
+
+
+# The kernel's attention against float64's, beside SDPA's (the CPU's) over the same written cache, in units of the
+# dtype's epsilon times the output's largest value. Worst seen (head sizes 16 and 64): float32 ours 0.9, SDPA's 0.9;
+# fp16 ours 0.5, SDPA's 0.5; bf16 ours 1.0 (the interpreter truncates its bf16 output), SDPA's 0.5.
+ATTENTION_EPS = {torch.float32: 4.0, torch.float16: 1.0, torch.bfloat16: 1.5}
+
+
+@interpreted_here
+@pytest.mark.exactness
+@pytest.mark.parametrize("hs", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "fp16", "bf16"])
+def test_the_attention_kernel_writes_the_slot_and_attends_as_sdpa_does(
+    interpreted: None, dtype: torch.dtype, hs: int
+) -> None:
+    """decode_attention.attend stores the token's key and value in their slot, bit for bit, and nothing else of the
+    cache changes; its output (B, nh, 1, hs) is SDPA's over that cache with the mask, within `ATTENTION_EPS` of
+    float64's (as SDPA's is), a block all masked included (no NaN). The fallback is not called."""
+    q, kv, layer, bias, slot = attention_inputs(dtype, hs)
+    assert decode_attention.takes(q, kv, layer, bias)
+    want_layer = layer.clone().index_copy_(3, slot, kv)
+    scale = hs**-0.5
+    out = decode_attention.attend(q, kv, layer, bias, slot, scale, lambda: pytest.fail("the fallback ran"))
+    assert torch.equal(layer, want_layer)
+    assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
+    truth = _sdpa(q.double(), want_layer.double(), bias.double(), scale)
+    unit = torch.finfo(dtype).eps * truth.abs().max().item()
+    ours = (out.double() - truth).abs().max().item() / unit
+    theirs = (_sdpa(q, want_layer, bias, scale).double() - truth).abs().max().item() / unit
+    assert ours <= ATTENTION_EPS[dtype] and theirs <= ATTENTION_EPS[dtype], (ours, theirs)
+
+
+def test_the_attention_kernel_is_not_taken_for_what_it_does_not_handle() -> None:
+    """decode_attention.in_kernel never holds on the CPU; `takes` (its operands' rules) refuses mixed dtypes
+    (autocast's bf16 key and value beside a float32 cache), float64, a head size that is not a power of two, more
+    than one query, a non-contiguous cache, and a mask of another length."""
+    q, kv, layer, bias, slot = attention_inputs(torch.bfloat16, 16)
+    assert decode_attention.takes(q, kv, layer, bias) and not decode_attention.in_kernel(q, kv, layer, bias)
+    q48, kv48, layer48, bias48, _ = attention_inputs(torch.float32, 48)
+    cases = {
+        "mixed": (q, kv, layer.float(), bias.float()),
+        "float64": (q.double(), kv.double(), layer.double(), bias.double()),
+        "head size 48": (q48, kv48, layer48, bias48),
+        "two queries": (q.expand(-1, -1, 2, -1), kv, layer, bias),
+        "strided cache": (q, kv, layer.transpose(3, 4).contiguous().transpose(3, 4), bias),
+        "mask length": (q, kv, layer, bias[:, :-1]),
+    }
+    for name, args in cases.items():
+        assert not decode_attention.takes(*args), name

@@ -1,0 +1,70 @@
+"""The static decode step's attention on CUDA as one kernel: the token's key and value stored in their slot of the
+layer's cache, and its query attended over every slot with the cache's additive mask (decode_attention_triton.py).
+
+The static step otherwise runs two kernels a block for this: the cache write (`index_copy_`) and SDPA, which on an
+H100 ran its memory-efficient kernel at 9.7 us a layer for a one-token query (bf16, 124M, batch 1: 116 us of a 566
+us token; index_copy_ 2.8 us more; benchmarks/results-gpu-h100/profile.md). That kernel tiles for many queries; a
+decode step has one a head, so here a program a (row, head) reads its keys and values once, in blocks of 64 slots,
+with the online softmax (a running maximum, as flash attention keeps it), in float32: the same function as SDPA's,
+rounded otherwise (SDPA's bf16 kernel rounds the probabilities to bf16 before multiplying them with the values; this
+keeps them in float32). Its time on a GPU is still to measure (`python -m benchmarks.gpu decode`: the rows `ours` and
+`ours, SDPA attention`).
+
+`attend` runs it where `in_kernel` holds: where gpu_kernel.py lets a kernel run (CUDA, triton installed, not under
+torch.compile or autocast), q, the token's key and value, the cache and its mask of one dtype (float32, bf16 or
+fp16), the head size a power of two from 16 to 256, the cache contiguous; else, and when it fails (logged once,
+gpu_kernel.py), `fallback`: the cache write and SDPA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .gpu_kernel import GpuKernel
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL = GpuKernel("the decode attention kernel", "the cache write and SDPA")
+
+
+def in_kernel(q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Whether `attend(q, kv, layer, bias, ...)` runs the kernel (see the module docstring)."""
+    return KERNEL.may_run(q) and takes(q, kv, layer, bias)
+
+
+def takes(q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor, bias: torch.Tensor) -> bool:
+    """The kernel's rules for its operands, the device aside: q (B, nh, 1, hs), kv (2, B, nh, 1, hs), the layer's
+    cache (2, B, nh, L, hs) contiguous and its mask (B, L) contiguous, all of one dtype (float32, bf16 or fp16), hs a
+    power of two from 16 to 256."""
+    if q.dim() != 4 or q.shape[2] != 1 or q.dtype not in KERNEL_DTYPES:
+        return False
+    B, nh, _, hs = q.shape
+    if not (q.dtype == kv.dtype == layer.dtype == bias.dtype) or kv.shape != (2, B, nh, 1, hs):
+        return False
+    if layer.dim() != 5 or layer.shape[:3] != (2, B, nh) or layer.shape[4] != hs or not layer.is_contiguous():
+        return False
+    if bias.shape != (B, layer.shape[3]) or not bias.is_contiguous():
+        return False
+    return 16 <= hs <= 256 and hs & (hs - 1) == 0
+
+
+def attend(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    layer: torch.Tensor,
+    bias: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+    fallback: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    """Store kv (2, B, nh, 1, hs) at `slot` ((1,) on the device) of `layer` (2, B, nh, L, hs) and attend q (B, nh, 1,
+    hs) over its L slots with the additive mask `bias` (B, L) -> (B, nh, 1, hs), in one kernel; `fallback()` (the
+    same, as the cache write and SDPA) where the kernel fails."""
+
+    def launch() -> torch.Tensor:
+        from .decode_attention_triton import launch
+
+        return launch(q, kv, layer, bias, slot, scale)
+
+    return KERNEL.run(launch, fallback)
