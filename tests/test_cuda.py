@@ -632,6 +632,13 @@ def test_the_attention_kernel_writes_the_slot_and_attends_within_rounding_of_flo
     q, kv, layer, bias, slot = (t.cuda() for t in attention_inputs(dtype, 64))
     assert decode_attention.in_kernel(q, kv, layer, bias)
     want_layer = layer.clone().index_copy_(3, slot, kv)
+    first = layer.clone()  # the first call for these shapes is checked against the cache write and SDPA (gpu_kernel.py)
+
+    def write_and_sdpa() -> torch.Tensor:
+        keys, values = first.index_copy_(3, slot, kv).unbind(0)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, None, None], scale=0.125)
+
+    decode_attention.attend(q, kv, first, bias, slot, 0.125, write_and_sdpa)
     out = decode_attention.attend(q, kv, layer, bias, slot, 0.125, lambda: pytest.fail("the fallback ran"))
     assert decode_attention.KERNEL.broken is None and torch.equal(layer, want_layer)
     keys, values = want_layer.double().unbind(0)

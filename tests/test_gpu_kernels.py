@@ -45,6 +45,7 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(decode_attention, "in_kernel", decode_attention.takes)  # its operands' rules, not the device
     for mod in (add_norm_mod, decode_attention):
         monkeypatch.setattr(mod.KERNEL, "broken", None)
+        monkeypatch.setattr(mod.KERNEL, "checked", set())  # each call shape's first result checked again
     yield
     assert add_norm_mod.KERNEL.broken is None and decode_attention.KERNEL.broken is None
 
@@ -137,6 +138,68 @@ def test_a_kernel_that_fails_once_leaves_torchs_ops_from_then_on(
     assert "more lines" not in rec.getMessage() and "torch's add and layer norm run instead" in rec.getMessage()
 
 
+@pytest.mark.parametrize("wrong", ["off by far", "nan"])
+def test_a_kernel_whose_first_result_disagrees_with_torchs_ops_is_never_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, wrong: str
+) -> None:
+    """A kernel compiled wrong for the GPU it runs on (which tests on other GPUs would not show): its first result for
+    a call's shapes is compared with torch's ops' on the same inputs; one that disagrees (a norm off by far, or not
+    finite) is logged once, torch's result is returned instead, and the kernel never runs again."""
+    calls = []
+
+    def off(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> tuple:
+        calls.append(1)
+        s = x + d
+        y = F.layer_norm(s, s.shape[-1:], w, b, eps)
+        return s, y * 1.01 if wrong == "off by far" else y.masked_fill(y > 1, float("nan"))
+
+    monkeypatch.setattr(add_norm_mod.KERNEL, "broken", None)
+    monkeypatch.setattr(add_norm_mod.KERNEL, "checked", set())
+    monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: add_norm_mod.KERNEL.broken is None)
+    monkeypatch.setattr(add_norm_triton, "launch", off)
+    x, d, w, b = _inputs(torch.float32, 2, 64)
+    with caplog.at_level(logging.WARNING, logger="gpt2_port.model.gpu_kernel"):
+        for _ in range(3):
+            s, y = add_norm_mod.add_norm(x, d, (w, b), 1e-5, kernel=True)
+            assert torch.equal(s, x + d) and torch.equal(y, F.layer_norm(x + d, (64,), w, b, 1e-5))
+    assert len(calls) == 1 and not add_norm_mod.KERNEL.checked
+    (rec,) = caplog.records
+    assert "its first result differs from theirs" in rec.getMessage() and "x eps" in rec.getMessage()
+    assert ("nan" in rec.getMessage()) == (wrong == "nan"), rec.getMessage()
+
+
+def test_a_kernel_is_checked_once_for_each_shape_and_never_while_a_graph_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check runs torch's ops beside the kernel on its first call for a (dtype, shape), and only then: later calls
+    of that shape run the kernel alone, another shape is checked once again; while a CUDA graph records (a capture
+    after its warm-up runs, which made the check) nothing is checked, so the graph holds the kernel alone."""
+    from gpt2_port.model import gpu_kernel
+
+    torch_ops = []
+    real = add_norm_mod.F.layer_norm
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        torch_ops.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(add_norm_mod.KERNEL, "broken", None)
+    monkeypatch.setattr(add_norm_mod.KERNEL, "checked", set())
+    monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: True)
+    monkeypatch.setattr(
+        add_norm_triton, "launch", lambda x, d, w, b, eps: (x + d, real(x + d, (x.shape[-1],), w, b, eps))
+    )
+    monkeypatch.setattr(add_norm_mod.F, "layer_norm", counted)
+    for rows, want in ((2, 1), (2, 1), (3, 2), (3, 2)):
+        x, d, w, b = _inputs(torch.float32, rows, 64)
+        add_norm_mod.add_norm(x, d, (w, b), 1e-5, kernel=True)
+        assert len(torch_ops) == want, (rows, torch_ops)
+    monkeypatch.setattr(gpu_kernel, "_capturing", lambda: True)
+    x, d, w, b = _inputs(torch.float32, 4, 64)
+    add_norm_mod.add_norm(x, d, (w, b), 1e-5, kernel=True)
+    assert len(torch_ops) == 2 and (torch.float32, x.shape) not in add_norm_mod.KERNEL.checked
+
+
 def test_the_kernel_is_not_taken_for_what_it_does_not_handle() -> None:
     """in_kernel's conditions that hold apart from the device (a CPU tensor here, where it never holds): mixed dtypes
     (autocast's float32 residual beside a bf16 projection), float64, other shapes, non-contiguous rows."""
@@ -179,6 +242,7 @@ def test_the_static_step_with_the_kernels_makes_the_forwards_tokens(interpreted:
         st.feed(torch.tensor([4, 6]), 1)
         ops = {}
         for attention_kernel in (True, False):
+            plan.static_step(st, fused_kernels=True, attention_kernel=attention_kernel)  # each kernel's first check
             with OpNames() as seen:
                 got = plan.static_step(st, fused_kernels=True, attention_kernel=attention_kernel)
             ops[attention_kernel] = Counter(seen.seen)
@@ -221,11 +285,20 @@ def test_the_attention_kernel_writes_the_slot_and_attends_as_sdpa_does(
 ) -> None:
     """decode_attention.attend stores the token's key and value in their slot, bit for bit, and nothing else of the
     cache changes; its output (B, nh, 1, hs) is SDPA's over that cache with the mask, within `ATTENTION_EPS` of
-    float64's (as SDPA's is), a block all masked included (no NaN). The fallback is not called."""
+    float64's (as SDPA's is), a block all masked included (no NaN). Its first call for these shapes (on a copy of the
+    cache) is checked against the cache write and SDPA (gpu_kernel.py); after it the fallback is not called."""
     q, kv, layer, bias, slot = attention_inputs(dtype, hs)
     assert decode_attention.takes(q, kv, layer, bias)
     want_layer = layer.clone().index_copy_(3, slot, kv)
     scale = hs**-0.5
+    first = layer.clone()
+
+    def write_and_sdpa() -> torch.Tensor:
+        first.index_copy_(3, slot, kv)
+        return _sdpa(q, first, bias, scale)
+
+    decode_attention.attend(q, kv, first, bias, slot, scale, write_and_sdpa)
+    assert (dtype, q.shape, layer.shape) in decode_attention.KERNEL.checked
     out = decode_attention.attend(q, kv, layer, bias, slot, scale, lambda: pytest.fail("the fallback ran"))
     assert torch.equal(layer, want_layer)
     assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()

@@ -22,12 +22,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gpu_kernel import GpuKernel
+from .gpu_kernel import GpuKernel, within
 
 Norm = tuple[torch.Tensor, torch.Tensor]  # a LayerNorm's weight and bias, (C,) each
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_WIDTH = 16384  # one program holds a row in registers: wider rows take torch's ops
-KERNEL = GpuKernel("the add-and-layer-norm kernel", "torch's add and layer norm")
+
+
+def _agree(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> str | None:
+    """The kernel's first (sum, norm) against torch's, as GpuKernel checks it: each within a few of the dtype's
+    epsilons of the largest value (the tests hold the sum to bit equality and the norm to an ulp or 8 in float32;
+    this catches a kernel compiled wrong, whose values are far off)."""
+    (s, y), (s0, y0) = got, want
+    eps = 8.0 if s0.dtype == torch.float32 else 2.0
+    return within(s, s0, 1.0) or within(y, y0, eps)
+
+
+KERNEL = GpuKernel("the add-and-layer-norm kernel", "torch's add and layer norm", _agree)
 
 
 def in_kernel(x: torch.Tensor, d: torch.Tensor, norm: Norm) -> bool:
@@ -63,5 +74,5 @@ def add_norm(
 
             return launch(x, d, *norm, eps)
 
-        return KERNEL.run(launch, torch_ops)
+        return KERNEL.run((x.dtype, x.shape), launch, torch_ops)
     return torch_ops()

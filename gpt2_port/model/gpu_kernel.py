@@ -5,7 +5,9 @@ A kernel runs on CUDA only, with triton installed (torch's CUDA wheels bring it 
 under torch.compile (which makes its own kernels from torch's ops) nor autocast (whose casts the kernels do not make).
 Its first call compiles it; a kernel that fails to compile or launch (a triton too old or too new, a GPU it has no
 code for) is logged once, naming its error, and torch's ops run in its place from then on, in this process. Running
-out of memory is not the kernel's failure: raised, as torch's ops would meet it too.
+out of memory is not the kernel's failure: raised, as torch's ops would meet it too. And its first result for each
+shape is compared with torch's ops' on the same inputs: a kernel compiled wrong for this GPU, which the tests on
+another would not show, is found there, logged, and never used again (the values are torch's).
 """
 
 from __future__ import annotations
@@ -28,24 +30,54 @@ def triton_installed() -> bool:
 
 
 class GpuKernel:
-    """One hand-written kernel's state in this process: `may_run(t)` for a tensor of its call, `run(launch,
-    fallback)` to call it. `what` and `instead` name it and torch's ops in the warning."""
+    """One hand-written kernel's state in this process: `may_run(t)` for a tensor of its call, `run(...)` to call it.
+    `what` and `instead` name it and torch's ops in the warning; `agree(got, want)` -> None, or what differs, holds
+    the kernel's first result for each `key` (the dtypes and shapes of a call: one compiled kernel each) to torch's
+    ops' on the same inputs."""
 
-    def __init__(self, what: str, instead: str) -> None:
-        self.what, self.instead = what, instead
-        self.broken: str | None = None  # the error it failed with, once it has
+    def __init__(self, what: str, instead: str, agree: Callable[[T, T], str | None]) -> None:
+        self.what, self.instead, self.agree = what, instead, agree
+        self.broken: str | None = None  # why it is not used any more, once it has failed or disagreed
+        self.checked: set[tuple] = set()  # the keys whose first result agreed
 
     def may_run(self, t: torch.Tensor) -> bool:
         if t.device.type != "cuda" or self.broken is not None or compiling():
             return False
         return autocast_dtype("cuda") is None and triton_installed()
 
-    def run(self, launch: Callable[[], T], fallback: Callable[[], T]) -> T:
+    def run(self, key: tuple, launch: Callable[[], T], fallback: Callable[[], T]) -> T:
+        """launch() (the kernel), or fallback() (torch's ops) where it fails. The first call for a `key` runs both and
+        compares them (one wait for the device, once: not while a CUDA graph records, whose warm-up runs made it
+        before): a kernel compiled wrong for this GPU is found there and never used again, where tests on other
+        GPUs would not show it. fallback() must be safe to run after launch() (it writes what the kernel wrote)."""
         try:
-            return launch()
+            got = launch()
         except Exception as e:  # noqa: BLE001 - any compiler or launch failure leaves torch's ops, the same function
             if out_of_memory(e):
                 raise
-            self.broken = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-            log.warning("%s failed (%s); %s run instead", self.what, self.broken, self.instead)
+            return self._give_up(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}", fallback)
+        if key in self.checked or _capturing():
+            return got
+        want = fallback()
+        why = self.agree(got, want)
+        if why is not None:
+            return self._give_up(f"its first result differs from theirs: {why}", lambda: want)
+        self.checked.add(key)
+        return got
+
+    def _give_up(self, why: str, fallback: Callable[[], T]) -> T:
+        self.broken = why
+        log.warning("%s failed (%s); %s run instead", self.what, why, self.instead)
         return fallback()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def within(got: torch.Tensor, want: torch.Tensor, eps: float) -> str | None:
+    """None where every value of `got` is within `eps` times the dtype's epsilon times the largest |want| of `want`,
+    else the largest distance in those units (a kernel's agreement with torch's ops rounded otherwise)."""
+    unit = torch.finfo(want.dtype).eps * max(want.abs().max().item(), 1e-30)
+    far = (got.double() - want.double()).abs().max().item() / unit  # nan where got is not finite
+    return None if far <= eps else f"{far:.3g} x eps x the largest value apart, where up to {eps:g} was expected"
