@@ -113,10 +113,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--op-for-op",
         action="store_true",
-        help="on CUDA, the fixed-shape decode step with the forward's (and transformers') ops: the GELU's eight ops "
-        "and each residual add apart from the layer norm after it, instead of torch's one tanh-GELU kernel (in "
-        "bf16/fp16 in c_fc's matmul) and one Triton kernel for each add and its norm (the same function, rounded "
-        "otherwise; 10 fewer kernels a block at batch 1)",
+        help="on CUDA, the fixed-shape decode step with the forward's (and transformers') ops: the GELU's eight ops, "
+        "each residual add apart from the layer norm after it, and the cache write apart from SDPA, instead of "
+        "torch's one tanh-GELU kernel (in bf16/fp16 in c_fc's matmul), one Triton kernel for each add and its norm "
+        "and one for each block's cache write and attention (the same function, rounded otherwise; 11 fewer "
+        "kernels a block at batch 1)",
     )
     p.add_argument(
         "--dtype", default="float32", help="float32 (default), float16, bfloat16, or int8 (same as --quantize int8)"
