@@ -113,42 +113,20 @@ def test_the_cpu_runs_torchs_add_and_layer_norm_whatever_is_asked() -> None:
             assert torch.equal(s, x + dd) and torch.equal(y, F.layer_norm(x + dd, (64,), w, b, 1e-5))
 
 
-def test_a_kernel_that_fails_once_leaves_torchs_ops_from_then_on(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A kernel that cannot compile or launch (a triton too old or too new, a GPU it has no code for) is logged once,
-    naming its error, and torch's ops give the result, then and on every later call (never tried again)."""
-    calls = []
-
-    def broken(*args: object) -> None:
-        calls.append(1)
-        raise RuntimeError("PTX .version 9.9 does not support .target sm_200\nmore lines")
-
-    monkeypatch.setattr(add_norm_mod.KERNEL, "broken", None)
-    monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: add_norm_mod.KERNEL.broken is None)
-    monkeypatch.setattr(add_norm_triton, "launch", broken)
-    x, d, w, b = _inputs(torch.float32, 2, 64)
-    with caplog.at_level(logging.WARNING, logger="gpt2_port.model.gpu_kernel"):
-        for _ in range(3):
-            s, y = add_norm_mod.add_norm(x, d, (w, b), 1e-5, kernel=True)
-            assert torch.equal(s, x + d) and torch.equal(y, F.layer_norm(x + d, (64,), w, b, 1e-5))
-    assert len(calls) == 1
-    (rec,) = caplog.records
-    assert "RuntimeError: PTX .version 9.9 does not support .target sm_200" in rec.getMessage()
-    assert "more lines" not in rec.getMessage() and "torch's add and layer norm run instead" in rec.getMessage()
-
-
-@pytest.mark.parametrize("wrong", ["off by far", "nan"])
-def test_a_kernel_whose_first_result_disagrees_with_torchs_ops_is_never_used(
+@pytest.mark.parametrize("wrong", ["raises", "off by far", "nan"])
+def test_a_kernel_that_fails_or_disagrees_once_leaves_torchs_ops_from_then_on(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, wrong: str
 ) -> None:
-    """A kernel compiled wrong for the GPU it runs on (which tests on other GPUs would not show): its first result for
-    a call's shapes is compared with torch's ops' on the same inputs; one that disagrees (a norm off by far, or not
-    finite) is logged once, torch's result is returned instead, and the kernel never runs again."""
+    """A kernel that cannot compile or launch (a triton too old or too new, a GPU it has no code for), or one compiled
+    wrong for the GPU it runs on (which tests on other GPUs would not show: its first result for a call's shapes is
+    compared with torch's ops' on the same inputs, and disagrees: a norm off by far, or not finite) is logged once,
+    naming what happened, and torch's ops give the result, then and on every later call (never tried again)."""
     calls = []
 
-    def off(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> tuple:
+    def launch(x: torch.Tensor, d: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> tuple:
         calls.append(1)
+        if wrong == "raises":
+            raise RuntimeError("PTX .version 9.9 does not support .target sm_200\nmore lines")
         s = x + d
         y = F.layer_norm(s, s.shape[-1:], w, b, eps)
         return s, y * 1.01 if wrong == "off by far" else y.masked_fill(y > 1, float("nan"))
@@ -156,7 +134,7 @@ def test_a_kernel_whose_first_result_disagrees_with_torchs_ops_is_never_used(
     monkeypatch.setattr(add_norm_mod.KERNEL, "broken", None)
     monkeypatch.setattr(add_norm_mod.KERNEL, "checked", set())
     monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: add_norm_mod.KERNEL.broken is None)
-    monkeypatch.setattr(add_norm_triton, "launch", off)
+    monkeypatch.setattr(add_norm_triton, "launch", launch)
     x, d, w, b = _inputs(torch.float32, 2, 64)
     with caplog.at_level(logging.WARNING, logger="gpt2_port.model.gpu_kernel"):
         for _ in range(3):
@@ -164,8 +142,13 @@ def test_a_kernel_whose_first_result_disagrees_with_torchs_ops_is_never_used(
             assert torch.equal(s, x + d) and torch.equal(y, F.layer_norm(x + d, (64,), w, b, 1e-5))
     assert len(calls) == 1 and not add_norm_mod.KERNEL.checked
     (rec,) = caplog.records
-    assert "its first result differs from theirs" in rec.getMessage() and "x eps" in rec.getMessage()
-    assert ("nan" in rec.getMessage()) == (wrong == "nan"), rec.getMessage()
+    message = rec.getMessage()
+    assert "torch's add and layer norm run instead" in message and "more lines" not in message
+    if wrong == "raises":
+        assert "RuntimeError: PTX .version 9.9 does not support .target sm_200" in message
+    else:
+        assert "its first result differs from theirs" in message and "x eps" in message
+        assert ("nan" in message) == (wrong == "nan"), message
 
 
 def test_a_kernel_is_checked_once_for_each_shape_and_never_while_a_graph_records(
