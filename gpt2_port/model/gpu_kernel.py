@@ -12,6 +12,7 @@ another would not show, is found there, logged, and never used again (the values
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -25,7 +26,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@functools.cache
 def triton_installed() -> bool:
+    """Whether triton can be imported (asked once a process: the eager step asks at every call)."""
     return importlib.util.find_spec("triton") is not None
 
 
