@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -113,11 +114,12 @@ def test_the_cpu_runs_torchs_add_and_layer_norm_whatever_is_asked() -> None:
             assert torch.equal(s, x + dd) and torch.equal(y, F.layer_norm(x + dd, (64,), w, b, 1e-5))
 
 
-@pytest.mark.parametrize("wrong", ["raises", "off by far", "nan"])
+@pytest.mark.parametrize("wrong", ["no import", "raises", "off by far", "nan"])
 def test_a_kernel_that_fails_or_disagrees_once_leaves_torchs_ops_from_then_on(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, wrong: str
 ) -> None:
-    """A kernel that cannot compile or launch (a triton too old or too new, a GPU it has no code for), or one compiled
+    """A kernel that cannot be imported (a triton that fails its own import), compile or launch (a triton too old or
+    too new, a GPU it has no code for), or one compiled
     wrong for the GPU it runs on (which tests on other GPUs would not show: its first result for a call's shapes is
     compared with torch's ops' on the same inputs, and disagrees: a norm off by far, or not finite) is logged once,
     naming what happened, and torch's ops give the result, then and on every later call (never tried again)."""
@@ -135,16 +137,20 @@ def test_a_kernel_that_fails_or_disagrees_once_leaves_torchs_ops_from_then_on(
     monkeypatch.setattr(add_norm_mod.KERNEL, "checked", set())
     monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: add_norm_mod.KERNEL.broken is None)
     monkeypatch.setattr(add_norm_triton, "launch", launch)
+    if wrong == "no import":
+        monkeypatch.setitem(sys.modules, add_norm_triton.__name__, None)  # `from .add_norm_triton import` raises
     x, d, w, b = _inputs(torch.float32, 2, 64)
     with caplog.at_level(logging.WARNING, logger="gpt2_port.model.gpu_kernel"):
         for _ in range(3):
             s, y = add_norm_mod.add_norm(x, d, (w, b), 1e-5, kernel=True)
             assert torch.equal(s, x + d) and torch.equal(y, F.layer_norm(x + d, (64,), w, b, 1e-5))
-    assert len(calls) == 1 and not add_norm_mod.KERNEL.checked
+    assert len(calls) == (0 if wrong == "no import" else 1) and not add_norm_mod.KERNEL.checked
     (rec,) = caplog.records
     message = rec.getMessage()
     assert "torch's add and layer norm run instead" in message and "more lines" not in message
-    if wrong == "raises":
+    if wrong == "no import":
+        assert "ModuleNotFoundError: import of gpt2_port.model.add_norm_triton halted" in message, message
+    elif wrong == "raises":
         assert "RuntimeError: PTX .version 9.9 does not support .target sm_200" in message
     else:
         assert "its first result differs from theirs" in message and "x eps" in message

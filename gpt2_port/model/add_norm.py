@@ -62,17 +62,17 @@ def add_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., C) x and d -> (x + d, layer_norm(x + d) with `norm`'s weight and bias): in one kernel where `kernel`
     and `in_kernel` hold, else as torch's add then torch's layer norm."""
-
-    def torch_ops() -> tuple[torch.Tensor, torch.Tensor]:
-        s = x + d
-        return s, F.layer_norm(s, s.shape[-1:], *norm, eps)
-
     if kernel and in_kernel(x, d, norm):
+        return KERNEL.run((x.dtype, x.shape), lambda: _kernel(x, d, norm, eps), lambda: _torch_ops(x, d, norm, eps))
+    return _torch_ops(x, d, norm, eps)
 
-        def launch() -> tuple[torch.Tensor, torch.Tensor]:
-            from .add_norm_triton import launch
 
-            return launch(x, d, *norm, eps)
+def _kernel(x: torch.Tensor, d: torch.Tensor, norm: Norm, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .add_norm_triton import launch  # triton's import too: a failing one is the kernel's failure
 
-        return KERNEL.run((x.dtype, x.shape), launch, torch_ops)
-    return torch_ops()
+    return launch(x, d, *norm, eps)
+
+
+def _torch_ops(x: torch.Tensor, d: torch.Tensor, norm: Norm, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x + d
+    return s, F.layer_norm(s, s.shape[-1:], *norm, eps)

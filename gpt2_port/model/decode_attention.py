@@ -72,7 +72,7 @@ def attend(
     same, as the cache write and SDPA) where the kernel fails."""
 
     def launch() -> torch.Tensor:
-        from .decode_attention_triton import launch
+        from .decode_attention_triton import launch  # triton's import too: a failing one is the kernel's failure
 
         return launch(q, kv, layer, bias, slot, scale)
 
