@@ -708,3 +708,29 @@ def test_c_fc_with_its_gelu_in_cublaslts_epilogue_is_the_tanh_gelu() -> None:
     s = ((err * d).sum() / (d * d).sum()).item()
     assert abs(s) < 0.5, s  # the tanh GELU
     assert err.abs().max().item() <= 1.05 * apart, (err.abs().max().item(), apart)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bf16", "fp16"])
+def test_the_greedy_pick_kernel_is_torchs_argmax_and_finite_check(tiny_official: Path, dtype: torch.dtype) -> None:
+    """generate/greedy_pick.py's Triton kernel on the GPU (a plain greedy token's choice): torch.argmax's tokens, ties
+    to the lower id, over GPT-2's 50,257 logits with a row stride of their own, and the flag 0 for a NaN, +Inf or -Inf
+    anywhere; a greedy generation on CUDA chooses through it."""
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full, greedy_pick
+
+    V = 50257
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(3, V + 47, device="cuda", generator=g) * 3).to(dtype)[:, :V]
+    top = logits.max().item() + 1
+    logits[0, 5] = logits[0, V - 3] = top
+    assert greedy_pick.in_kernel(logits)
+    ids, ok = greedy_pick.argmax_finite(logits)
+    assert greedy_pick.KERNEL.broken is None and torch.equal(ids, torch.argmax(logits, -1)) and int(ok) == 1
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = logits.clone()
+        broken[1, 777] = bad
+        assert int(greedy_pick.argmax_finite(broken)[1]) == 0, bad
+    m = GPT2.from_pretrained(str(tiny_official), dtype=dtype, device="cuda")
+    greedy_pick.KERNEL.checked.clear()
+    generate_full(m, torch.tensor([[464, 2444, 4721]]), 8, eos_token_id=None)
+    assert greedy_pick.KERNEL.checked and greedy_pick.KERNEL.broken is None

@@ -1,7 +1,7 @@
 """The decode step's hand-written GPU kernels, run here on the CPU through triton's interpreter (the same programs,
 executed by numpy), alone and inside the whole static decode step: the residual add with the layer norm after it
 (model/add_norm.py; torch's two ops everywhere but CUDA) and the cache write with the attention (model/
-decode_attention.py; the cache write and SDPA elsewhere); what happens when one fails (model/gpu_kernel.py). The
+decode_attention.py; the cache write and SDPA elsewhere); what happens when one fails (gpt2_port/gpu_kernel.py). The
 kernels on a GPU: tests/test_cuda.py."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from conftest import TINY, attention_inputs, chaotic_model, norm_ulps
 from gpt2_port.model import add_norm as add_norm_mod
 
 pytest.importorskip("triton", reason="NOT RUN: triton is not installed (pyproject's dev extra brings it)")
+from gpt2_port.generate import greedy_pick  # noqa: E402
 from gpt2_port.model import add_norm_triton, decode_attention  # noqa: E402
 
 # conftest.py sets TRITON_INTERPRET=1 where there is no GPU, before triton is imported: the kernel is then interpreted
@@ -44,11 +45,13 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     meanwhile (a failure would leave torch's ops, and a comparison with them would pass for nothing)."""
     monkeypatch.setattr(add_norm_mod, "in_kernel", lambda x, d, norm: True)
     monkeypatch.setattr(decode_attention, "in_kernel", decode_attention.takes)  # its operands' rules, not the device
-    for mod in (add_norm_mod, decode_attention):
+    monkeypatch.setattr(greedy_pick, "in_kernel", greedy_pick.takes)
+    for mod in (add_norm_mod, decode_attention, greedy_pick):
         monkeypatch.setattr(mod.KERNEL, "broken", None)
         monkeypatch.setattr(mod.KERNEL, "checked", set())  # each call shape's first result checked again
     yield
-    assert add_norm_mod.KERNEL.broken is None and decode_attention.KERNEL.broken is None
+    for mod in (add_norm_mod, decode_attention, greedy_pick):
+        assert mod.KERNEL.broken is None, (mod.__name__, mod.KERNEL.broken)
 
 
 def _inputs(dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -140,7 +143,7 @@ def test_a_kernel_that_fails_or_disagrees_once_leaves_torchs_ops_from_then_on(
     if wrong == "no import":
         monkeypatch.setitem(sys.modules, add_norm_triton.__name__, None)  # `from .add_norm_triton import` raises
     x, d, w, b = _inputs(torch.float32, 2, 64)
-    with caplog.at_level(logging.WARNING, logger="gpt2_port.model.gpu_kernel"):
+    with caplog.at_level(logging.WARNING, logger="gpt2_port.gpu_kernel"):
         for _ in range(3):
             s, y = add_norm_mod.add_norm(x, d, (w, b), 1e-5, kernel=True)
             assert torch.equal(s, x + d) and torch.equal(y, F.layer_norm(x + d, (64,), w, b, 1e-5))
@@ -163,7 +166,7 @@ def test_a_kernel_is_checked_once_for_each_shape_and_never_while_a_graph_records
     """The check runs torch's ops beside the kernel on its first call for a (dtype, shape), and only then: later calls
     of that shape run the kernel alone, another shape is checked once again; while a CUDA graph records (a capture
     after its warm-up runs, which made the check) nothing is checked, so the graph holds the kernel alone."""
-    from gpt2_port.model import gpu_kernel
+    from gpt2_port import gpu_kernel
 
     torch_ops = []
     real = add_norm_mod.F.layer_norm
@@ -212,8 +215,8 @@ def test_the_static_step_with_the_kernels_makes_the_forwards_tokens(interpreted:
     """The whole fused static step (generate's on CUDA) with each residual add and the norm after it in one kernel and
     each block's cache write and attention in another (here interpreted on the CPU): no add, layer norm, index_copy_
     or SDPA op of torch's is left, but the add-and-norm kernel's outputs (2 a block and one for the embeddings); its
-    ln_f output within a few ulps of the step with torch's ops, and 12 greedy tokens of a left-padded batch equal to the
-    forward's. With
+    ln_f output within a few ulps of the step with torch's ops, and 12 greedy tokens of a left-padded batch, each chosen
+    by the greedy pick kernel, equal to the forward's. With
     `attention_kernel=False` (steps.ATTENTION_KERNEL) the attention is the cache write and SDPA again."""
     from collections import Counter
 
@@ -248,9 +251,10 @@ def test_the_static_step_with_the_kernels_makes_the_forwards_tokens(interpreted:
     ids = torch.tensor([[0, 0, 464, 2444, 4721], [11, 7, 3, 2444, 9], [0, 0, 0, 0, 5]])  # left-padded rows
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
     opts = dict(attention_mask=mask, eos_token_id=None)
-    g = generate_full(m, ids, 12, static_cache=True, fused_kernels=True, **opts)
+    g = generate_full(m, ids, 12, static_cache=True, fused_kernels=True, fast_head=False, **opts)
     f = generate_full(m, ids, 12, fast_step=False, **opts)
     assert g.extra["step"] == "static" and g.extra["fused_kernels"] and f.extra["step"] == "forward"
+    assert greedy_pick.KERNEL.checked  # each token chosen by the greedy pick kernel (the CPU's fast head off)
     if dtype == torch.float32:
         assert torch.equal(g.sequences, f.sequences)
     else:  # bf16: the interpreter's truncating casts besides; the first tokens, before any near tie
@@ -318,3 +322,39 @@ def test_the_attention_kernel_is_not_taken_for_what_it_does_not_handle() -> None
     }
     for name, args in cases.items():
         assert not decode_attention.takes(*args), name
+
+
+@interpreted_here
+@pytest.mark.exactness
+@pytest.mark.parametrize("V", [130, 50257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "fp16", "bf16"])
+def test_the_greedy_pick_is_torchs_argmax_and_finite_check(interpreted: None, dtype: torch.dtype, V: int) -> None:
+    """greedy_pick.argmax_finite's kernel: each row's token is torch.argmax's (ties to the lower id: a row whose largest
+    value stands twice, once in a later block; a row whose largest is in the last, partial block) and the flag is 1
+    while every logit is finite; a NaN, +Inf or -Inf anywhere in any row makes it 0. Rows with a stride of their own
+    (a slice of wider logits, as a padded head's)."""
+    g = torch.Generator().manual_seed(0)
+    wide = (torch.randn(3, V + 7, generator=g) * 3).to(dtype)
+    logits = wide[:, :V]  # (3, V), row stride V + 7
+    top = logits.max().item() + 1
+    logits[0, 5] = logits[0, V - 3] = top  # a tie: the lower id wins
+    logits[2, V - 1] = top  # in the last block
+    assert greedy_pick.takes(logits) and logits.stride(0) == V + 7
+    ids, ok = greedy_pick.argmax_finite(logits)
+    assert torch.equal(ids, torch.argmax(logits, dim=-1)) and ids.tolist()[0] == 5 and ids.tolist()[2] == V - 1
+    assert ids.dtype == torch.long and int(ok) == 1
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = logits.clone()
+        broken[1, V // 2] = bad
+        ids, ok = greedy_pick.argmax_finite(broken)
+        assert int(ok) == 0, bad
+        assert ids[0] == 5 and ids[2] == V - 1  # the finite rows' tokens stand
+
+
+def test_the_greedy_pick_is_not_taken_for_what_it_does_not_handle() -> None:
+    """greedy_pick.in_kernel never holds on the CPU; `takes` refuses float64, rows without unit stride, and other than
+    (B, V) logits."""
+    logits = torch.randn(2, 64)
+    assert greedy_pick.takes(logits) and not greedy_pick.in_kernel(logits)
+    for name, bad in {"float64": logits.double(), "strided": logits.t().contiguous().t(), "3-D": logits[None]}.items():
+        assert not greedy_pick.takes(bad), name

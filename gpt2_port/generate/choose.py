@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..devices import all_finite
 from ..io.load import listed, nonfinite_tensors
 from .greedy_head import FastGreedyHead
+from .greedy_pick import argmax_finite
 from .protocol import CausalLM
 from .sampling import SamplingSettings, draw, process_logits
 
@@ -58,6 +59,8 @@ class NextToken:
                 return nxt, torch.ones((), dtype=torch.bool)
             self.exact_steps += 1
         logits = self.model.head(h)[:, -1]  # (B, V)
+        if self.plain_argmax and not held:
+            return argmax_finite(logits)  # on CUDA one kernel (greedy_pick.py)
         if not self.plain_argmax:
             logits = logits.float()
         finite = all_finite(logits)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gpu_kernel import GpuKernel, within
+from ..gpu_kernel import GpuKernel, within
 
 Norm = tuple[torch.Tensor, torch.Tensor]  # a LayerNorm's weight and bias, (C,) each
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

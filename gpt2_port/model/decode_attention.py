@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from .gpu_kernel import GpuKernel, within
+from ..gpu_kernel import GpuKernel, within
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

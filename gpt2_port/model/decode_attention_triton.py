@@ -1,11 +1,11 @@
 """A decode step's attention as one Triton kernel: decode_attention.py's kernel on CUDA.
 
-Imported only where triton is (gpu_kernel.py asks first). One program a (row, head): it stores the token's key and value
-in their slot of the layer's cache, then attends its one query over every slot of the cache with the cache's additive
-mask, in blocks of BLOCK slots with a running maximum (the online softmax), in float32, and rounds the output once to
-the inputs' dtype. The cache's length is a constant of the compiled kernel (one compile per length: a static cache's are
-multiples of 64, cache.static_len; its loop then has a known count). No `from __future__ import annotations`: triton
-reads the kernel's annotations (`tl.constexpr`) as objects.
+Imported only where triton is (gpt2_port/gpu_kernel.py asks first). One program a (row, head): it stores the token's key
+and value in their slot of the layer's cache, then attends its one query over every slot of the cache with the cache's
+additive mask, in blocks of BLOCK slots with a running maximum (the online softmax), in float32, and rounds the output
+once to the inputs' dtype. The cache's length is a constant of the compiled kernel (one compile per length: a static
+cache's are multiples of 64, cache.static_len; its loop then has a known count). No `from __future__ import
+annotations`: triton reads the kernel's annotations (`tl.constexpr`) as objects.
 """
 
 import torch

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import torch
 
-from ..devices import autocast_dtype, compiling, out_of_memory
+from .devices import autocast_dtype, compiling, out_of_memory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
