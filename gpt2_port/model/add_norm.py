@@ -1,20 +1,21 @@
 """A residual add and the layer norm after it, `(x + d, layer_norm(x + d))`: torch's two ops, or one kernel on CUDA.
 
-A decode step of GPT-2 adds into the residual stream twice a block and normalises the sum right after (ln_2 after
-the attention's projection, the next block's ln_1 or ln_f after the MLP's), and the step's tokens start with the
-same pattern (the token's and the position's embeddings, then ln_1). On a GPU a batch-1 step's time goes mostly to
-launching its kernels one after another, and these are two kernels where one would do: in an H100's profile of
-124M in bf16 (benchmarks/results-gpu-h100/profile.md, torch 2.11) the step's 25 layer norms took 74 us of a 566 us
-token and its adds 24 more kernels, where inductor's fused add and layer norm ran at 1.5 us each in the compiled step.
+A decode step of GPT-2 adds into the residual stream twice a block and normalises the sum right after (ln_2 after the
+attention's projection, the next block's ln_1 or ln_f after the MLP's), and the step's tokens start with the same
+pattern (the token's and the position's embeddings, then ln_1). On a GPU a batch-1 step's time goes mostly to launching
+its kernels one after another, and these are two kernels where one would do: in an H100's profile of 124M in bf16
+(benchmarks/results-gpu-h100/profile.md, torch 2.11) the step's 25 layer norms took 74 us of a 566 us token and its adds
+24 more kernels, where inductor's fused add and layer norm ran at 1.5 us each in the compiled step.
 
 `add_norm(..., kernel=True)` runs them as one Triton kernel (add_norm_triton.py) where `in_kernel` holds: where
 gpu_kernel.py lets a kernel run (CUDA, triton installed, not under torch.compile, which fuses the two itself, nor
-autocast, whose layer norm runs in float32 on inputs of other dtypes), x, d, weight and bias of one dtype (float32,
-bf16 or fp16), x and d of one shape and contiguous. The residual sum is torch's bit for bit (the float32 sum rounded
-once to the dtype, as torch's add stores it); the layer norm is the same function rounded otherwise (its mean and
-variance summed in another order: within an ulp of torch's in bf16 and fp16, 8 in float32, in the tests). A kernel
-that fails is logged once and torch's ops run from then on (gpu_kernel.py). Elsewhere, and with kernel=False,
-torch's two ops: the forward's.
+autocast, whose layer norm runs in float32 on inputs of other dtypes), x, d, weight and bias of one dtype (float32, bf16
+or fp16), x and d of one shape and contiguous. The residual sum is torch's bit for bit (the float32 sum rounded once to
+the dtype, as torch's add stores it); the layer norm is the same function rounded otherwise (its mean and variance
+summed in another order: no farther from float64's than torch's by more than an ulp in bf16 and fp16, 8 in float32, in
+the tests). `embed_norm` does the same for the step's first norm, its kernel reading the token's and the position's
+embedding rows itself (two lookup kernels fewer). A kernel that fails is logged once and torch's ops run from then on
+(gpu_kernel.py). Elsewhere, and with kernel=False, torch's two ops: the forward's.
 """
 
 from __future__ import annotations
@@ -65,6 +66,46 @@ def add_norm(
     if kernel and in_kernel(x, d, norm):
         return KERNEL.run((x.dtype, x.shape), lambda: _kernel(x, d, norm, eps), lambda: _torch_ops(x, d, norm, eps))
     return _torch_ops(x, d, norm, eps)
+
+
+def embed_norm(
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    wte: torch.Tensor,
+    wpe: torch.Tensor,
+    norm: Norm,
+    eps: float,
+    kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, 1) token ids and positions -> (wte[ids] + wpe[pos], its layer norm with `norm`), (B, 1, C) each: the
+    embeddings looked up, added and normed in one kernel where `kernel` and `gathers` hold (the kernel reads the two
+    tables' rows itself: two lookup kernels a token fewer), else `add_norm` of torch's two lookups (pos may then be
+    (1, 1) or (1,), broadcast as the forward adds it)."""
+    if kernel and gathers(ids, pos, wte, wpe, norm):
+        return KERNEL.run(
+            ("embed", wte.dtype, ids.shape),
+            lambda: _gather_kernel(ids, pos, wte, wpe, norm, eps),
+            lambda: _torch_ops(F.embedding(ids, wte), F.embedding(pos, wpe), norm, eps),
+        )
+    return add_norm(F.embedding(ids, wte), F.embedding(pos, wpe), norm, eps, kernel)
+
+
+def gathers(ids: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor, norm: Norm) -> bool:
+    """Whether `embed_norm` runs the one kernel: where a kernel may run (gpu_kernel.py) and `takes` holds for a
+    row of each table, ids and pos of one shape, int64 and contiguous, the tables 2-D and contiguous."""
+    if not KERNEL.may_run(wte) or ids.shape != pos.shape or ids.dtype != torch.long or pos.dtype != torch.long:
+        return False
+    if not (ids.is_contiguous() and pos.is_contiguous() and wte.dim() == wpe.dim() == 2):
+        return False
+    return takes(wte[0], wpe[0], norm) and wte.is_contiguous() and wpe.is_contiguous()
+
+
+def _gather_kernel(
+    ids: torch.Tensor, pos: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor, norm: Norm, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .add_norm_triton import launch_gather  # triton's import too: a failing one is the kernel's failure
+
+    return launch_gather(ids, pos, wte, wpe, *norm, eps)
 
 
 def _kernel(x: torch.Tensor, d: torch.Tensor, norm: Norm, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,13 +14,21 @@ import triton
 import triton.language as tl
 
 
-def _add_layer_norm(x_ptr, d_ptr, w_ptr, b_ptr, s_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _add_layer_norm(
+    x_ptr, d_ptr, xi_ptr, di_ptr, w_ptr, b_ptr, s_ptr, y_ptr, n, eps, GATHER: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < n
+    if GATHER:  # x's and d's rows are the ones xi and di name (embedding tables' rows: a token's and a position's)
+        x_row = tl.load(xi_ptr + row)
+        d_row = tl.load(di_ptr + row)
+    else:
+        x_row = row
+        d_row = row
+    x = tl.load(x_ptr + x_row * n + cols, mask=inside, other=0.0)
+    s = (x.to(tl.float32) + tl.load(d_ptr + d_row * n + cols, mask=inside, other=0.0).to(tl.float32)).to(x.dtype)
     at = row * n + cols
-    x = tl.load(x_ptr + at, mask=inside, other=0.0)
-    s = (x.to(tl.float32) + tl.load(d_ptr + at, mask=inside, other=0.0).to(tl.float32)).to(x.dtype)
     tl.store(s_ptr + at, s, mask=inside)
     v = s.to(tl.float32)
     mean = tl.sum(v, axis=0) / n
@@ -38,12 +46,51 @@ def launch(
     x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., C) contiguous x and d, (C,) weight and bias, all of one dtype -> (x + d, its layer norm), new tensors,
-    through `add_layer_norm_kernel` (looked up here at each call: a test puts triton's interpreter of
-    `_add_layer_norm` there to run it on the CPU)."""
+    through `add_layer_norm_kernel` (looked up here at each call: a test may put triton's interpreter there)."""
+    return _launch(x, d, None, weight, bias, eps)
+
+
+def launch_gather(
+    x_rows: torch.Tensor,
+    d_rows: torch.Tensor,
+    x: torch.Tensor,
+    d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_rows and d_rows (...) int64 row indices of the contiguous (N, C) tables x and d -> (x[x_rows] + d[d_rows],
+    its layer norm), (..., C) each: F.embedding of each, added and normed, in one kernel."""
+    return _launch(x, d, (x_rows, d_rows), weight, bias, eps)
+
+
+def _launch(
+    x: torch.Tensor,
+    d: torch.Tensor,
+    rows: tuple[torch.Tensor, torch.Tensor] | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     C = x.shape[-1]
-    s, y = torch.empty_like(x), torch.empty_like(x)
+    shape = x.shape if rows is None else (*rows[0].shape, C)
+    s = torch.empty(shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    xi, di = rows if rows is not None else (x, d)  # not read without GATHER
     block = triton.next_power_of_2(C)
-    add_layer_norm_kernel[(x.numel() // C,)](
-        x, d, weight, bias, s, y, C, eps, BLOCK=block, num_warps=4 if block <= 1024 else 8
+    add_layer_norm_kernel[(s.numel() // C,)](
+        x,
+        d,
+        xi,
+        di,
+        weight,
+        bias,
+        s,
+        y,
+        C,
+        eps,
+        GATHER=rows is not None,
+        BLOCK=block,
+        num_warps=4 if block <= 1024 else 8,
     )
     return s, y

@@ -41,7 +41,7 @@ from ..devices import autocast_dtype
 from ..errors import UsageError
 from ..generate.cache import KVCache, StaticKVCache
 from . import decode_attention
-from .add_norm import Norm, add_norm
+from .add_norm import Norm, add_norm, embed_norm
 from .c_attn import fused_qkv
 from .fused import gelu_tanh
 from .lowp import linear_wb
@@ -178,11 +178,11 @@ class DecodePlan:
 
     def run(self, input_ids: torch.Tensor, pos: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
         """(B, 1) ids and their positions ((B|1, 1) or (1,)) -> (B, 1, C) ln_f output, every block attending through
-        `attend`. The token and position embeddings are added and normed by ln_1 in one `add_norm`, as is each
-        block's residual add with the norm after it (`fused`: LayerStep's)."""
+        `attend`. The token and position embeddings are looked up, added and normed by ln_1 in one `embed_norm`, and
+        each block's residual add with the norm after it in one `add_norm` (`fused`: LayerStep's, and on CUDA
+        the lookups in the kernel too)."""
         norms = [layer.ln_1 for layer in self.layers[1:]] + [self.ln_f]
-        tok, pos = F.embedding(input_ids, self.wte), F.embedding(pos, self.wpe)  # (B, 1, C), (B|1, 1, C)
-        x, h = add_norm(tok, pos, self.layers[0].ln_1, self.eps, fused)
+        x, h = embed_norm(input_ids, pos, self.wte, self.wpe, self.layers[0].ln_1, self.eps, fused)  # (B, 1, C) each
         for layer, after in zip(self.layers, norms):
             x, h = layer(x, h, attend, after, fused)
         return h
@@ -254,9 +254,10 @@ class DecodePlan:
         (c_fc, then the GELU's one kernel) than op for op: in a profile of 124M on an H100 (torch 2.11, batch 1), 12.6
         kernels a block against 20.4 in bf16, 12.5 against 19.4 in float32. On CUDA each residual add and the layer norm
         after it are one Triton kernel too (add_norm.py: the sum torch's bit for bit, the norm within an ulp): 2 kernels
-        a block and one a token fewer; and with `attention_kernel` each block's cache write and attention one more
-        (decode_attention.py): 1 a block fewer again. Adding a projection into the residual in its matmul instead saved
-        no kernel there (torch's addmm of a bias took cuBLASLt's bias epilogue at batch 1 too) and rounded otherwise."""
+        a block and three a token fewer (the embeddings' lookups in the first); and with `attention_kernel` each block's
+        cache write and attention one more (decode_attention.py): 1 a block fewer again. Adding a projection into the
+        residual in its matmul instead saved no kernel there (torch's addmm of a bias took cuBLASLt's bias epilogue at
+        batch 1 too) and rounded otherwise."""
         attend = self.static_attention(cache, views, fused_kernels and attention_kernel)
         return self.run(cache.tok, cache.pos, attend, fused_kernels)
 
