@@ -2,7 +2,7 @@
 
 Outside the captured decode step each token's choice launches its kernels one by one: for plain greedy (no sampling, no
 repetition penalty, no kept scores) the finite check (torch's infinity norm, then a compare) and torch.argmax, which on
-an H100 took 7.5 + 1.5 and 13.2 us a token over GPT-2's 50,257 logits in bf16 (benchmarks/results-gpu-h100/ profile.md).
+an H100 took 7.5 + 1.5 and 13.2 us a token over GPT-2's 50,257 logits in bf16 (benchmarks/results-gpu-h100/profile.md).
 `argmax_finite` reads them once in one kernel (greedy_pick_triton.py) where `in_kernel` holds: where
 gpt2_port/gpu_kernel.py lets a kernel run (CUDA, triton installed, not under torch.compile or autocast), (B, V) logits
 of float32, bf16 or fp16 with unit stride along V. The token is torch.argmax's exactly (the first index of the largest,
