@@ -18,7 +18,7 @@ from gpt2_port.io.safetensors_io import SafetensorsFile
 from gpt2_port.model import GPT2
 
 # Where there is no GPU, triton (pyproject's dev extra) runs its kernels in its interpreter, on the CPU: the tests of
-# the GPU's add-and-layer-norm kernel (tests/test_add_norm.py) run it so. Its own @triton.jit helpers (tl.sum...) read
+# the decode step's GPU kernels (tests/test_gpu_kernels.py) run them so. Its own @triton.jit helpers (tl.sum...) read
 # this when triton is first imported, so it is set before that, for this process and the commands it starts.
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -610,7 +610,7 @@ def test_the_fused_step_takes_eleven_kernels_a_block_and_three_a_token_out_of_th
         names[fused] = {k["name"] for k in r["top"]}
         assert r["busy_us_per_unit"] > 0 and kinds[fused].get("matmul", 0) >= 4 * N
     assert add_norm.KERNEL.broken is None and decode_attention.KERNEL.broken is None
-    assert {"_add_layer_norm", "_decode_attention"} <= {n.split("(")[0].split()[-1] for n in names[True]}, names[True]
+    assert all(any(n.startswith(k) for n in names[True]) for k in ("_add_layer_norm", "_decode_attention")), names
     n = m.config.n_layer
     fewer = (per_token[False] - per_token[True]) * N
     # by kind: the GELU's eight elementwise kernels a block and the residual adds, the cache writes, every other kind
@@ -670,7 +670,7 @@ def test_the_add_norm_kernel_adds_as_torch_adds_and_norms_within_an_ulp_of_torch
 
     from gpt2_port.model import add_norm
 
-    ulps = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 1}[dtype]  # as on the CPU (tests/test_add_norm.py)
+    ulps = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 1}[dtype]  # as on the CPU (tests/test_gpu_kernels.py)
     g = torch.Generator(device="cuda").manual_seed(0)
     for width in (768, 1600):
         x = (torch.randn(3, 1, width, device="cuda", generator=g) * 4).to(dtype)  # a residual stream's scale
