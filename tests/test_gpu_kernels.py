@@ -358,7 +358,7 @@ def test_the_greedy_pick_is_torchs_argmax_and_finite_check(interpreted: None, dt
     """greedy_pick.argmax_finite's kernel: each row's token is torch.argmax's (ties to the lower id: a row whose largest
     value stands twice, once in a later block; a row whose largest is in the last, partial block) and the flag is 1
     while every logit is finite; a NaN, +Inf or -Inf anywhere in any row makes it 0. Rows with a stride of their own
-    (a slice of wider logits, as a padded head's)."""
+    (a slice of wider logits, as a padded head's); one row alone too."""
     g = torch.Generator().manual_seed(0)
     wide = (torch.randn(3, V + 7, generator=g) * 3).to(dtype)
     logits = wide[:, :V]  # (3, V), row stride V + 7
@@ -375,6 +375,9 @@ def test_the_greedy_pick_is_torchs_argmax_and_finite_check(interpreted: None, dt
         ids, ok = greedy_pick.argmax_finite(broken)
         assert int(ok) == 0, bad
         assert ids[0] == 5 and ids[2] == V - 1  # the finite rows' tokens stand
+        ids, ok = greedy_pick.argmax_finite(broken[:1])  # one row alone (batch-1 decoding: its flag stored)
+        assert ids.tolist() == [5] and int(ok) == 1, bad
+        assert int(greedy_pick.argmax_finite(broken[1:2])[1]) == 0, bad
 
 
 def test_the_greedy_pick_is_not_taken_for_what_it_does_not_handle() -> None:

@@ -44,7 +44,7 @@ def takes(logits: torch.Tensor) -> bool:
 
 
 def argmax_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) logits -> ((B,) argmax ids, () whether every logit is finite: a bool, or the kernel's int32 1 or 0),
+    """(B, V) logits -> ((B,) argmax ids, () whether every logit is finite: a bool, or the kernel's int64 1 or 0),
     on the device, without a wait."""
     if in_kernel(logits):
         return KERNEL.run((logits.dtype, logits.shape), lambda: _kernel(logits), lambda: _torch_ops(logits))
