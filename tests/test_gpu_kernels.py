@@ -1,8 +1,8 @@
-"""The decode step's hand-written GPU kernels, run here on the CPU through triton's interpreter (the same programs,
-executed by numpy), alone and inside the whole static decode step: the residual add with the layer norm after it
-(model/add_norm.py; torch's two ops everywhere but CUDA) and the cache write with the attention (model/
-decode_attention.py; the cache write and SDPA elsewhere); what happens when one fails (gpt2_port/gpu_kernel.py). The
-kernels on a GPU: tests/test_cuda.py."""
+"""Decoding's hand-written GPU kernels, run here on the CPU through triton's interpreter (the same programs, executed by
+numpy), alone and inside a whole generation: the residual add with the layer norm after it (model/add_norm.py; torch's
+two ops everywhere but CUDA), the cache write with the attention (model/decode_attention.py; the cache write and SDPA
+elsewhere) and a plain greedy token's argmax with its finite check (generate/greedy_pick.py); what happens when one
+fails or disagrees with torch's ops (gpt2_port/gpu_kernel.py). The kernels on a GPU: tests/test_cuda.py."""
 
 from __future__ import annotations
 
