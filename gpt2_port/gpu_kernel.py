@@ -12,6 +12,7 @@ another would not show, is found there, logged, and never used again (the values
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -48,13 +49,17 @@ class GpuKernel:
             return False
         return autocast_dtype("cuda") is None and triton_installed()
 
-    def run(self, key: tuple, launch: Callable[[], T], fallback: Callable[[], T]) -> T:
-        """launch() (the kernel), or fallback() (torch's ops) where it fails. The first call for a `key` runs both and
-        compares them (one wait for the device, once: not while a CUDA graph records, whose warm-up runs made it
-        before): a kernel compiled wrong for this GPU is found there and never used again, where tests on other
-        GPUs would not show it. fallback() must be safe to run after launch() (it writes what the kernel wrote)."""
+    def run(self, t: torch.Tensor, key: tuple, launch: Callable[[], T], fallback: Callable[[], T]) -> T:
+        """launch() (the kernel), or fallback() (torch's ops) where it fails; `t`: a tensor of the call, on its device.
+        launch() runs with that device current (triton launches on the current device: a model on another GPU than
+        the current one would fail there). The first call for a `key` on a device runs both and compares them (one
+        wait for the device, once: not while a CUDA graph records, whose warm-up runs made it before): a kernel
+        compiled wrong for this GPU is found there and never used again, where tests on other GPUs would not show
+        it. fallback() must be safe to run after launch() (it writes what the kernel wrote)."""
+        key = (str(t.device), *key)
         try:
-            got = launch()
+            with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
+                got = launch()
         except Exception as e:  # noqa: BLE001 - any compiler or launch failure leaves torch's ops, the same function
             if out_of_memory(e):
                 raise

@@ -215,7 +215,43 @@ def test_a_kernel_is_checked_once_for_each_shape_and_never_while_a_graph_records
     monkeypatch.setattr(gpu_kernel, "_capturing", lambda: True)
     x, d, w, b = _inputs(torch.float32, 4, 64)
     add_norm_mod.add_norm(x, d, (w, b), 1e-5, kernel=True)
-    assert len(torch_ops) == 2 and (torch.float32, x.shape) not in add_norm_mod.KERNEL.checked
+    assert len(torch_ops) == 2 and ("cpu", torch.float32, x.shape) not in add_norm_mod.KERNEL.checked
+
+
+def test_a_kernel_launches_with_its_tensors_device_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """triton launches on the current CUDA device: a kernel for tensors on cuda:1 runs inside torch.cuda.device(cuda:1)
+    (a model on a second GPU), and its first-call check is kept per device (another GPU may compile it otherwise).
+    torch.cuda.device is a stand-in here, recording what it was entered with; the tensor one that says it is on
+    cuda:1."""
+    from gpt2_port.gpu_kernel import GpuKernel
+
+    entered, inside = [], []
+
+    class Guard:
+        def __init__(self, device: torch.device) -> None:
+            self.device = device
+
+        def __enter__(self) -> None:
+            entered.append(self.device)
+
+        def __exit__(self, *exc: object) -> None:
+            entered.append(None)
+
+    class OnCuda1:  # what GpuKernel.run reads of a tensor
+        is_cuda, device = True, torch.device("cuda", 1)
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    kernel = GpuKernel("k", "torch's ops", lambda got, want: None)
+    t = torch.ones(2)
+
+    def launch() -> torch.Tensor:
+        inside.append(entered[-1] if entered else "no guard")
+        return t
+
+    assert kernel.run(OnCuda1(), ("shape",), launch, lambda: t) is t
+    assert inside == [torch.device("cuda", 1)] and entered[-1] is None
+    assert kernel.run(t, ("shape",), launch, lambda: t) is t  # a CPU tensor (the interpreter's): no guard
+    assert inside[-1] is None and kernel.checked == {("cuda:1", "shape"), ("cpu", "shape")}
 
 
 def test_the_kernel_is_not_taken_for_what_it_does_not_handle() -> None:
@@ -320,7 +356,7 @@ def test_the_attention_kernel_writes_the_slot_and_attends_as_sdpa_does(
         return _sdpa(q, first, bias, scale)
 
     decode_attention.attend(q, kv, first, bias, slot, scale, write_and_sdpa)
-    assert (dtype, q.shape, layer.shape) in decode_attention.KERNEL.checked
+    assert ("cpu", dtype, q.shape, layer.shape) in decode_attention.KERNEL.checked
     out = decode_attention.attend(q, kv, layer, bias, slot, scale, lambda: pytest.fail("the fallback ran"))
     assert torch.equal(layer, want_layer)
     assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()

@@ -47,7 +47,7 @@ def argmax_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, V) logits -> ((B,) argmax ids, () whether every logit is finite: a bool, or the kernel's int64 1 or 0),
     on the device, without a wait."""
     if in_kernel(logits):
-        return KERNEL.run((logits.dtype, logits.shape), lambda: _kernel(logits), lambda: _torch_ops(logits))
+        return KERNEL.run(logits, (logits.dtype, logits.shape), lambda: _kernel(logits), lambda: _torch_ops(logits))
     return _torch_ops(logits)
 
 

@@ -64,7 +64,7 @@ def add_norm(
     """(..., C) x and d -> (x + d, layer_norm(x + d) with `norm`'s weight and bias): in one kernel where `kernel`
     and `in_kernel` hold, else as torch's add then torch's layer norm."""
     if kernel and in_kernel(x, d, norm):
-        return KERNEL.run((x.dtype, x.shape), lambda: _kernel(x, d, norm, eps), lambda: _torch_ops(x, d, norm, eps))
+        return KERNEL.run(x, (x.dtype, x.shape), lambda: _kernel(x, d, norm, eps), lambda: _torch_ops(x, d, norm, eps))
     return _torch_ops(x, d, norm, eps)
 
 
@@ -83,6 +83,7 @@ def embed_norm(
     (1, 1) or (1,), broadcast as the forward adds it)."""
     if kernel and gathers(ids, pos, wte, wpe, norm):
         return KERNEL.run(
+            wte,
             ("embed", wte.dtype, ids.shape),
             lambda: _gather_kernel(ids, pos, wte, wpe, norm, eps),
             lambda: _torch_ops(F.embedding(ids, wte), F.embedding(pos, wpe), norm, eps),

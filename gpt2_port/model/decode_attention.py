@@ -76,4 +76,4 @@ def attend(
 
         return launch(q, kv, layer, bias, slot, scale)
 
-    return KERNEL.run((q.dtype, q.shape, layer.shape), launch, fallback)
+    return KERNEL.run(q, (q.dtype, q.shape, layer.shape), launch, fallback)
