@@ -25,6 +25,7 @@ from .devices import autocast_dtype, compiling, out_of_memory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes the kernels are written for
 
 
 @functools.cache

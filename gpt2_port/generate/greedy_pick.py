@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..devices import all_finite
-from ..gpu_kernel import GpuKernel
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from ..gpu_kernel import KERNEL_DTYPES, GpuKernel
 
 
 def _agree(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> str | None:

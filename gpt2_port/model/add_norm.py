@@ -23,10 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..gpu_kernel import GpuKernel, within
+from ..gpu_kernel import KERNEL_DTYPES, GpuKernel, within
 
 Norm = tuple[torch.Tensor, torch.Tensor]  # a LayerNorm's weight and bias, (C,) each
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_WIDTH = 16384  # one program holds a row in registers: wider rows take torch's ops
 
 

@@ -22,9 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..gpu_kernel import GpuKernel, within
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from ..gpu_kernel import KERNEL_DTYPES, GpuKernel, within
 
 
 def _agree(got: torch.Tensor, want: torch.Tensor) -> str | None:
