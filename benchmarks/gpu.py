@@ -531,11 +531,10 @@ def decode_loops(
     hf_compile: bool,
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """The greedy batch-1 loops by row name, in the order they run: ours through `generate` (the CUDA graph; compiled
-    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops, and
-    attending through SDPA after the cache write, with its memory-efficient kernel, cuDNN's (bf16/fp16) and the math
-    one), then
-    transformers' `generate` (hf None: none of its rows) with its dynamic and its static cache, that one also compiled
-    on a GPU where `hf_compile`."""
+    first with the backend `compile_ours`, unless None; the same step eagerly; on CUDA with the forward's ops, with
+    cuBLAS's matmuls, and attending through SDPA after the cache write, with its memory-efficient kernel, cuDNN's
+    (bf16/fp16) and the math one), then transformers' `generate` (hf None: none of its rows) with its dynamic and its
+    static cache, that one also compiled on a GPU where `hf_compile`."""
     cuda = ours.device.type == "cuda"
     fns = {"ours": partial(greedy_ours, ours, ids, N)}
     if compile_ours:  # `generate --compile`: the step compiled (on CUDA, then recorded as the graph)
@@ -543,6 +542,9 @@ def decode_loops(
     fns["ours, no cuda graph"] = partial(greedy_ours, ours, ids, N, cuda_graph=False)
     if cuda:  # what the fused step (generate's default there) gains: `generate --op-for-op`
         fns["ours, op for op"] = partial(greedy_ours, ours, ids, N, fused_kernels=False)
+        # the fused step's matmuls as model/norm_linear.py's kernels (the add and norm before each inside) against
+        # cuBLAS's after add_norm.py's kernel (what the step ran before them)
+        fns["ours, cuBLAS matmuls"] = partial(greedy_ours, ours, ids, N, linear_kernel=False)
         # the fused step's one-kernel attention (the cache write included) against SDPA's kernels after the cache
         # write: the memory-efficient one (what the step ran before), cuDNN's (bf16/fp16), which plans once over the
         # step's fixed shapes, and the math one (a few small kernels: matmul, softmax, matmul)

@@ -202,8 +202,8 @@ def decode_profiles(a: argparse.Namespace, dev: torch.device, size: str, into: d
         loops = decode_loops(ours, hf, ids, N, compile_ours, hf_compile=not a.no_compile)
         # transformers' static cache, compiled where it compiles (a GPU), else eager; not the other loops timed there
         static = next((n for n in reversed(loops) if n.startswith("transformers, static cache")), None)
-        keep = ["ours", "ours, compiled", "ours, op for op", "ours, SDPA attention", "ours, cuDNN attention"]
-        keep += ["ours, math attention", static]
+        keep = ["ours", "ours, compiled", "ours, op for op", "ours, cuBLAS matmuls", "ours, SDPA attention"]
+        keep += ["ours, cuDNN attention", "ours, math attention", static]
         tag = "" if i == 0 else f" ({dname})"
         fns = {name + (tag if name.startswith("ours") else ""): fn for name, fn in loops.items() if name in keep}
 

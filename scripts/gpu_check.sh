@@ -32,7 +32,8 @@
 # (2026-11-28) the first took 444 s (tests 96, train 161, its head benchmark 30, decode 138) and `profile parity
 # decode-xl` 352 s with the start's 33 s, decode-xl cut at its deadline after ours' row: 836 s of the 900 in all,
 # none left for `train-xl` (102 s on an H200). Decode's attention rows, added since, add three generations a dtype
-# (SDPA's memory-efficient kernel beside the step's own, cuDNN's in bf16/fp16, math).
+# (SDPA's memory-efficient kernel beside the step's own, cuDNN's in bf16/fp16, math), and `ours, cuBLAS matmuls` one
+# more (the step's matmul kernels off).
 # A step still running at the deadline
 # (BUDGET_S after the start, default 570 s) is stopped, so the bundle after it is made; steps left after the deadline
 # are named as not run. While a step runs, RESULTS is bundled every 60 s too; the benchmarks rewrite their JSON after

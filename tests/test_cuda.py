@@ -577,47 +577,64 @@ def test_eval_check_on_cuda_lies_within_its_tolerance_beside_the_floor(
         assert c["as_close_as_reference"] is True, c
 
 
-def test_the_fused_step_takes_eleven_kernels_a_block_and_three_a_token_out_of_the_recorded_step(
-    tiny_official: Path,
+def test_the_fused_step_takes_five_kernels_a_block_and_eleven_fewer_with_cublas_matmuls_than_op_for_op(
+    tiny_official: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On the GPU, through the profiler as benchmarks.gpu_profile reads it (every kernel of a replayed CUDA graph
-    counted): a batch-1 bf16 decode token through the fused step (generate's default on CUDA) runs 11 kernels a block
-    and three more a token fewer than with the forward's ops (`--op-for-op`): c_fc with its GELU is one
-    `_addmm_activation` (cuBLASLt's GELU-and-bias epilogue), where op for op c_fc is one GEMM with its bias and gelu_new
-    eight elementwise kernels; each residual add (two a block, and the embeddings', whose two lookups the kernel makes
-    too) is one kernel with the layer norm after it (model/add_norm.py's Triton kernel, a norm by its name: as many as
-    torch's layer norms); the cache write
-    (index_copy_, a copy) is one kernel with the attention (model/decode_attention.py's, an attention by its name: as
-    many as SDPA's); the same matmul count either way (torch's addmm of a bias takes cuBLASLt's bias epilogue at batch 1
-    as well: 124M on an H100, torch 2.11, benchmarks/results-gpu-h100/profile.json). Its kernels are seen at all (the
-    profile's own premise)."""
+    counted), a batch-1 bf16 decode token through the fused step (generate's default on CUDA):
+
+    - with cuBLAS's matmuls (steps.LINEAR_KERNEL off: the GPU benchmark's row `ours, cuBLAS matmuls`), 11 kernels a
+      block and three more a token fewer than with the forward's ops (`--op-for-op`): c_fc with its GELU is one
+      `_addmm_activation` (cuBLASLt's GELU-and-bias epilogue), where op for op c_fc is one GEMM with its bias and
+      gelu_new eight elementwise kernels; each residual add (two a block, and the embeddings', whose two lookups the
+      kernel makes too) is one kernel with the layer norm after it (model/add_norm.py's `_add_layer_norm`, a norm by
+      its name: as many as torch's layer norms); the cache write (index_copy_, a copy) is one kernel with the attention
+      (model/decode_attention.py's, an attention by its name: as many as SDPA's); the same matmul count either way
+      (torch's addmm of a bias takes cuBLASLt's bias epilogue at batch 1 as well: 124M on an H100, torch 2.11,
+      benchmarks/results-gpu-h100/profile.json);
+    - by default, five a block: each matmul one `_norm_linear` (model/norm_linear.py: a matmul by its name), the
+      adds and norms inside them (no `_add_layer_norm` left), the attention, and ln_f's add as one `_add_norm` a
+      token: 2 a block fewer than with cuBLAS's matmuls, and fewer still by whatever split-K reductions cuBLAS ran.
+    Its kernels are seen at all (the profile's own premise)."""
     from benchmarks.gpu_profile import profile
     from gpt2_port import GPT2
-    from gpt2_port.generate import generate_full
-    from gpt2_port.model import add_norm, decode_attention
+    from gpt2_port.generate import generate_full, steps
+    from gpt2_port.model import add_norm, decode_attention, norm_linear
 
     m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, device="cuda")
     ids = torch.tensor([[464, 2444, 4721, 511, 3835]], device="cuda")
     N = 16
-    per_token, kinds, names = {}, {}, {}
-    for fused in (True, False):
+    per_token, kinds, counts = {}, {}, {}
+    for name, fused, linear in (("op for op", False, False), ("cuBLAS", True, False), ("default", True, True)):
+        monkeypatch.setattr(steps, "LINEAR_KERNEL", linear)
         run = lambda f=fused: generate_full(m, ids, N, eos_token_id=None, do_sample=False, fused_kernels=f)  # noqa: E731
         g = run()  # the capture
         assert g.extra["step"] == "cuda graph" and g.extra["fused_kernels"] is fused
         r = profile(run, torch.device("cuda"), 1, N, 100)  # every kernel's name among the top
-        per_token[fused] = r["kernels_per_unit"]
-        kinds[fused] = {k: v["count_per_unit"] * N for k, v in r["kinds"].items()}
-        names[fused] = {k["name"] for k in r["top"]}
-        assert r["busy_us_per_unit"] > 0 and kinds[fused].get("matmul", 0) >= 4 * N
-    assert add_norm.KERNEL.broken is None and decode_attention.KERNEL.broken is None
-    assert all(any(n.startswith(k) for n in names[True]) for k in ("_add_layer_norm", "_decode_attention")), names
+        per_token[name] = r["kernels_per_unit"]
+        kinds[name] = {k: v["count_per_unit"] * N for k, v in r["kinds"].items()}
+        counts[name] = {k["name"]: round(k["count_per_unit"] * N) for k in r["top"]}
+        assert r["busy_us_per_unit"] > 0 and kinds[name].get("matmul", 0) >= 4 * N
+    broken = [k.broken for k in (add_norm.KERNEL, decode_attention.KERNEL, *norm_linear.KERNELS)]
+    assert broken == [None] * len(broken), broken
     n = m.config.n_layer
-    fewer = (per_token[False] - per_token[True]) * N
+
+    def named(run: str, prefix: str) -> int:
+        return sum(c for k, c in counts[run].items() if k.startswith(prefix))
+
+    assert named("cuBLAS", "_add_layer_norm") == (2 * n + 1) * (N - 1) and named("cuBLAS", "_norm_linear") == 0
+    fewer = (per_token["op for op"] - per_token["cuBLAS"]) * N
     # by kind: the GELU's eight elementwise kernels a block and the residual adds, the cache writes, every other kind
     # the same
-    by_kind = {k: round(kinds[False].get(k, 0) - kinds[True].get(k, 0)) for k in kinds[False].keys() | kinds[True]}
+    by_kind = {k: round(kinds["op for op"].get(k, 0) - kinds["cuBLAS"].get(k, 0)) for k in kinds["op for op"]}
+    by_kind |= {k: -round(v) for k, v in kinds["cuBLAS"].items() if k not in kinds["op for op"]}
     assert fewer == pytest.approx((11 * n + 3) * (N - 1)), (per_token, by_kind)
     assert {k: v for k, v in by_kind.items() if v} == {"elementwise": (10 * n + 3) * (N - 1), "copy": n * (N - 1)}
+    # the default step: four matmul kernels and the attention a block, ln_f's add and norm a token
+    assert named("default", "_norm_linear") == 4 * n * (N - 1), counts["default"]
+    assert named("default", "_decode_attention") == n * (N - 1) and named("default", "_add_layer_norm") == 0
+    assert named("default", "_add_norm") == N - 1, counts["default"]
+    assert (per_token["cuBLAS"] - per_token["default"]) * N >= 2 * n * (N - 1) - 0.5, per_token
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bf16", "fp16"])
@@ -683,6 +700,80 @@ def test_the_add_norm_kernel_adds_as_torch_adds_and_norms_within_an_ulp_of_torch
         assert torch.equal(s, x + d)
         off, ours, theirs = norm_ulps(y, s, w, b, 1e-5)
         assert off <= 2 * ulps and ours <= theirs + ulps, (width, off, ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bf16", "fp16"])
+def test_the_norm_linear_kernels_add_as_torch_adds_and_multiply_within_rounding_of_float64(
+    tiny_official: Path, dtype: torch.dtype
+) -> None:
+    """model/norm_linear.py's Triton kernels on the GPU (the fused decode step's matmuls), 124M's and gpt2-xl's
+    shapes, 1 and 3 rows: a projection's partial sums (the same bits on a second run) and the next kernel's residual
+    sum, torch's add of the projection's output bit for bit (the partials summed in order, the bias added, rounded
+    once), in every dtype; the matmul after the sum's layer norm (with c_fc's GELU) within the dtype's epsilon times
+    the output's largest value of float64's over torch's own normalised rows (4 in float32; 1 in 16 bits, where torch's
+    is about 0.5), recorded by a CUDA graph and replayed to the same bits; and a bf16 generation through them gives
+    the tokens of the same step with cuBLAS's matmuls (steps.LINEAR_KERNEL off) wherever the scores decide them."""
+    import torch.nn.functional as F
+
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full, steps
+    from gpt2_port.model import norm_linear as nl
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    eps = torch.finfo(dtype).eps
+    for rows, C in ((1, 768), (3, 1600)):
+        x = (torch.randn(rows, 1, C, device="cuda", generator=g) * 4).to(dtype)
+        y = torch.randn(rows, 1, 4 * C, device="cuda", generator=g).to(dtype)
+        lnw = (1 + 0.5 * torch.randn(C, device="cuda", generator=g)).to(dtype)
+        lnb = (0.5 * torch.randn(C, device="cuda", generator=g)).to(dtype)
+        proj = (torch.randn(4 * C, C, device="cuda", generator=g) / (4 * C) ** 0.5).to(dtype).t()  # (C, 4C) view
+        pb = (0.5 * torch.randn(C, device="cuda", generator=g)).to(dtype)
+        fc = (torch.randn(C, 4 * C, device="cuda", generator=g) / C**0.5).to(dtype).t()  # (4C, C) view
+        fb = (0.5 * torch.randn(4 * C, device="cuda", generator=g)).to(dtype)
+        parts = nl.project(y, lambda t: F.linear(t, proj, pb), (proj, pb), kernel=True)  # noqa: B023
+        assert isinstance(parts, nl.Parts) and nl.PROJECT.broken is None, nl.PROJECT.broken
+        again = nl.project(y, lambda t: pytest.fail("the fallback ran"), (proj, pb), kernel=True)
+        assert torch.equal(again.sums, parts.sums)
+        d = parts.sums[0]
+        for p in parts.sums[1:]:
+            d = d + p
+        d = (d + pb).to(dtype)
+        assert (parts.total().double() - F.linear(y.double(), proj.double(), pb.double())).abs().max() <= (
+            4 * eps * F.linear(y.double(), proj.double(), pb.double()).abs().max()
+        )
+
+        def mlp_in(h: torch.Tensor) -> torch.Tensor:
+            return F.gelu(F.linear(h, fc, fb), approximate="tanh")  # noqa: B023
+
+        s, out = nl.norm_linear((x, parts), (lnw, lnb), 1e-5, (fc, fb), mlp_in, True, True, True)
+        assert nl.KERNEL.broken is None, nl.KERNEL.broken
+        assert torch.equal(s, x + d)
+        h = F.layer_norm(x + d, (C,), lnw, lnb, 1e-5)
+        truth = F.gelu(F.linear(h.double(), fc.double(), fb.double()), approximate="tanh")
+        far = (out.double() - truth).abs().max().item() / (eps * truth.abs().max().item())
+        assert far <= (4.0 if dtype == torch.float32 else 1.0), far
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _, replayed = nl.norm_linear((x, parts), (lnw, lnb), 1e-5, (fc, fb), mlp_in, True, True, True)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out)
+    if dtype != torch.bfloat16:
+        return
+    m = GPT2.from_pretrained(str(tiny_official), dtype=dtype, device="cuda")
+    ids = torch.tensor([[464, 2444, 4721, 511, 3835]])
+    opts = dict(eos_token_id=None, output_scores=True)
+    want = generate_full(m, ids, 40, **opts)
+    steps_before = steps.LINEAR_KERNEL
+    steps.LINEAR_KERNEL = False
+    try:
+        got = generate_full(m, ids, 40, **opts)
+    finally:
+        steps.LINEAR_KERNEL = steps_before
+    assert want.extra["step"] == got.extra["step"] == "cuda graph"
+    new = [r.sequences[:, 5:].cpu() for r in (want, got)]
+    scores = [[s.cpu() for s in r.scores] for r in (want, got)]
+    assert min(same_tokens_where_decided(new[0], scores[0], new[1], scores[1], 2e-2)) >= 1
 
 
 def test_c_fc_with_its_gelu_in_cublaslts_epilogue_is_the_tanh_gelu() -> None:

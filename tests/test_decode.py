@@ -19,6 +19,7 @@ from gpt2_port.model import GPT2, from_pretrained
 from gpt2_port.model.c_attn import fused_qkv
 from gpt2_port.model.decode import DecodePlan
 from gpt2_port.model.masks import build_mask
+from gpt2_port.model.norm_linear import add_norm_of
 
 pytestmark = pytest.mark.exactness  # compares arithmetic: run again under a second configuration
 
@@ -103,8 +104,9 @@ def test_plan_refuses_to_pass_the_context() -> None:
 @pytest.mark.parametrize("which", ["official", "chaotic"])
 def test_layer_step_is_bit_identical_to_block_forward(which: str, padded: bool, request: pytest.FixtureRequest) -> None:
     """The one block step both decoders run equals `Block.forward` bit for bit, output and cache writes, with the
-    fused c_attn view (official) and with separate q/k/v (chaotic); the norm it applies after its last residual add
-    (any norm it is given: the next block's ln_1 or ln_f) is torch's layer norm of that output."""
+    fused c_attn view (official) and with separate q/k/v (chaotic): the stream it hands on, its residual and its last
+    projection, adds up to the block's output, whose norm (any: the next block's ln_1 or ln_f) is torch's layer norm
+    of it."""
     model = request.getfixturevalue("official") if which == "official" else _chaotic()
     cfg, B, past = model.config, 2, 5
     caches = [KVCache(cfg, B, past + 1, model.dtype, "cpu") for _ in range(2)]
@@ -123,8 +125,9 @@ def test_layer_step_is_bit_identical_to_block_forward(which: str, padded: bool, 
             x = torch.randn(B, 1, cfg.n_embd, generator=g)
             ref = block(x, mask, caches[0])
             step = plan.layers[i]
-            h = F.layer_norm(x, (cfg.n_embd,), *step.ln_1, step.eps)  # what the step before hands it
-            got, normed = step(x, h, plan.attention(caches[1], mask), step.ln_2)
+            # the stream a step hands the next: x with a projection not yet added (x + 0 is x bit for bit)
+            stream = step((x, torch.zeros_like(x)), plan.attention(caches[1], mask))
+            got, normed = add_norm_of(stream, step.ln_2, step.eps)  # the next block's ln_1 adds it, or ln_f's
             assert torch.equal(got, ref), f"block {i}: max diff {(got - ref).abs().max().item():.3e}"
             assert torch.equal(normed, F.layer_norm(ref, (cfg.n_embd,), *step.ln_2, step.eps))  # the norm after it
             assert torch.equal(caches[0].k[i], caches[1].k[i]) and torch.equal(caches[0].v[i], caches[1].v[i])
@@ -635,7 +638,7 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     fwd = ForwardSteps(model, seq, None, None)
     fwd.prefill(seq[:, :3], None)
     fwd.next(seq[:, 3], 3)
-    static = lambda cache, views, fused_kernels, attention_kernel: call()  # noqa: E731
+    static = lambda cache, views, fused_kernels, attention_kernel, **_: call()  # noqa: E731
     plan = SimpleNamespace(step=call, static_step=static, cache_views=lambda cache: None)
     PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
     # the static step's prefill (a new prompt length, a new shape) and its fixed-shape step
@@ -671,7 +674,7 @@ def test_the_static_step_attends_with_the_kernels_set_when_it_was_made(monkeypat
 
     model = type("Stand", (), {"device": torch.device("cuda"), "__call__": lambda self, *a, **k: call()})()
     plan = SimpleNamespace(
-        static_step=lambda cache, views, fused, attention_kernel: call(), cache_views=lambda cache: None
+        static_step=lambda cache, views, fused, attention_kernel, **_: call(), cache_views=lambda cache: None
     )
     cache = SimpleNamespace(bias=torch.zeros(1), tok=torch.zeros(1, 1), feed=lambda tok, s: None, advance=lambda: None)
     monkeypatch.setattr(steps, "STATIC_BACKENDS", [SDPBackend.CUDNN_ATTENTION])

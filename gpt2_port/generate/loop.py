@@ -227,9 +227,10 @@ def generate_full(
     fp16 in c_fc's matmul, cuBLASLt's GELU epilogue): 8 kernels a block fewer in bf16, 7 in float32 (about 12.6 a
     block where the forward's ops take 20.4, 124M on an H100); on CUDA each residual add and the layer norm after it
     as one Triton kernel (model/add_norm.py, the embeddings' lookups in the first), 2 a block and 3 a token fewer, and
-    each block's cache write and attention as another (model/decode_attention.py), 1 a block fewer. The same function
-    rounded otherwise, so its tokens, not its bits, are the forward's (DecodePlan.static_step). The plan and the
-    forward keep the forward's ops.
+    each block's cache write and attention as another (model/decode_attention.py), 1 a block fewer; for up to 4 rows
+    each matmul as one kernel with the add and norm before it (model/norm_linear.py): 5 kernels a block. The same
+    function rounded otherwise, so its tokens, not its bits, are the forward's (DecodePlan.static_step). The plan and
+    the forward keep the forward's ops.
     progress: called after each step with the number of new tokens made so far (all rows).
     output_scores: keep each step's scores in `Generation.scores` (the fast greedy head is then off: it makes no
     logits; the tokens are the same, as it proves).

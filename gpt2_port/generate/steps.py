@@ -22,7 +22,8 @@
   fewer kernels than the forward's ops (`fused_kernels`, DecodePlan.static_step: torch's one tanh-GELU kernel for
   the eight ops of gelu_new, in bf16/fp16 in c_fc's matmul, and each residual add with the layer norm after it as
   one Triton kernel, model/add_norm.py, and the cache write with the attention as another): 11 kernels a block
-  fewer in bf16, 10 in float32, in a step whose time on a GPU is mostly its launches.
+  fewer in bf16, 10 in float32, in a step whose time on a GPU is mostly its launches; and for up to 4 rows each
+  matmul as one kernel with the add and norm before it (model/norm_linear.py, `LINEAR_KERNEL`): five a block.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ STATIC_BACKENDS = VARYING_SHAPE_BACKENDS
 # value stored and attended over the cache in one launch a block. False: the cache write and SDPA with STATIC_BACKENDS
 # (what the GPU benchmark's SDPA rows set for their call, beside the default).
 ATTENTION_KERNEL = True
+# The fused static step's matmuls as model/norm_linear.py's kernels (on CUDA, batches of up to 4 rows), each with the
+# residual add and the layer norm before it: five kernels a block. False: add_norm.py's kernel and torch's matmuls
+# (what the GPU benchmark's row `ours, cuBLAS matmuls` sets for its call, beside the default).
+LINEAR_KERNEL = True
 
 
 class ForwardSteps:
@@ -154,10 +159,11 @@ class StaticSteps:
         views = plan.cache_views(cache)
         self.backends = backends = list(STATIC_BACKENDS)
         self.attention_kernel = kernel = ATTENTION_KERNEL
+        self.linear_kernel = linear = LINEAR_KERNEL
 
         def step() -> torch.Tensor:
             with attention_backends(device, backends):  # the kernel the graph records, and the same when run eagerly
-                return plan.static_step(cache, views, fused_kernels, kernel)
+                return plan.static_step(cache, views, fused_kernels, kernel, linear_kernel=linear)
 
         self.compiled = CompiledStep(step, compile_step) if compile_step else None
         body = self.compiled or step
@@ -225,7 +231,7 @@ def static_steps(  # noqa: ANN001
     # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
     amp = autocast_dtype(model.device.type)
     key = (batch, length, model.dtype, str(model.device), cuda_graph, compile_step, fused_kernels)
-    key += (tuple(STATIC_BACKENDS), ATTENTION_KERNEL)  # the attention kernel a step records
+    key += (tuple(STATIC_BACKENDS), ATTENTION_KERNEL, LINEAR_KERNEL)  # the kernels a step records
     key += (torch.is_inference_mode_enabled(),)
     key += (amp, weights)
     if key in kept:

@@ -8,8 +8,10 @@ c_attn view, per-layer cache views) and the same aten ops run on the same tensor
     ln_1 -> one c_attn matmul, split -> attend (cache write, SDPA) -> c_proj -> residual add
     -> ln_2 -> c_fc -> gelu_new (op for op) -> mlp c_proj -> residual add;  ln_f at the end
 
-(each residual add and the norm after it, the next block's ln_1 or ln_f, one `add_norm` call: torch's add then its
-layer norm, the forward's two ops, or on CUDA with `fused_kernels` one kernel).
+(each residual add, the norm after it, the next block's ln_1 or ln_f, and the matmul after that, one `norm_linear`
+call: torch's add, layer norm and matmul, the forward's ops, or on CUDA with `fused_kernels` one kernel for the add
+and norm, add_norm.py, or for all three, norm_linear.py; a block hands the next the residual stream with its last
+projection not yet added: a `Stream`).
 
 `LayerStep` is that block step, written once. How a step attends is passed in: `DecodePlan.step` writes the
 `KVCache` at its fill length and attends over the filled keys, so its hidden state is bit-identical to
@@ -41,12 +43,13 @@ from ..devices import autocast_dtype
 from ..errors import UsageError
 from ..generate.cache import KVCache, StaticKVCache
 from . import decode_attention
-from .add_norm import Norm, add_norm, embed_norm
+from .add_norm import Norm
 from .c_attn import fused_qkv
 from .fused import gelu_tanh
 from .lowp import linear_wb
 from .masks import build_mask, positions_from_mask
 from .modules import Block, gelu_new, wants_grad
+from .norm_linear import Lookup, Stream, Weights, add_norm_of, norm_linear, project
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # (..., in) -> (..., out)
 # attend(layer, q, kv): q (B, nh, 1, hs) and kv (2, B, nh, 1, hs), this token's key and value -> (B, nh, 1, hs); stores
@@ -54,7 +57,6 @@ Linear = Callable[[torch.Tensor], torch.Tensor]  # (..., in) -> (..., out)
 Attend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # each layer's keys and values, (B, nh, max_len, hs) each, and both as one (2, B, nh, max_len, hs) view
 CacheViews = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
-Weights = tuple[torch.Tensor, torch.Tensor | None]  # a Linear's (out, in) weight and its bias
 
 
 def _linear(m: nn.Module) -> Linear:
@@ -100,14 +102,17 @@ class LayerStep:
     layer: int
     ln_1: Norm
     qkv: Linear | None  # one (B, 1, C) -> (B, 1, 3C) matmul over the checkpoint's c_attn, when q/k/v are views of it
+    qkv_wb: Weights | None  # that matmul's (3C, C) weight and bias
     q: Linear
     k: Linear
     v: Linear
     c_proj: Linear
+    c_proj_wb: Weights | None
     ln_2: Norm
     c_fc: Linear
     c_fc_wb: Weights | None
     mlp_proj: Linear
+    mlp_proj_wb: Weights | None
     eps: float
     n_head: int
 
@@ -119,41 +124,52 @@ class LayerStep:
             layer=a.layer,
             ln_1=(block.ln_1.weight, block.ln_1.bias),
             qkv=None if qkv is None else (lambda x, w=qkv[0], b=qkv[1]: linear_wb(x, w, b)),
+            qkv_wb=qkv,
             q=_linear(a.q_proj),
             k=_linear(a.k_proj),
             v=_linear(a.v_proj),
             c_proj=_linear(a.c_proj),
+            c_proj_wb=_weights(a.c_proj),
             ln_2=(block.ln_2.weight, block.ln_2.bias),
             c_fc=_linear(block.mlp.c_fc),
             c_fc_wb=_weights(block.mlp.c_fc),
             mlp_proj=_linear(block.mlp.c_proj),
+            mlp_proj_wb=_weights(block.mlp.c_proj),
             eps=block.ln_1.eps,
             n_head=a.n_head,
         )
 
-    def __call__(
-        self, x: torch.Tensor, h: torch.Tensor, attend: Attend, after: Norm, fused: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, 1, C) residual stream x and its ln_1 output h -> the block's output and its layer norm by `after` (the
-        next block's ln_1, or ln_f): `Block.forward` in eval mode, the norm that follows it included, so that each
-        residual add and the norm after it are one `add_norm`. `fused`: with fewer kernels, the same function rounded
+    def __call__(self, stream: Stream, attend: Attend, fused: bool = False, linear: bool = False) -> Stream:
+        """The residual stream with the projection before this block not yet added (x and d, or the embeddings'
+        lookup) -> the same after this block: `Block.forward` in eval mode, written so that each residual add, the
+        norm after it and the matmul after that are one `norm_linear` (and the block's last projection is added by
+        the next block's, or by ln_f's `add_norm_of`). `fused`: with fewer kernels, the same function rounded
         otherwise: the GELU as torch's one tanh-GELU kernel (fused.gelu_tanh, not gelu_new's eight ops), in c_fc's
         matmul where it can be (`gelu_projected`), and each add with its norm as one kernel where one can run them
-        (add_norm.in_kernel: CUDA)."""
-        B, _, C = x.shape
-        nh, hs = self.n_head, C // self.n_head
+        (add_norm.in_kernel: CUDA). `linear` (with `fused`): each matmul as one kernel with the add and norm before it
+        where norm_linear.py's can run them (CUDA, a few rows): five kernels a block."""
+        eps, kernel = self.eps, fused and linear
         if self.qkv is not None:
-            qkv = self.qkv(h)  # (B, 1, 3C): q | k | v
+            x, qkv = norm_linear(stream, self.ln_1, eps, self.qkv_wb, self.qkv, False, fused, kernel)  # (B, 1, 3C)
+            B, _, C = x.shape
+            nh, hs = self.n_head, C // self.n_head
             q = qkv[..., :C]
             kv = qkv[..., C:].view(B, 1, 2, nh, hs).permute(2, 0, 3, 1, 4)  # (2, B, nh, 1, hs): k and v, one view
         else:
+            x, h = add_norm_of(stream, self.ln_1, eps, fused)
+            B, _, C = x.shape
+            nh, hs = self.n_head, C // self.n_head
             q = self.q(h)
             kv = torch.stack([self.k(h), self.v(h)]).view(2, B, 1, nh, hs).transpose(2, 3)  # (2, B, nh, 1, hs)
         q = q.view(B, 1, nh, hs).transpose(1, 2)  # (B, nh, 1, hs)
         y = attend(self.layer, q, kv).transpose(1, 2).reshape(B, 1, C)  # (B, 1, C): heads side by side
-        x, h = add_norm(x, self.c_proj(y), self.ln_2, self.eps, fused)
-        act = gelu_projected(h, self.c_fc, self.c_fc_wb) if fused else gelu_new(self.c_fc(h))  # (B, 1, 4C)
-        return add_norm(x, self.mlp_proj(act), after, self.eps, fused)
+        d = project(y, self.c_proj, self.c_proj_wb, kernel)
+
+        def mlp_in(h: torch.Tensor) -> torch.Tensor:  # (B, 1, C) -> (B, 1, 4C)
+            return gelu_projected(h, self.c_fc, self.c_fc_wb) if fused else gelu_new(self.c_fc(h))
+
+        x, act = norm_linear((x, d), self.ln_2, eps, self.c_fc_wb, mlp_in, True, fused, kernel)
+        return x, project(act, self.mlp_proj, self.mlp_proj_wb, kernel)
 
 
 class DecodePlan:
@@ -176,16 +192,17 @@ class DecodePlan:
             return None
         return DecodePlan(model)
 
-    def run(self, input_ids: torch.Tensor, pos: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, pos: torch.Tensor, attend: Attend, fused: bool = False, linear: bool = False
+    ) -> torch.Tensor:
         """(B, 1) ids and their positions ((B|1, 1) or (1,)) -> (B, 1, C) ln_f output, every block attending through
-        `attend`. The token and position embeddings are looked up, added and normed by ln_1 in one `embed_norm`, and
-        each block's residual add with the norm after it in one `add_norm` (`fused`: LayerStep's, and on CUDA
-        the lookups in the kernel too)."""
-        norms = [layer.ln_1 for layer in self.layers[1:]] + [self.ln_f]
-        x, h = embed_norm(input_ids, pos, self.wte, self.wpe, self.layers[0].ln_1, self.eps, fused)  # (B, 1, C) each
-        for layer, after in zip(self.layers, norms):
-            x, h = layer(x, h, attend, after, fused)
-        return h
+        `attend`. The token and position embeddings are looked up, added and normed by ln_1 in one `embed_norm` (or,
+        with `linear`, in c_attn's kernel), each block's residual adds with the norm after them in one `add_norm` or
+        the matmul after that (`fused`, `linear`: LayerStep's), and the last with ln_f."""
+        stream: Stream = Lookup(input_ids, pos, self.wte, self.wpe)
+        for layer in self.layers:
+            stream = layer(stream, attend, fused, linear)
+        return add_norm_of(stream, self.ln_f, self.eps, fused)[1]
 
     def attention(self, cache: KVCache, mask: torch.Tensor | None) -> Attend:
         """Attend as `GPT2.forward` does with `cache`: store k, v at the fill length, SDPA over the filled keys.
@@ -240,6 +257,7 @@ class DecodePlan:
         views: CacheViews | None = None,
         fused_kernels: bool = False,
         attention_kernel: bool = True,
+        linear_kernel: bool = True,
     ) -> torch.Tensor:
         """One token per row from the cache's device inputs (tok, pos, slot, bias) -> (B, 1, C) ln_f output. No host
         value is read, so a CUDA graph can record it once and replay it for every token. `views`: the cache's
@@ -257,9 +275,11 @@ class DecodePlan:
         a block and three a token fewer (the embeddings' lookups in the first); and with `attention_kernel` each block's
         cache write and attention one more (decode_attention.py): 1 a block fewer again. Adding a projection into the
         residual in its matmul instead saved no kernel there (torch's addmm of a bias took cuBLASLt's bias epilogue at
-        batch 1 too) and rounded otherwise."""
+        batch 1 too) and rounded otherwise. With `linear_kernel` (and up to 4 rows) each matmul is one kernel with the
+        add and norm before it (norm_linear.py: the residual sums torch's bit for bit, the projections' outputs as
+        partial sums the next kernel adds): five kernels a block."""
         attend = self.static_attention(cache, views, fused_kernels and attention_kernel)
-        return self.run(cache.tok, cache.pos, attend, fused_kernels)
+        return self.run(cache.tok, cache.pos, attend, fused_kernels, fused_kernels and linear_kernel)
 
     @staticmethod
     def cache_views(cache: KVCache) -> CacheViews:
