@@ -408,6 +408,36 @@ def test_the_attention_kernel_writes_the_slot_and_attends_as_sdpa_does(
     assert ours <= ATTENTION_EPS[dtype] and theirs <= ATTENTION_EPS[dtype], (ours, theirs)
 
 
+@interpreted_here
+@pytest.mark.exactness
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_the_attention_kernel_reads_no_slot_after_the_tokens(interpreted: None, dtype: torch.dtype) -> None:
+    """The slots after the token's are masked in a static cache and the kernel does not read them (its reads grow with
+    the position, not the cache's length): NaN keys and values there, which any read would carry into the output
+    (NaN times a zero weight is NaN), leave its output bit for bit what it is over a clean cache, a block wholly after
+    the slot included. The contract it relies on: a StaticKVCache's mask holds -inf at every slot after the one fed,
+    from the prompt's start through a generation's steps."""
+    from gpt2_port.generate.cache import StaticKVCache
+
+    q, kv, layer, bias, slot = attention_inputs(dtype, 64)  # 130 slots, the token at 120: slots 121.. masked
+    scale = 0.125
+    first = layer.clone()  # the first call for these shapes is checked against the cache write and SDPA
+
+    def write_and_sdpa() -> torch.Tensor:
+        return _sdpa(q, first.index_copy_(3, slot, kv), bias, scale)
+
+    clean = decode_attention.attend(q, kv, first, bias, slot, scale, write_and_sdpa)
+    dirty = layer.clone()
+    dirty[..., int(slot) + 1 :, :] = float("nan")
+    out = decode_attention.attend(q, kv, dirty, bias, slot, scale, lambda: pytest.fail("the fallback ran"))
+    assert torch.isfinite(out).all() and torch.equal(out, clean)
+    cache = StaticKVCache(TINY, 2, 16, dtype, "cpu")
+    cache.start(torch.tensor([[0, 1, 1], [1, 1, 1]]), 3)
+    for at in range(3, 16):
+        cache.feed(torch.tensor([1, 2]), at)
+        assert bool((cache.bias[:, at + 1 :] == float("-inf")).all()) and bool((cache.bias[:, at] == 0).all())
+
+
 def test_the_attention_kernel_is_not_taken_for_what_it_does_not_handle() -> None:
     """decode_attention.in_kernel never holds on the CPU; `takes` (its operands' rules) refuses mixed dtypes
     (autocast's bf16 key and value beside a float32 cache), float64, a head size that is not a power of two, more

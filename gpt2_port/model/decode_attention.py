@@ -67,7 +67,8 @@ def attend(
 ) -> torch.Tensor:
     """Store kv (2, B, nh, 1, hs) at `slot` ((1,) on the device) of `layer` (2, B, nh, L, hs) and attend q (B, nh, 1,
     hs) over its L slots with the additive mask `bias` (B, L) -> (B, nh, 1, hs), in one kernel; `fallback()` (the
-    same, as the cache write and SDPA) where the kernel fails."""
+    same, as the cache write and SDPA) where the kernel fails. The slots after `slot` must be masked (-inf in `bias`,
+    as StaticKVCache keeps them): the kernel does not read them."""
 
     def launch() -> torch.Tensor:
         from .decode_attention_triton import launch  # triton's import too: a failing one is the kernel's failure

@@ -1,11 +1,12 @@
 """A decode step's attention as one Triton kernel: decode_attention.py's kernel on CUDA.
 
 Imported only where triton is (gpt2_port/gpu_kernel.py asks first). One program a (row, head): it stores the token's key
-and value in their slot of the layer's cache, then attends its one query over every slot of the cache with the cache's
-additive mask, in blocks of BLOCK slots with a running maximum (the online softmax), in float32, and rounds the output
-once to the inputs' dtype. The cache's length is a constant of the compiled kernel (one compile per length: a static
-cache's are multiples of 64, cache.static_len; its loop then has a known count). No `from __future__ import
-annotations`: triton reads the kernel's annotations (`tl.constexpr`) as objects.
+and value in their slot of the layer's cache, then attends its one query over the cache's slots up to that one with the
+cache's additive mask (the slots after it are masked in a static cache, and not read), in blocks of BLOCK slots with a
+running maximum (the online softmax), in float32, and rounds the output once to the inputs' dtype. The cache's length
+is a constant of the compiled kernel (one compile per length: a static cache's are multiples of 64, cache.static_len;
+its loop then has a known count). No `from __future__ import annotations`: triton reads the kernel's annotations
+(`tl.constexpr`) as objects.
 """
 
 import torch
@@ -52,15 +53,17 @@ def _decode_attention(
     acc = tl.zeros([HS], dtype=tl.float32)  # the running sum of exp(score - m) * value
     for start in range(0, L, BLOCK):
         at = start + tl.arange(0, BLOCK)
-        inside = at < L
+        # the slots up to the token's: those after it are masked (a static cache's mask holds -inf there), so never
+        # read, and a step reads as many keys and values as its position, not the cache's length
+        live = (at < L) & (at <= slot)
         grid = at[:, None] * HS + d[None, :]  # (BLOCK, HS)
-        k = tl.load(keys + grid, mask=inside[:, None], other=0.0).to(tl.float32)
+        k = tl.load(keys + grid, mask=live[:, None], other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1) * scale  # (BLOCK,)
-        s += tl.load(bias_ptr + b * L + at, mask=inside, other=float("-inf")).to(tl.float32)
+        s += tl.load(bias_ptr + b * L + at, mask=live, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(s, axis=0))
         p = tl.exp(s - m_new)  # (BLOCK,): 0 where masked
         alpha = tl.exp(m - m_new)
-        v = tl.load(values + grid, mask=inside[:, None], other=0.0).to(tl.float32)
+        v = tl.load(values + grid, mask=live[:, None], other=0.0).to(tl.float32)
         total = total * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m = m_new
