@@ -498,10 +498,10 @@ def test_the_greedy_pick_is_not_taken_for_what_it_does_not_handle() -> None:
 
 # The norm-and-matmul kernel's output against float64's (the Linear over torch's own normalised rows, rounded as torch
 # stores them), in units of the dtype's epsilon times the output's largest value; torch's F.linear beside it. Worst
-# seen (K x N 64 x 96, 768 x 2304, 1600 x 160; 1 and 3 rows; with and without the GELU): float32 ours 3.6, torch's CPU
+# seen (K x N 64 x 96, 768 x 2304, 1600 x 160; 1 and 3 rows; with and without the GELU): float32 ours 5.1, torch's CPU
 # matmul 12.6; fp16 ours 0.44, torch's 0.62; bf16 ours 1.18, torch's 0.54 (the interpreter truncates its bf16 roundings
 # of the normalised rows and of the output, where a GPU rounds to nearest: tests/test_cuda.py).
-LINEAR_EPS = {torch.float32: 4.0, torch.float16: 0.5, torch.bfloat16: 1.25}
+LINEAR_EPS = {torch.float32: 8.0, torch.float16: 0.5, torch.bfloat16: 1.25}
 
 
 def _linear_inputs(dtype: torch.dtype, rows: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -536,7 +536,9 @@ def _same_sum(s: torch.Tensor, want: torch.Tensor, d: torch.Tensor | None = None
 @interpreted_here
 @pytest.mark.exactness
 @pytest.mark.parametrize("stream", ["sum", "partials", "lookup"])
-@pytest.mark.parametrize("shape", [(1, 64, 96, True), (3, 768, 2304, False), (3, 1600, 160, True)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 768, 2304, True), (3, 768, 2304, False), (3, 1600, 160, True), (1, 64, 96, False)], ids=str
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "fp16", "bf16"])
 def test_the_norm_linear_kernel_adds_norms_and_multiplies_as_torchs_ops(
     interpreted: None, dtype: torch.dtype, shape: tuple[int, int, int, bool], stream: str
@@ -598,7 +600,7 @@ def test_the_projection_kernels_partials_sum_to_the_linear_and_the_last_norm_add
     parts = project(y, lambda t: F.linear(t, w, b), (w, b), kernel=True)
     assert (
         isinstance(parts, Parts)
-        and parts.sums.shape == (split_of(k, rows)[0], rows, 1, 768)
+        and parts.sums.shape == (split_of(k, 768, rows)[0], rows, 1, 768)
         and parts.sums.shape[0] > 1
     )
     assert torch.equal(project(y, lambda t: F.linear(t, w, b), (w, b), kernel=True).sums, parts.sums)

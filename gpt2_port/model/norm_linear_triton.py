@@ -26,9 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
-BN = 32  # outputs a program makes
-TILE = 4096  # rows x BK: the accumulator's size (32 float32 a thread at 4 warps)
-MAX_SPLIT = 8  # K slices of a projection made into partials
+# A one-token matmul reads its weight once, and a GPU reads at full speed only with many programs at work: at 32
+# outputs a program 124M's c_attn would be 72 programs and c_fc 96, fewer than an H100's 132 SMs. At 16, 144 and 192
+# (gpt2-xl's 300 and 400); a projection into the residual stream (768 outputs: 48 programs) is split over K until it
+# has about TARGET_PROGRAMS, each slice's partial sums read again by every program of the next kernel (its norm's
+# prologue), so at most MAX_SPLIT slices. Fixed numbers, not the GPU's: a split is a summation order, and the bits
+# stay the same on every GPU.
+BN = 16  # outputs a program makes
+TILE = 4096  # rows x BK x BN: the accumulator's size (32 float32 a thread at 4 warps)
+TARGET_PROGRAMS = 256
+MAX_SPLIT = 4
 
 
 @triton.jit
@@ -179,12 +186,12 @@ def _blocks(rows: int) -> tuple[int, int]:
     return bb, max(16, TILE // (bb * BN))
 
 
-def split_of(k: int, rows: int) -> tuple[int, int]:
-    """(slices, values a slice) of K for a projection made into partials: about two BK steps a slice, at most
-    MAX_SPLIT slices, none empty."""
+def split_of(k: int, n: int, rows: int) -> tuple[int, int]:
+    """(slices, values a slice) of K for an (n, k) projection made into partials: as many slices as bring its
+    programs to about TARGET_PROGRAMS, at most MAX_SPLIT, each a whole number of BK steps, none empty."""
     bk = _blocks(rows)[1]
     steps = triton.cdiv(k, bk)
-    want = min(MAX_SPLIT, max(1, steps // 2))
+    want = min(MAX_SPLIT, steps, max(1, triton.cdiv(TARGET_PROGRAMS, triton.cdiv(n, BN))))
     ks = bk * triton.cdiv(steps, want)
     return triton.cdiv(k, ks), ks
 
@@ -210,7 +217,7 @@ def launch(
     N, K = weight.shape
     B = rows[0].numel() if rows is not None else x.numel() // K
     bb, bk = _blocks(B)
-    splits, ks = split_of(K, B) if split else (1, bk * triton.cdiv(K, bk))
+    splits, ks = split_of(K, N, B) if split else (1, bk * triton.cdiv(K, bk))
     dev = weight.device
     if split:
         out = torch.empty(splits, B, N, dtype=torch.float32, device=dev)
