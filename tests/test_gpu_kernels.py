@@ -498,10 +498,11 @@ def test_the_greedy_pick_is_not_taken_for_what_it_does_not_handle() -> None:
 
 # The norm-and-matmul kernel's output against float64's (the Linear over torch's own normalised rows, rounded as torch
 # stores them), in units of the dtype's epsilon times the output's largest value; torch's F.linear beside it. Worst
-# seen (K x N 64 x 96, 768 x 2304, 1600 x 160; 1 and 3 rows; with and without the GELU): float32 ours 5.1, torch's CPU
-# matmul 12.6; fp16 ours 0.44, torch's 0.62; bf16 ours 1.18, torch's 0.54 (the interpreter truncates its bf16 roundings
-# of the normalised rows and of the output, where a GPU rounds to nearest: tests/test_cuda.py).
-LINEAR_EPS = {torch.float32: 8.0, torch.float16: 0.5, torch.bfloat16: 1.25}
+# seen (K x N 64 x 96, 768 x 384, 768 x 2304, 1600 x 160; 1 and 3 rows; with and without the GELU; both venvs):
+# float32 ours 5.1, torch's CPU matmul 12.6; fp16 ours 0.44, torch's 0.62; bf16 ours 1.34 (1.17 on this test's
+# inputs), torch's 0.54: the interpreter truncates its bf16 roundings of the normalised rows and of the output, where
+# a GPU rounds to nearest (tests/test_cuda.py holds bf16 to 1).
+LINEAR_EPS = {torch.float32: 8.0, torch.float16: 0.5, torch.bfloat16: 1.5}
 
 
 def _linear_inputs(dtype: torch.dtype, rows: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -558,7 +559,8 @@ def test_the_norm_linear_kernel_adds_norms_and_multiplies_as_torchs_ops(
         d = (((sums[0] + sums[1]) + sums[2]) + d_bias).to(dtype)  # the kernel's order
     elif stream == "lookup":  # tables of other sizes, each row's token and position ids apart
         g = torch.Generator().manual_seed(7)
-        wte, wpe = (torch.randn(2 * rows + 3, k, generator=g) * 4).to(dtype), torch.randn(rows + 2, k).to(dtype)
+        wte = (torch.randn(2 * rows + 3, k, generator=g) * 4).to(dtype)
+        wpe = torch.randn(rows + 2, k, generator=g).to(dtype)
         ids, pos = torch.arange(2 * rows + 2, rows + 2, -1).view(rows, 1), torch.arange(1, rows + 1).view(rows, 1)
         x, d = F.embedding(ids, wte), F.embedding(pos, wpe)
         got_in = Lookup(ids, pos, wte, wpe)
