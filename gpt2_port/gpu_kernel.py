@@ -1,5 +1,5 @@
-"""What the hand-written GPU kernels of decoding share (model/add_norm.py's, model/decode_attention.py's,
-generate/greedy_pick.py's): where one may run at all, and what happens when it fails.
+"""What the hand-written GPU kernels of decoding share (model/add_norm.py's, model/norm_linear.py's,
+model/decode_attention.py's, generate/greedy_pick.py's): where one may run at all, and what happens when it fails.
 
 A kernel runs on CUDA only, with triton installed (torch's CUDA wheels bring it on Linux; its CPU wheels do not), not
 under torch.compile (which makes its own kernels from torch's ops) nor autocast (whose casts the kernels do not make).

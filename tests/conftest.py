@@ -64,11 +64,26 @@ def chaotic_model(cfg: GPT2Config, seed: int) -> GPT2:
     """Random weights large enough that greedy text keeps changing (GPT-2's 0.02 init, untrained, repeats one token
     forever, which would make equality tests weak); LayerNorm gains around 1. Separate q/k/v (no fused c_attn)."""
     torch.manual_seed(seed)
-    m = GPT2(cfg).eval().requires_grad_(False)
-    for name, p in m.named_parameters():
-        base = 1.0 if "ln_" in name and name.endswith("weight") else 0.0
-        p.copy_(base + 0.3 * torch.randn_like(p))
+    return chaotic_weights(GPT2(cfg))
+
+
+def chaotic_weights(m: GPT2, generator: torch.Generator | None = None) -> GPT2:
+    """m in eval mode, no gradients, its weights chaotic_model's (drawn from `generator`, else the global one), in
+    place: a model in the official layout keeps q, k and v views of its one c_attn."""
+    m = m.eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            base = 1.0 if "ln_" in name and name.endswith("weight") else 0.0
+            p.copy_(base + 0.3 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
     return m
+
+
+def summed_in_order(sums: torch.Tensor) -> torch.Tensor:
+    """(P, ...) partial sums added first to last, as norm_linear.py's kernels add a projection's partials."""
+    total = sums[0]
+    for part in sums[1:]:
+        total = total + part
+    return total
 
 
 @pytest.fixture(scope="session")

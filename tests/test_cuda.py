@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy, same_tokens_where_decided, weights
+from conftest import hf_greedy, same_tokens_where_decided, summed_in_order, weights
 
 from gpt2_port.cli import main
 from gpt2_port.config import GPT2Config
@@ -735,10 +735,7 @@ def test_the_norm_linear_kernels_add_as_torch_adds_and_multiply_within_rounding_
         assert isinstance(parts, nl.Parts) and nl.PROJECT.broken is None, nl.PROJECT.broken
         again = nl.project(y, lambda t: pytest.fail("the fallback ran"), (proj, pb), kernel=True)
         assert torch.equal(again.sums, parts.sums)
-        d = parts.sums[0]
-        for p in parts.sums[1:]:
-            d = d + p
-        d = (d + pb).to(dtype)
+        d = (summed_in_order(parts.sums) + pb).to(dtype)
         bound = 8.0 if dtype == torch.float32 else 1.0  # eps x the largest value, as the outputs below
         want = F.linear(y.double(), proj.double(), pb.double())
         assert (parts.total().double() - want).abs().max() <= bound * eps * want.abs().max()

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, attention_inputs, chaotic_model, norm_ulps
+from conftest import TINY, attention_inputs, chaotic_model, chaotic_weights, norm_ulps, summed_in_order
 
 from gpt2_port.model import add_norm as add_norm_mod
 
@@ -280,13 +280,7 @@ def official_chaotic(tiny_official) -> torch.nn.Module:  # noqa: ANN001
     from gpt2_port.model import from_pretrained
     from gpt2_port.model.c_attn import fused_qkv
 
-    m, _ = from_pretrained(tiny_official)
-    m = m.eval().requires_grad_(False)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            base = 1.0 if "ln_" in name and name.endswith("weight") else 0.0
-            p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
+    m = chaotic_weights(from_pretrained(tiny_official)[0], torch.Generator().manual_seed(3))
     a = m.h[0].attn
     assert fused_qkv(a.q_proj, a.k_proj, a.v_proj) is not None
     return m
@@ -556,7 +550,7 @@ def test_the_norm_linear_kernel_adds_norms_and_multiplies_as_torchs_ops(
         sums = torch.randn(3, rows, 1, k, generator=torch.Generator().manual_seed(5))
         d_bias = torch.randn(k, generator=torch.Generator().manual_seed(6)).to(dtype)
         got_in = (x, Parts(sums, d_bias, dtype))
-        d = (((sums[0] + sums[1]) + sums[2]) + d_bias).to(dtype)  # the kernel's order
+        d = (summed_in_order(sums) + d_bias).to(dtype)  # the kernel's order
     elif stream == "lookup":  # tables of other sizes, each row's token and position ids apart
         g = torch.Generator().manual_seed(7)
         wte = (torch.randn(2 * rows + 3, k, generator=g) * 4).to(dtype)
@@ -608,10 +602,7 @@ def test_the_projection_kernels_partials_sum_to_the_linear_and_the_last_norm_add
     assert torch.equal(project(y, lambda t: F.linear(t, w, b), (w, b), kernel=True).sums, parts.sums)
     truth = F.linear(y.double(), w.double(), b.double())
     assert _eps_far(parts.total(), truth) <= LINEAR_EPS[dtype]
-    d = parts.sums[0]
-    for p in parts.sums[1:]:
-        d = d + p
-    d = (d + b).to(dtype)
+    d = (summed_in_order(parts.sums) + b).to(dtype)
     want_s = x + d
     s, normed = add_norm_of((x, parts), (lnw, lnb), 1e-5, kernel=True)
     assert _same_sum(s, want_s, d)

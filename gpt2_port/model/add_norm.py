@@ -29,7 +29,7 @@ Norm = tuple[torch.Tensor, torch.Tensor]  # a LayerNorm's weight and bias, (C,) 
 MAX_WIDTH = 16384  # one program holds a row in registers: wider rows take torch's ops
 
 
-def _agree(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> str | None:
+def agree(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> str | None:
     """The kernel's first (sum, norm) against torch's, as GpuKernel checks it: each within a few of the dtype's
     epsilons of the largest value (the tests hold the sum to bit equality and the norm to an ulp or 8 in float32;
     this catches a kernel compiled wrong, whose values are far off)."""
@@ -38,7 +38,7 @@ def _agree(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, tor
     return within(s, s0, 1.0) or within(y, y0, eps)
 
 
-KERNEL = GpuKernel("the add-and-layer-norm kernel", "torch's add and layer norm", _agree)
+KERNEL = GpuKernel("the add-and-layer-norm kernel", "torch's add and layer norm", agree)
 
 
 def in_kernel(x: torch.Tensor, d: torch.Tensor, norm: Norm) -> bool:

@@ -161,7 +161,8 @@ def _add_norm(
     BB: tl.constexpr,
     KB: tl.constexpr,
 ):
-    """The sum of input 1 or 2 above and its layer norm, stored (the step's last norm, ln_f, before the head)."""
+    """The sum of input 2 above (its partials) and its layer norm, stored (the step's last norm, ln_f, before the
+    head)."""
     rows = tl.arange(0, BB)
     cols = tl.arange(0, KB)
     whole = (rows < B)[:, None] & (cols < K)[None, :]
@@ -260,30 +261,25 @@ def launch(
 
 
 def launch_add_norm(
-    x: torch.Tensor,
-    d: torch.Tensor | None,
-    parts: torch.Tensor | None,
-    pbias: torch.Tensor | None,
-    norm: tuple[torch.Tensor, torch.Tensor],
-    eps: float,
+    x: torch.Tensor, parts: torch.Tensor, pbias: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor], eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, K) x plus d, or plus the (P, B, K) partials and their bias -> (the sum, its layer norm), (B, K) each."""
+    """(B, K) x plus the (P, B, K) partials and their bias -> (the sum, its layer norm), (B, K) each."""
     B, K = x.shape
     s = torch.empty_like(x)
     y = torch.empty_like(x)
     add_norm_kernel[(1,)](
         x,
-        d if d is not None else x,
-        parts if parts is not None else x,
-        pbias if pbias is not None else x,
+        x,  # d: not read with partials
+        parts,
+        pbias,
         *norm,
         eps,
         s,
         y,
         B,
         K=K,
-        P=parts.shape[0] if parts is not None else 1,
-        IN=2 if parts is not None else 1,
+        P=parts.shape[0],
+        IN=2,
         BB=triton.next_power_of_2(B),
         KB=triton.next_power_of_2(K),
         num_warps=4 if K <= 1024 else 8,
