@@ -26,6 +26,10 @@ from .devices import autocast_dtype, compiling, out_of_memory
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes the kernels are written for
+# How triton compiles each kernel: products and sums contracted into fused multiply-adds, what triton up to 3.9 does
+# when not told (3.9 warns at each compile that 3.10 will not). Given at each launch, so a kernel's arithmetic does not
+# change with triton's default and nothing is printed.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 
 @functools.cache

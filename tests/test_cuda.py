@@ -826,3 +826,28 @@ def test_the_greedy_pick_kernel_is_torchs_argmax_and_finite_check(tiny_official:
     greedy_pick.KERNEL.checked.clear()
     generate_full(m, torch.tensor([[464, 2444, 4721]]), 8, eos_token_id=None)
     assert greedy_pick.KERNEL.checked and greedy_pick.KERNEL.broken is None
+
+
+@pytest.mark.parametrize("status_dtype", [torch.long, torch.bool], ids=["int64", "bool"])
+def test_the_token_taking_kernel_is_torchs_where_ne_and_cat(tiny_official: Path, status_dtype: torch.dtype) -> None:
+    """generate/accept.py's Triton kernel on the GPU: a strided choice into a column of the sequence, finished rows
+    padded, the rows that chose EOS ended, the ids and the status side by side: torch's ops' values exactly; a
+    generation with EOS on CUDA takes its tokens through it."""
+    from gpt2_port import GPT2
+    from gpt2_port.generate import accept, generate_full
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    choice = torch.randint(0, 9, (37, 2), device="cuda", generator=g)[:, 1]
+    choice[0] = 7
+    running = torch.rand(37, device="cuda", generator=g) < 0.7
+    seq = torch.randint(100, 200, (37, 6), device="cuda", generator=g)
+    status = torch.ones((), dtype=status_dtype, device="cuda")
+    pad = (7, torch.full((), 7, device="cuda"))
+    assert accept.in_kernel(choice, status, running, seq[:, 4])
+    want = accept._torch_ops(choice, status, running, pad[1], 7, seq.clone()[:, 4])
+    got = accept.take(choice, status, running, pad, 7, seq[:, 4])
+    assert accept.KERNEL.broken is None and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    m = GPT2.from_pretrained(str(tiny_official), device="cuda")
+    accept.KERNEL.checked.clear()
+    generate_full(m, torch.tensor([[464, 2444, 4721], [3, 4, 5]]), 8, eos_token_id=11)
+    assert accept.KERNEL.checked and accept.KERNEL.broken is None

@@ -2,7 +2,8 @@
 numpy), alone and inside a whole generation: the residual add with the layer norm after it (model/add_norm.py; torch's
 two ops everywhere but CUDA), the matmuls with the add and norm before them and the projections' partial sums
 (model/norm_linear.py), the cache write with the attention (model/decode_attention.py; the cache write and SDPA
-elsewhere) and a plain greedy token's argmax with its finite check (generate/greedy_pick.py); what happens when one
+elsewhere), a plain greedy token's argmax with its finite check (generate/greedy_pick.py) and the chosen tokens taken
+into the sequence (generate/accept.py); what happens when one
 fails or disagrees with torch's ops (gpt2_port/gpu_kernel.py). The kernels on a GPU: tests/test_cuda.py."""
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from conftest import TINY, attention_inputs, chaotic_model, chaotic_weights, nor
 from gpt2_port.model import add_norm as add_norm_mod
 
 pytest.importorskip("triton", reason="NOT RUN: triton is not installed (pyproject's dev extra brings it)")
-from gpt2_port.generate import greedy_pick  # noqa: E402
+from gpt2_port.generate import accept, greedy_pick  # noqa: E402
 from gpt2_port.model import add_norm_triton, decode_attention, norm_linear  # noqa: E402
 
-KERNELS = (add_norm_mod.KERNEL, decode_attention.KERNEL, greedy_pick.KERNEL, *norm_linear.KERNELS)
+KERNELS = (add_norm_mod.KERNEL, decode_attention.KERNEL, greedy_pick.KERNEL, accept.KERNEL, *norm_linear.KERNELS)
 
 # conftest.py sets TRITON_INTERPRET=1 where there is no GPU, before triton is imported: the kernel is then interpreted
 # on the CPU. On a GPU machine it compiles for the GPU instead (CPU tensors can't go there): tests/test_cuda.py runs it.
@@ -304,7 +305,7 @@ def test_the_static_step_with_the_kernels_makes_the_forwards_tokens(
     ln_f output within a few ulps of the step with torch's ops, and 12 greedy tokens of a left-padded batch, each
     chosen by the greedy pick kernel, equal to the forward's. With `linear_kernel=False` (steps.LINEAR_KERNEL) the
     matmuls are torch's, after add_norm's kernel; with `attention_kernel=False` (steps.ATTENTION_KERNEL) the
-    attention is the cache write and SDPA again."""
+    attention is the cache write and SDPA again. The tokens go into the sequences through accept.py's kernel."""
     from collections import Counter
 
     from conftest import OpNames
@@ -344,6 +345,7 @@ def test_the_static_step_with_the_kernels_makes_the_forwards_tokens(
     f = generate_full(m, ids, 12, fast_step=False, output_scores=True, **opts)
     assert g.extra["step"] == "static" and g.extra["fused_kernels"] and f.extra["step"] == "forward"
     assert greedy_pick.KERNEL.checked and norm_linear.PROJECT.checked  # the pick and the matmul kernels chose them
+    assert accept.KERNEL.checked  # and the tokens were taken into the sequences by the kernel
     if dtype == torch.float32:
         assert torch.equal(g.sequences, f.sequences)
     else:  # bf16: each row's tokens up to its first step whose forward scores' top two are within 4 ulps (a tie)
@@ -457,7 +459,8 @@ def test_the_attention_kernel_is_not_taken_for_what_it_does_not_handle() -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "fp16", "bf16"])
 def test_the_greedy_pick_is_torchs_argmax_and_finite_check(interpreted: None, dtype: torch.dtype, V: int) -> None:
     """greedy_pick.argmax_finite's kernel: each row's token is torch.argmax's (ties to the lower id: a row whose largest
-    value stands twice, once in a later block; a row whose largest is in the last, partial block) and the flag is 1
+    value stands twice, once in a later block; one where it stands three times, in one lane of two blocks and in a
+    lower lane of the later one; a row whose largest is in the last, partial block) and the flag is 1
     while every logit is finite; a NaN, +Inf or -Inf anywhere in any row makes it 0. Rows with a stride of their own
     (a slice of wider logits, as a padded head's); one row alone too."""
     g = torch.Generator().manual_seed(0)
@@ -466,9 +469,12 @@ def test_the_greedy_pick_is_torchs_argmax_and_finite_check(interpreted: None, dt
     top = logits.max().item() + 1
     logits[0, 5] = logits[0, V - 3] = top  # a tie: the lower id wins
     logits[2, V - 1] = top  # in the last block
+    if V > 2 * 4096:  # ties a block apart: in one lane (9 and 4105), and in a later block's lower lane (4098: lane 2)
+        logits[1, 9] = logits[1, 4105] = logits[1, 4098] = top
     assert greedy_pick.takes(logits) and logits.stride(0) == V + 7
     ids, ok = greedy_pick.argmax_finite(logits)
     assert torch.equal(ids, torch.argmax(logits, dim=-1)) and ids.tolist()[0] == 5 and ids.tolist()[2] == V - 1
+    assert V < 2 * 4096 or ids.tolist()[1] == 9
     assert ids.dtype == torch.long and int(ok) == 1
     for bad in (float("nan"), float("inf"), float("-inf")):
         broken = logits.clone()
@@ -488,6 +494,62 @@ def test_the_greedy_pick_is_not_taken_for_what_it_does_not_handle() -> None:
     assert greedy_pick.takes(logits) and not greedy_pick.in_kernel(logits)
     for name, bad in {"float64": logits.double(), "strided": logits.t().contiguous().t(), "3-D": logits[None]}.items():
         assert not greedy_pick.takes(bad), name
+
+
+@interpreted_here
+@pytest.mark.parametrize("B", [1, 3, 37])
+@pytest.mark.parametrize("status_dtype", [torch.long, torch.bool], ids=["int64", "bool"])
+@pytest.mark.parametrize("eos", [7, None], ids=["eos", "no-eos"])
+def test_the_token_taking_kernel_is_torchs_where_ne_and_cat(
+    interpreted: None, B: int, status_dtype: torch.dtype, eos: int | None
+) -> None:
+    """accept.take's kernel: each running row's choice (a strided view, as a sampled draw's may be) goes into its
+    column of the sequence (a column of a (B, L) tensor: stride L), a finished row's padding instead; the rows that
+    chose EOS end (and only those: a finished row's padding is EOS too, as generate's default padding is); the (B + 1,)
+    values for the host are the column, then the status as an int64. Equal to torch's ops' bit for bit, the sequence's
+    other columns untouched, the mask given left as it was."""
+    g = torch.Generator().manual_seed(B)
+    choice = torch.randint(0, 9, (B, 2), generator=g)[:, 1]  # (B,), stride 2
+    choice[0] = 7  # row 0 chooses EOS
+    running = torch.rand(B, generator=g) < 0.7
+    running[0] = True
+    seq = torch.randint(100, 200, (B, 6), generator=g)
+    before = running.clone()
+    for status in (torch.ones((), dtype=status_dtype), torch.zeros((), dtype=status_dtype)):
+        seq_k, seq_t = seq.clone(), seq.clone()
+        pad = (7, torch.full((), 7))
+        nxt, still, sent = accept.take(choice, status, running, pad, eos, seq_k[:, 4])
+        want = accept._torch_ops(choice, status, running.clone(), pad[1], eos, seq_t[:, 4])
+        assert torch.equal(seq_k, seq_t) and torch.equal(nxt, want[0]) and torch.equal(sent, want[2])
+        assert torch.equal(still, want[1]) and still.dtype == torch.bool and sent.dtype == torch.long
+        assert torch.equal(running, before)
+        assert int(sent[-1]) == int(status) and sent[:-1].tolist() == seq_k[:, 4].tolist()
+        if eos is not None:
+            assert not still[0] and torch.equal(still, running & (seq_k[:, 4] != 7))
+    assert accept.KERNEL.checked  # the kernel ran (its first result checked against torch's, then trusted)
+
+
+def test_the_token_taking_kernel_is_not_taken_for_what_it_does_not_handle() -> None:
+    """accept.in_kernel never holds on the CPU; `takes` refuses int32 choices, a (B,) status, a non-bool or strided
+    mask, a column of another dtype or length."""
+    choice, status, running, column = (
+        torch.zeros(4, dtype=torch.long),
+        torch.ones((), dtype=torch.long),
+        torch.ones(4, dtype=torch.bool),
+        torch.zeros(4, 3, dtype=torch.long)[:, 1],
+    )
+    assert accept.takes(choice, status, running, column) and not accept.in_kernel(choice, status, running, column)
+    cases = {
+        "int32 choice": (choice.int(), status, running, column),
+        "float status": (choice, status.float(), running, column),
+        "status per row": (choice, status.expand(4), running, column),
+        "int64 mask": (choice, status, running.long(), column),
+        "strided mask": (choice, status, torch.ones(8, dtype=torch.bool)[::2], column),
+        "int32 column": (choice, status, running, column.int()),
+        "short column": (choice, status, running, column[:3]),
+    }
+    for name, args in cases.items():
+        assert not accept.takes(*args), name
 
 
 # The norm-and-matmul kernel's output against float64's (the Linear over torch's own normalised rows, rounded as torch

@@ -29,6 +29,7 @@ import torch
 from ..devices import value_range
 from ..errors import UsageError
 from ..io.tokenizer import EOT_ID, Tokenizer
+from .accept import take
 from .choose import NONFINITE, OK, NextToken, nonfinite_message, overflow_message
 from .protocol import CausalLM
 from .readback import Readback
@@ -320,13 +321,14 @@ def generate_full(
         else:
             h = steps.next(nxt, S - 1)  # the token just chosen, at slot S - 1
         choice, status = choose(h, step)
-        nxt = torch.where(rows.unfinished, choice, pad_id, out=seq[:, S])  # (B,) into its column: finished rows padded
+        # (B,) into its column, finished rows padded; the rows still running (the next step pads a row that chose EOS
+        # here, whenever the host learns of it); the ids and the status side by side for the host
+        nxt, running, sent = take(choice, status, rows.unfinished, (pad, pad_id), eos_token_id, seq[:, S])
         S += 1
         if seen is not None:
             seen[rows_idx, nxt] |= rows.unfinished
-        if eos_token_id is not None:  # the next step pads a row that ended here, whenever the host learns of it
-            rows.unfinished &= nxt != eos_token_id
-        handle = reader.send(torch.cat([nxt, status.to(nxt.device, torch.long).view(1)]))
+        rows.unfinished = running
+        handle = reader.send(sent)
         if pending is not None:
             running = finish(*pending)
             pending = None

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gpu_kernel import COMPILE_OPTIONS
+
 
 def _add_layer_norm(
     x_ptr, d_ptr, xi_ptr, di_ptr, w_ptr, b_ptr, s_ptr, y_ptr, n, eps, GATHER: tl.constexpr, BLOCK: tl.constexpr
@@ -92,5 +94,6 @@ def _launch(
         GATHER=rows is not None,
         BLOCK=block,
         num_warps=4 if block <= 1024 else 8,
+        **COMPILE_OPTIONS,
     )
     return s, y

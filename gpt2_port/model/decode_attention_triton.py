@@ -3,15 +3,17 @@
 Imported only where triton is (gpt2_port/gpu_kernel.py asks first). One program a (row, head): it stores the token's key
 and value in their slot of the layer's cache, then attends its one query over the cache's slots up to that one with the
 cache's additive mask (the slots after it are masked in a static cache, and not read), in blocks of BLOCK slots with a
-running maximum (the online softmax), in float32, and rounds the output once to the inputs' dtype. The cache's length
-is a constant of the compiled kernel (one compile per length: a static cache's are multiples of 64, cache.static_len;
-its loop then has a known count). No `from __future__ import annotations`: triton reads the kernel's annotations
-(`tl.constexpr`) as objects.
+running maximum (the online softmax), in float32, and rounds the output once to the inputs' dtype. The cache's length is
+a constant of the compiled kernel (one compile per length: a static cache's are multiples of 64, cache.static_len); the
+blocks after the slot's (read on the device: a CUDA graph's replays each take their own) are skipped. No `from
+__future__ import annotations`: triton reads the kernel's annotations (`tl.constexpr`) as objects.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from ..gpu_kernel import COMPILE_OPTIONS
 
 BLOCK = 64  # slots a loop step reads: a static cache holds a multiple of 64 (cache.STATIC_LEN_MULTIPLE)
 
@@ -51,22 +53,24 @@ def _decode_attention(
     m = tl.zeros([1], dtype=tl.float32) - 1.0e30  # the running maximum (finite: a block all masked gives 0, not NaN)
     total = tl.zeros([1], dtype=tl.float32)  # the running sum of exp(score - m)
     acc = tl.zeros([HS], dtype=tl.float32)  # the running sum of exp(score - m) * value
+    # the blocks up to the token's slot: those after it are masked (a static cache's mask holds -inf there), so not
+    # read, and a step takes as many blocks as its position needs, not the cache's length (a masked block would add
+    # exp(-inf) = 0 to the sums and leave the maximum: the same values). A later block is a test and a branch.
     for start in range(0, L, BLOCK):
-        at = start + tl.arange(0, BLOCK)
-        # the slots up to the token's: those after it are masked (a static cache's mask holds -inf there), so never
-        # read, and a step reads as many keys and values as its position, not the cache's length
-        live = (at < L) & (at <= slot)
-        grid = at[:, None] * HS + d[None, :]  # (BLOCK, HS)
-        k = tl.load(keys + grid, mask=live[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale  # (BLOCK,)
-        s += tl.load(bias_ptr + b * L + at, mask=live, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        p = tl.exp(s - m_new)  # (BLOCK,): 0 where masked
-        alpha = tl.exp(m - m_new)
-        v = tl.load(values + grid, mask=live[:, None], other=0.0).to(tl.float32)
-        total = total * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m = m_new
+        if start <= slot:
+            at = start + tl.arange(0, BLOCK)
+            live = (at < L) & (at <= slot)
+            grid = at[:, None] * HS + d[None, :]  # (BLOCK, HS)
+            k = tl.load(keys + grid, mask=live[:, None], other=0.0).to(tl.float32)
+            v = tl.load(values + grid, mask=live[:, None], other=0.0).to(tl.float32)  # asked with the keys: one wait
+            s = tl.sum(k * q[None, :], axis=1) * scale  # (BLOCK,)
+            s += tl.load(bias_ptr + b * L + at, mask=live, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            p = tl.exp(s - m_new)  # (BLOCK,): 0 where masked
+            alpha = tl.exp(m - m_new)
+            total = total * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m = m_new
     tl.store(out_ptr + (b * NH + h) * HS + d, (acc / total).to(out_ptr.dtype.element_ty))
 
 
@@ -104,5 +108,6 @@ def launch(
         HS=hs,
         BLOCK=BLOCK,
         num_warps=4,
+        **COMPILE_OPTIONS,
     )
     return out.transpose(1, 2)  # (B, nh, 1, hs)

@@ -11,20 +11,25 @@ float32 products in a (BB, BK, BN) accumulator it sums once at the end. Where th
   rounded to the dtype as that projection's matmul stores it), then the layer norm;
 - 3, a lookup: the rows of the token and position embedding tables that xi and di name, added as in 1, then the norm.
 
-With the norm (1-3) each program first reads its rows whole (K values each) for the mean and the variance, then again
-a slice at a time, normalising and rounding each value to the dtype (what torch's layer norm stores) before its product:
-so every program makes the same normalised rows, and the first stores the sum, the new residual stream. What the
-matmul makes: the (B, N) output with the bias added to the float32 sums and, with `GELU`, the tanh GELU (as
-x * sigmoid(2 * inner), the same function: (1 + tanh z) / 2 = sigmoid(2 z)), rounded once; or with `PARTIAL`, each
-program a slice of K for a slice of N (grid (N / BN, SPLIT)), (SPLIT, B, N) float32 partial sums, the bias not added,
-for the next kernel to sum (input 2 above, or `_add_norm`) in a fixed order: no atomics, the same bits every run.
-Loops have counts known when compiling (K, N and the slice are constants: one compile per shape). No `from __future__
-import annotations`: triton reads the kernel's annotations (`tl.constexpr`) as objects.
+With the norm (1-3) each program first reads its rows whole (K values each) for the mean and the variance, then again a
+slice at a time, normalising and rounding each value to the dtype (what torch's layer norm stores) before its product:
+so every program makes the same normalised rows, and the first stores the sum, the new residual stream. What the matmul
+makes: the (B, N) output with the bias added to the float32 sums and, with `GELU`, the tanh GELU (as x * sigmoid(2 *
+inner), the same function: (1 + tanh z) / 2 = sigmoid(2 z)), rounded once; or with `PARTIAL`, each program a slice of K
+for a slice of N (grid (N / BN, SPLIT)), (SPLIT, B, N) float32 partial sums, the bias not added, for the next kernel to
+sum (input 2 above, or `_add_norm`) in a fixed order: no atomics, the same bits every run. Loops have counts known when
+compiling (K, N and the slice are constants: one compile per shape), and the loop over the tiles of K is unrolled: each
+tile of the weight is asked for one or two tiles before it is multiplied (`ahead`), the first ones before the norm's
+prologue, so that a program's reads are in flight together where one tile at a time would wait for memory once a tile (a
+step's matmul takes microseconds: those waits are much of its time). No `from __future__ import annotations`: triton
+reads the kernel's annotations (`tl.constexpr`) as objects.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from ..gpu_kernel import COMPILE_OPTIONS
 
 # A one-token matmul reads its weight once, and a GPU reads at full speed only with many programs at work: at 32
 # outputs a program 124M's c_attn would be 72 programs and c_fc 96, fewer than an H100's 132 SMs. At 16, 144 and 192
@@ -36,6 +41,14 @@ BN = 16  # outputs a program makes
 TILE = 4096  # rows x BK x BN: the accumulator's size (32 float32 a thread at 4 warps)
 TARGET_PROGRAMS = 256
 MAX_SPLIT = 4
+
+
+def ahead(weight: torch.Tensor) -> int:
+    """How many of the weight's tiles a program asks for before the one it multiplies (1 or 2): reads of 24 to 32 KiB
+    in flight at once (a one-row tile is 8 KiB in 16 bits, 3 in flight; 16 KiB in float32, 2), where asking for one
+    tile at a time waits for memory once a tile. Two ahead in float32 would take gpt2-xl's kernels to ptxas's 255
+    registers a thread (python -m benchmarks.kernel_code prints what each compiles to)."""
+    return 1 if weight.element_size() == 4 else 2
 
 
 @triton.jit
@@ -72,6 +85,15 @@ def _residual(
     return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype).to(tl.float32)
 
 
+@triton.jit
+def _weight_tile(w_ptr, sw_n, sw_k, n_in, n, k0, wanted: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """The (BK, BN) tile of the weight at rows k0.. (its n columns), or nothing read where not `wanted` (a tile past
+    the slice: the mask is false when compiling)."""
+    k = k0 + tl.arange(0, BK)
+    inside = ((k < K) & wanted)[:, None] & n_in[None, :]
+    return tl.load(w_ptr + n[None, :] * sw_n + k[:, None] * sw_k, mask=inside, other=0.0)
+
+
 def _norm_linear(
     x_ptr,
     d_ptr,
@@ -100,6 +122,7 @@ def _norm_linear(
     BK: tl.constexpr,
     BN: tl.constexpr,
     KB: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -107,6 +130,10 @@ def _norm_linear(
     live = rows < B
     n = pid_n * BN + tl.arange(0, BN)
     n_in = n < N
+    # the weight's first tiles asked for before anything else: their reads overlap the norm's below
+    w0 = _weight_tile(w_ptr, sw_n, sw_k, n_in, n, pid_s * KS, True, K, BK)
+    if AHEAD == 2:
+        w1 = _weight_tile(w_ptr, sw_n, sw_k, n_in, n, pid_s * KS + BK, 1 < KS // BK, K, BK)
     if IN != 0:  # the rows whole: their sum's mean and variance (the first program stores the sum)
         cols = tl.arange(0, KB)
         whole = live[:, None] & (cols < K)[None, :]
@@ -117,8 +144,9 @@ def _norm_linear(
         first = (rows * 0 + pid_n + pid_s) == 0  # (BB,): the first program's rows
         tl.store(s_ptr + rows[:, None] * K + cols[None, :], s.to(s_ptr.dtype.element_ty), mask=whole & first[:, None])
     acc = tl.zeros([BB, BK, BN], dtype=tl.float32)
-    for k0 in range(0, KS, BK):
-        k = pid_s * KS + k0 + tl.arange(0, BK)
+    for t in tl.static_range(KS // BK):  # unrolled: tile t + AHEAD is asked for before tile t is used
+        w_next = _weight_tile(w_ptr, sw_n, sw_k, n_in, n, pid_s * KS + (t + AHEAD) * BK, t + AHEAD < KS // BK, K, BK)
+        k = pid_s * KS + t * BK + tl.arange(0, BK)
         k_in = k < K
         here = live[:, None] & k_in[None, :]  # (BB, BK)
         if IN == 0:
@@ -129,8 +157,12 @@ def _norm_linear(
             lb = tl.load(lnb_ptr + k, mask=k_in, other=0.0).to(tl.float32)
             h = (s_k - mean[:, None]) * rstd[:, None] * lw[None, :] + lb[None, :]
             h = tl.where(here, h.to(lnw_ptr.dtype.element_ty).to(tl.float32), 0.0)
-        w = tl.load(w_ptr + n[None, :] * sw_n + k[:, None] * sw_k, mask=k_in[:, None] & n_in[None, :], other=0.0)
-        acc += h[:, :, None] * w.to(tl.float32)[None, :, :]  # (BB, BK, BN)
+        acc += h[:, :, None] * w0.to(tl.float32)[None, :, :]  # (BB, BK, BN)
+        if AHEAD == 2:
+            w0 = w1
+            w1 = w_next
+        else:
+            w0 = w_next
     y = tl.sum(acc, axis=1)  # (BB, BN)
     out_here = live[:, None] & n_in[None, :]
     if not PARTIAL:
@@ -255,7 +287,9 @@ def launch(
         BK=bk,
         BN=BN,
         KB=triton.next_power_of_2(K),
+        AHEAD=ahead(weight),
         num_warps=4,
+        **COMPILE_OPTIONS,
     )
     return s, out
 
@@ -283,5 +317,6 @@ def launch_add_norm(
         BB=triton.next_power_of_2(B),
         KB=triton.next_power_of_2(K),
         num_warps=4 if K <= 1024 else 8,
+        **COMPILE_OPTIONS,
     )
     return s, y
