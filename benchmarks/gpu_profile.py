@@ -61,7 +61,7 @@ KINDS = (
     ("attention", r"flash|fmha|attention|cudnn|sdpa"),  # before matmul: CUTLASS's attention is fmha_cutlass...
     ("matmul", r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitkreduce|triton_tem|addmm|\bmm\b|bmm|linear"),
     ("reduction", r"reduce|softmax|norm|argmax|\ball\b|sum"),
-    ("copy", r"memcpy|memset|copy|fill|\bcat\b|catarray"),
+    ("copy", r"memcpy|memset|copy|fill|\bcat\b|catarray|^_accept$"),  # _accept: the tokens into the sequence
     ("elementwise", r"elementwise|vectorized|unrolled|pointwise|::"),
 )
 

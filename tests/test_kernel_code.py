@@ -1,0 +1,74 @@
+"""The decode step's Triton kernels compiled for real GPUs on this machine (benchmarks/kernel_code.py: triton's
+compiler and the ptxas it ships, through each kernel's own launch function; nothing runs). The tests in
+test_gpu_kernels.py run the kernels in triton's interpreter, which compiles nothing: a kernel that the interpreter runs
+but the GPU compiler refuses, or that spills registers, would show only on a GPU, where the step would quietly take
+torch's ops instead (gpu_kernel.py). Here every kernel the step launches, at the shapes of GPT-2 124M and 1.5B, is
+compiled for an H100/H200 (sm_90) and an A100 (sm_80), and its machine code read:
+
+- no local memory (no register spilled);
+- each matmul (`_norm_linear`) reads the weight 16 bytes a thread (LDG.E.128), and a program has its first weight tiles
+  in flight before its first barrier: `ahead` + 1 tiles where nothing comes first, `ahead` tiles besides the rows its
+  norm reads whole where the norm comes first (norm_linear_triton.py's schedule; it had one tile in flight at a time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="NOT RUN: triton is not installed (pyproject's dev extra brings it)")
+
+REPO = Path(__file__).resolve().parents[1]
+KERNELS_PER_STEP = 11  # benchmarks.kernel_code.launches: 5 matmuls, 3 norms, the attention, argmax, taking tokens
+
+
+def surveyed(tmp_path: Path, *args: str) -> list[dict]:
+    """benchmarks.kernel_code's rows for these arguments, in a process without triton's interpreter (conftest turns it
+    on for this one, and an interpreted kernel compiles nothing)."""
+    out = tmp_path / "rows.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "benchmarks.kernel_code", *args, "--json", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(
+    "arch, size, dtypes, rows",
+    [
+        ("90", "gpt2", ["float32", "bfloat16"], ["1", "4"]),
+        ("90", "gpt2-xl", ["float32", "bfloat16"], ["1"]),
+        ("80", "gpt2", ["float16"], ["1"]),
+    ],
+)
+def test_every_decode_kernel_compiles_for_the_gpu_without_spilling_and_reads_its_weight_ahead(
+    tmp_path: Path, arch: str, size: str, dtypes: list[str], rows: list[str]
+) -> None:
+    found = surveyed(tmp_path, "--arch", arch, "--sizes", size, "--dtypes", *dtypes, "--rows", *rows)
+    assert len(found) == KERNELS_PER_STEP * len(dtypes) * len(rows)
+    assert {r["kernel"] for r in found} == {
+        "_norm_linear",
+        "_add_norm",
+        "_add_layer_norm",
+        "_decode_attention",
+        "_argmax_finite",
+        "_accept",
+    }
+    for r in found:
+        where = f"{r['arch']} {r['size']} {r['dtype']} x{r['rows']} {r['kernel']} ({r['what']})"
+        assert r["local_bytes"] == 0, f"{where}: {r['local_bytes']} bytes of registers spilled"
+        if r["kernel"] != "_norm_linear":
+            continue
+        wide = r["loads"].get("LDG.E.128", 0) * 16 * r["threads"]
+        assert wide >= r["weight_slice_bytes"], f"{where}: {wide} bytes read 16 a thread, the weight is more"
+        tile, ahead = r["weight_tile_bytes"], r["tiles_ahead"]
+        if "norm_rows_bytes" in r:  # the norm's rows, then the tiles asked before them
+            want = min(r["weight_slice_bytes"], ahead * tile) + r["norm_rows_bytes"]
+        else:
+            want = min(r["weight_slice_bytes"], (ahead + 1) * tile)
+        assert r["asked_before_first_barrier"] >= want, f"{where}: {r['asked_before_first_barrier']} bytes in flight"
