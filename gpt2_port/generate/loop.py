@@ -323,11 +323,11 @@ def generate_full(
         choice, status = choose(h, step)
         # (B,) into its column, finished rows padded; the rows still running (the next step pads a row that chose EOS
         # here, whenever the host learns of it); the ids and the status side by side for the host
-        nxt, running, sent = take(choice, status, rows.unfinished, (pad, pad_id), eos_token_id, seq[:, S])
+        nxt, still, sent = take(choice, status, rows.unfinished, (pad, pad_id), eos_token_id, seq[:, S])
         S += 1
         if seen is not None:
             seen[rows_idx, nxt] |= rows.unfinished
-        rows.unfinished = running
+        rows.unfinished = still
         handle = reader.send(sent)
         if pending is not None:
             running = finish(*pending)
