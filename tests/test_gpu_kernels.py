@@ -529,6 +529,31 @@ def test_the_token_taking_kernel_is_torchs_where_ne_and_cat(
     assert accept.KERNEL.checked  # the kernel ran (its first result checked against torch's, then trusted)
 
 
+@interpreted_here
+def test_a_sampled_batch_with_eos_and_a_penalty_takes_its_tokens_through_the_kernel_as_through_torchs_ops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A whole generation with the token-taking kernel (interpreted; the other kernels off): a left-padded batch,
+    sampled with a seed, a repetition penalty (which reads the running rows before EOS ends them) and an EOS that
+    some rows choose: the same sequences, texts' ids and stop reasons as with torch's ops."""
+    from gpt2_port.generate import generate_full
+
+    m = chaotic_model(TINY, seed=5)
+    ids = torch.tensor([[0, 0, 464, 2444], [11, 7, 3, 2444], [0, 0, 0, 5]])
+    mask = (ids != 0).long()
+    opts = dict(attention_mask=mask, do_sample=True, top_k=8, repetition_penalty=1.3, seed=3, fast_step=False)
+    plain = generate_full(m, ids, 24, eos_token_id=None, **opts)
+    eos = int(plain.sequences[0, 7])  # a token row 0 samples at its fourth step: it ends there
+    want = generate_full(m, ids, 24, eos_token_id=eos, **opts)
+    monkeypatch.setattr(accept.KERNEL, "may_run", lambda t: True)
+    monkeypatch.setattr(accept.KERNEL, "broken", None)
+    monkeypatch.setattr(accept.KERNEL, "checked", set())
+    got = generate_full(m, ids, 24, eos_token_id=eos, **opts)
+    assert accept.KERNEL.checked and accept.KERNEL.broken is None
+    assert torch.equal(got.sequences, want.sequences) and got.new_ids == want.new_ids
+    assert got.stop_reasons == want.stop_reasons and "eos" in want.stop_reasons
+
+
 def test_the_token_taking_kernel_is_not_taken_for_what_it_does_not_handle() -> None:
     """accept.in_kernel never holds on the CPU; `takes` refuses int32 choices, a (B,) status, a non-bool or strided
     mask, a column of another dtype or length."""
