@@ -18,6 +18,18 @@ from ..gpu_kernel import COMPILE_OPTIONS
 BLOCK = 64  # slots a loop step reads: a static cache holds a multiple of 64 (cache.STATIC_LEN_MULTIPLE)
 
 
+@triton.jit
+def _block(keys, values, bias_row, d, start, slot, L: tl.constexpr, HS: tl.constexpr, BLOCK: tl.constexpr):
+    """The (BLOCK, HS) keys and values and the (BLOCK,) mask of the slots from `start`, as stored; the slots after
+    `slot` (or past the cache) not read: zeros, and -inf in the mask."""
+    at = start + tl.arange(0, BLOCK)
+    live = (at < L) & (at <= slot)
+    grid = at[:, None] * HS + d[None, :]  # (BLOCK, HS)
+    k = tl.load(keys + grid, mask=live[:, None], other=0.0)
+    v = tl.load(values + grid, mask=live[:, None], other=0.0)
+    return k, v, tl.load(bias_row + at, mask=live, other=float("-inf"))
+
+
 def _decode_attention(
     q_ptr,
     kv_ptr,
@@ -55,21 +67,19 @@ def _decode_attention(
     acc = tl.zeros([HS], dtype=tl.float32)  # the running sum of exp(score - m) * value
     # the blocks up to the token's slot: those after it are masked (a static cache's mask holds -inf there), so not
     # read, and a step takes as many blocks as its position needs, not the cache's length (a masked block would add
-    # exp(-inf) = 0 to the sums and leave the maximum: the same values). A later block is a test and a branch.
+    # exp(-inf) = 0 to the sums and leave the maximum: the same values). A later block is a test and a branch. Each
+    # block's keys, values and mask are asked for while the block before it is worked on (none past the slot is read).
+    k_next, v_next, b_next = _block(keys, values, bias_ptr + b * L, d, 0, slot, L, HS, BLOCK)
     for start in range(0, L, BLOCK):
+        k, v, bias = k_next, v_next, b_next
+        k_next, v_next, b_next = _block(keys, values, bias_ptr + b * L, d, start + BLOCK, slot, L, HS, BLOCK)
         if start <= slot:
-            at = start + tl.arange(0, BLOCK)
-            live = (at < L) & (at <= slot)
-            grid = at[:, None] * HS + d[None, :]  # (BLOCK, HS)
-            k = tl.load(keys + grid, mask=live[:, None], other=0.0).to(tl.float32)
-            v = tl.load(values + grid, mask=live[:, None], other=0.0).to(tl.float32)  # asked with the keys: one wait
-            s = tl.sum(k * q[None, :], axis=1) * scale  # (BLOCK,)
-            s += tl.load(bias_ptr + b * L + at, mask=live, other=float("-inf")).to(tl.float32)
+            s = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale + bias.to(tl.float32)  # (BLOCK,)
             m_new = tl.maximum(m, tl.max(s, axis=0))
             p = tl.exp(s - m_new)  # (BLOCK,): 0 where masked
             alpha = tl.exp(m - m_new)
             total = total * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
             m = m_new
     tl.store(out_ptr + (b * NH + h) * HS + d, (acc / total).to(out_ptr.dtype.element_ty))
 
