@@ -29,6 +29,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -143,6 +144,14 @@ def read_code(kernel) -> dict:  # noqa: ANN001
     }
 
 
+def step_inputs(rows: int, slots: int, dtype: torch.dtype) -> SimpleNamespace:
+    """A StaticKVCache's step inputs alone (its keys and values, which the token-taking kernel does not touch, would
+    be gigabytes at 1.5B): what accept_triton.launch feeds."""
+    ints = [torch.zeros(rows, 1, dtype=torch.long) for _ in range(3)]
+    bias = torch.zeros(rows, slots, dtype=dtype)
+    return SimpleNamespace(tok=ints[0], origin=ints[1], pos=ints[2], slot=torch.zeros(1, dtype=torch.long), bias=bias)
+
+
 def launches(size: str, dtype: torch.dtype, rows: int) -> list[tuple[str, Callable[[], object], dict]]:
     """(what, the launch, the weight's bytes: a program's slice and one tile) for each kernel a decode step of `rows`
     rows runs at `size` (norm_linear's weights only)."""
@@ -190,6 +199,9 @@ def launches(size: str, dtype: torch.dtype, rows: int) -> list[tuple[str, Callab
     kv = r(2, rows, 1, nh, hs).transpose(2, 3)  # (2, B, nh, 1, hs)
     cache, bias, slot = r(2, rows, nh, L, hs), r(rows, L), torch.zeros(1, dtype=torch.long)
 
+    taken = (ids, slot[0], ids > 0, ids, 0, 50256)  # choice, status, running rows, column, padding, EOS
+    fed = (step_inputs(rows, L, dtype), 17)  # a static cache's step inputs, and the slot to feed
+
     def matmul(what: str, w: torch.Tensor, mode: int, *whole: int, gelu: bool = False) -> tuple:
         """A `_norm_linear` launch as the step makes it: mode 3 from the embeddings' rows, 2 from x and the partials
         (then the norm), 0 from rows alone into partials."""
@@ -210,7 +222,7 @@ def launches(size: str, dtype: torch.dtype, rows: int) -> list[tuple[str, Callab
         ("add and layer norm, the embeddings' lookup", lambda: an.launch_gather(ids, ids, wte, wpe, *norm, eps), {}),
         ("cache write and attention", lambda: da.launch(q, kv, cache, bias, slot, hs**-0.5), {}),
         ("argmax and finite check", lambda: gp.launch(r(rows, cfg.vocab_size)), {}),
-        ("the tokens taken into the sequence", lambda: ac.launch(ids, slot[0], ids > 0, ids, 0, 50256), {}),
+        ("the tokens taken into the sequence, the next step fed", lambda: ac.launch(*taken, feed=fed), {}),
     ]
     return out
 

@@ -54,6 +54,11 @@ class GpuKernel:
             return False
         return autocast_dtype("cuda") is None and triton_installed()
 
+    def checking(self, t: torch.Tensor, key: tuple) -> bool:
+        """Whether `run` with this tensor and key compares the kernel's result with torch's ops' (its first call for
+        the key on the device, outside a graph's capture)."""
+        return (str(t.device), *key) not in self.checked and not _capturing()
+
     def run(self, t: torch.Tensor, key: tuple, launch: Callable[[], T], fallback: Callable[[], T]) -> T:
         """launch() (the kernel), or fallback() (torch's ops) where it fails; `t`: a tensor of the call, on its device.
         launch() runs with that device current (triton launches on the current device: a model on another GPU than
@@ -61,7 +66,6 @@ class GpuKernel:
         wait for the device, once: not while a CUDA graph records, whose warm-up runs made it before): a kernel
         compiled wrong for this GPU is found there and never used again, where tests on other GPUs would not show
         it. fallback() must be safe to run after launch() (it writes what the kernel wrote)."""
-        key = (str(t.device), *key)
         try:
             with torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext():
                 got = launch()
@@ -69,13 +73,13 @@ class GpuKernel:
             if out_of_memory(e):
                 raise
             return self._give_up(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}", fallback)
-        if key in self.checked or _capturing():
+        if not self.checking(t, key):
             return got
         want = fallback()
         why = self.agree(got, want)
         if why is not None:
             return self._give_up(f"its first result differs from theirs: {why}", lambda: want)
-        self.checked.add(key)
+        self.checked.add((str(t.device), *key))
         return got
 
     def _give_up(self, why: str, fallback: Callable[[], T]) -> T:

@@ -831,10 +831,12 @@ def test_the_greedy_pick_kernel_is_torchs_argmax_and_finite_check(tiny_official:
 @pytest.mark.parametrize("status_dtype", [torch.long, torch.bool], ids=["int64", "bool"])
 def test_the_token_taking_kernel_is_torchs_where_ne_and_cat(tiny_official: Path, status_dtype: torch.dtype) -> None:
     """generate/accept.py's Triton kernel on the GPU: a strided choice into a column of the sequence, finished rows
-    padded, the rows that chose EOS ended, the ids and the status side by side: torch's ops' values exactly; a
-    generation with EOS on CUDA takes its tokens through it."""
+    padded, the rows that chose EOS ended, the ids and the status side by side: torch's ops' values exactly; given a
+    static cache, the next step's inputs fed as StaticKVCache.feed feeds them (at slots 16 and 17 too, where triton
+    would have specialised the slot); a generation with EOS on CUDA takes its tokens through it."""
     from gpt2_port import GPT2
     from gpt2_port.generate import accept, generate_full
+    from gpt2_port.generate.cache import StaticKVCache
 
     g = torch.Generator(device="cuda").manual_seed(0)
     choice = torch.randint(0, 9, (37, 2), device="cuda", generator=g)[:, 1]
@@ -848,6 +850,17 @@ def test_the_token_taking_kernel_is_torchs_where_ne_and_cat(tiny_official: Path,
     got = accept.take(choice, status, running, pad, 7, seq[:, 4])
     assert accept.KERNEL.broken is None and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     m = GPT2.from_pretrained(str(tiny_official), device="cuda")
+    # the next step's inputs fed with them: StaticKVCache.feed's values, at a left-padded batch's positions
+    kernel_fed, torch_fed = (StaticKVCache(m.config, 37, 64, torch.bfloat16, "cuda") for _ in range(2))
+    prompt_mask = (torch.arange(4, device="cuda") >= torch.arange(37, device="cuda")[:, None] % 4).long()  # (37, 4)
+    for cache in (kernel_fed, torch_fed):
+        cache.start(prompt_mask, 4)
+    for at in (4, 16, 17):
+        column = accept.take(choice, status, running, pad, 7, seq[:, 4], (kernel_fed, at))[0]
+        torch_fed.feed(column, at)
+        for name in ("tok", "slot", "bias", "pos"):
+            assert torch.equal(getattr(kernel_fed, name), getattr(torch_fed, name)), (at, name)
+    assert accept.KERNEL.broken is None
     accept.KERNEL.checked.clear()
-    generate_full(m, torch.tensor([[464, 2444, 4721], [3, 4, 5]]), 8, eos_token_id=11)
-    assert accept.KERNEL.checked and accept.KERNEL.broken is None
+    g = generate_full(m, torch.tensor([[464, 2444, 4721], [3, 4, 5]]), 8, eos_token_id=11)
+    assert accept.KERNEL.checked and accept.KERNEL.broken is None and g.extra["step"] == "cuda graph"

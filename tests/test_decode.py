@@ -643,8 +643,7 @@ def test_steps_whose_keys_grow_attend_without_cudnn_on_cuda(device: str) -> None
     PlanSteps(model, plan, seq, None, cache=None).next(seq[:, 4], 4)  # type: ignore[arg-type]
     # the static step's prefill (a new prompt length, a new shape) and its fixed-shape step
     cache = SimpleNamespace(bias=torch.zeros(1), tok=torch.zeros(1, 1), length=0, start=lambda mask, n: None)
-    cache.zero_ = lambda: None
-    cache.feed, cache.advance = (lambda tok, slot: None), (lambda: None)
+    cache.zero_, cache.feed, cache.fed = (lambda: None), (lambda tok, slot: None), None
     static = StaticSteps(model, plan, cache, cuda_graph=False)  # type: ignore[arg-type]
     static.prefill(seq[:, :3], None)
     static.next(seq[:, 3], 3)
@@ -676,7 +675,7 @@ def test_the_static_step_attends_with_the_kernels_set_when_it_was_made(monkeypat
     plan = SimpleNamespace(
         static_step=lambda cache, views, fused, attention_kernel, **_: call(), cache_views=lambda cache: None
     )
-    cache = SimpleNamespace(bias=torch.zeros(1), tok=torch.zeros(1, 1), feed=lambda tok, s: None, advance=lambda: None)
+    cache = SimpleNamespace(bias=torch.zeros(1), tok=torch.zeros(1, 1), feed=lambda tok, s: None, fed=None)
     monkeypatch.setattr(steps, "STATIC_BACKENDS", [SDPBackend.CUDNN_ATTENTION])
     made = steps.StaticSteps(model, plan, cache, cuda_graph=False)  # type: ignore[arg-type]
     monkeypatch.setattr(steps, "STATIC_BACKENDS", VARYING_SHAPE_BACKENDS)

@@ -554,6 +554,69 @@ def test_a_sampled_batch_with_eos_and_a_penalty_takes_its_tokens_through_the_ker
     assert got.stop_reasons == want.stop_reasons and "eos" in want.stop_reasons
 
 
+@interpreted_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bf16", "fp16"])
+def test_the_token_taking_kernel_feeds_the_next_step_as_the_cache_does(interpreted: None, dtype: torch.dtype) -> None:
+    """Given a static cache and a slot, accept.take's kernel also sets the next step's inputs: each row's token (the
+    padding for a finished row, as in the sequence), the slot's mask value 0 for every row, each row's position (a
+    left-padded row's counted from its first real token) and the slot; StaticKVCache.feed's values bit for bit, at
+    the first new slot and later ones, whatever the kernel's first check, the cache's other slots untouched."""
+    from gpt2_port.generate.cache import StaticKVCache
+
+    B, T, slots = 3, 4, 64
+    prompt_mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]])
+    kernel_fed, torch_fed = (StaticKVCache(TINY, B, slots, dtype, "cpu") for _ in range(2))
+    for cache in (kernel_fed, torch_fed):
+        cache.start(prompt_mask, T)
+    running = torch.tensor([True, False, True])
+    pad = (7, torch.full((), 7))
+    for k, at in enumerate((T, T + 1, 16, 17, 33)):  # 16: where triton would specialise an integer argument
+        choice = torch.tensor([11, 12, 13]) + k
+        seq_k, seq_t = torch.zeros(B, slots, dtype=torch.long), torch.zeros(B, slots, dtype=torch.long)
+        status = torch.ones((), dtype=torch.bool)
+        accept.take(choice, status, running, pad, None, seq_k[:, at], (kernel_fed, at))
+        accept._torch_ops(choice, status, running, pad[1], None, seq_t[:, at])
+        torch_fed.feed(seq_t[:, at], at)
+        assert kernel_fed.fed == at and torch.equal(seq_k, seq_t)
+        for name in ("tok", "slot", "bias", "pos"):
+            assert torch.equal(getattr(kernel_fed, name), getattr(torch_fed, name)), (at, name)
+        assert kernel_fed.tok.view(-1).tolist() == [11 + k, 7, 13 + k]  # row 1 finished: its padding
+        assert kernel_fed.pos.view(-1).tolist() == [at, at - 2, at - 3]  # positions: slots less the left padding
+        assert int(kernel_fed.slot) == at and bool((kernel_fed.bias[:, at] == 0).all())
+    assert accept.KERNEL.checked  # the kernel ran, with its fed inputs checked once against feed's
+
+
+@interpreted_here
+def test_a_static_generation_feeds_its_steps_through_the_token_taking_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a static generation (generate's on CUDA) the kernel that takes each token into the sequence sets the next
+    step's inputs too: StaticKVCache.feed (four launches a token) runs only in the kernel's first check, not once a
+    token; the tokens are those of the generation with torch's ops, which feed every step."""
+    from gpt2_port.generate import generate_full
+    from gpt2_port.generate.cache import StaticKVCache
+
+    fed: list[int] = []
+    real = StaticKVCache.feed
+
+    def counted(self: StaticKVCache, tok: torch.Tensor, slot: int) -> None:
+        fed.append(slot)
+        real(self, tok, slot)
+
+    monkeypatch.setattr(StaticKVCache, "feed", counted)
+    m = chaotic_model(TINY, seed=5)
+    ids = torch.tensor([[0, 0, 464, 2444], [11, 7, 3, 2444]])
+    opts = dict(attention_mask=(ids != 0).long(), eos_token_id=None, static_cache=True, fast_head=False)
+    want = generate_full(m, ids, 12, **opts)
+    assert fed == list(range(4, 4 + 12))  # torch's ops: every step's slot, the last one's included
+    fed.clear()
+    monkeypatch.setattr(accept.KERNEL, "may_run", lambda t: True)
+    monkeypatch.setattr(accept.KERNEL, "broken", None)
+    monkeypatch.setattr(accept.KERNEL, "checked", set())
+    got = generate_full(m, ids, 12, **opts)
+    assert accept.KERNEL.checked and accept.KERNEL.broken is None
+    assert fed == [4]  # the kernel's first result checked against feed's, once
+    assert got.extra["step"] == "static" and torch.equal(got.sequences, want.sequences)
+
+
 def test_the_token_taking_kernel_is_not_taken_for_what_it_does_not_handle() -> None:
     """accept.in_kernel never holds on the CPU; `takes` refuses int32 choices, a (B,) status, a non-bool or strided
     mask, a column of another dtype or length."""

@@ -72,3 +72,26 @@ def test_every_decode_kernel_compiles_for_the_gpu_without_spilling_and_reads_its
         else:
             want = min(r["weight_slice_bytes"], (ahead + 1) * tile)
         assert r["asked_before_first_barrier"] >= want, f"{where}: {r['asked_before_first_barrier']} bytes in flight"
+
+
+def test_the_token_taking_kernel_compiles_once_for_every_slot(tmp_path: Path) -> None:
+    """The kernel that takes the tokens into the sequence feeds the next step's slot, a number that changes every
+    token: triton would compile a kernel of its own for a slot of 1 and for a multiple of 16 (mid-generation compiles
+    on the GPU); told not to specialise on it, slots 1, 16, 17 and 1000 compile to one kernel for sm_90."""
+    script = (
+        "import torch\n"
+        "from benchmarks.kernel_code import compiling_for, step_inputs\n"
+        "from gpt2_port.generate import accept_triton\n"
+        "ids = torch.zeros(1, dtype=torch.long)\n"
+        "with compiling_for(90) as found:\n"
+        "    for at in (1, 16, 17, 1000):\n"
+        "        feed = (step_inputs(1, 1024, torch.bfloat16), at)\n"
+        "        accept_triton.launch(ids, ids[0], ids > 0, ids, 0, 50256, feed=feed)\n"
+        "print(len(found), len({k.hash for k in found}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["4", "1"], done.stdout  # four launches, one compiled kernel

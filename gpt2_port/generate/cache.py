@@ -58,7 +58,12 @@ class StaticKVCache(KVCache):
     (1,), and which slots each row attends to (B, max_len), kept as the additive mask SDPA takes (`bias`: 0 where a
     row attends, -inf elsewhere, in the cache's dtype), so that a step reads it as it is instead of making it from a
     boolean (three kernels a token in a captured step). Attending over all max_len slots with that mask keeps every
-    shape the same for the whole generation: one attention plan, and a step a CUDA graph can replay."""
+    shape the same for the whole generation: one attention plan, and a step a CUDA graph can replay.
+
+    A row's position is its slot less the row's left padding (`origin`, (B, 1): position minus slot, 0 or less), so
+    feeding a slot sets every input of the step from the slot alone: feeding it twice gives the same inputs (the
+    token-taking kernel feeds the next step and its first result is checked by torch's ops feeding it again), and
+    nothing needs moving on after a step. `fed`: the slot last fed since `start` (on the host), or None."""
 
     def __init__(
         self, cfg: GPT2Config, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
@@ -66,8 +71,10 @@ class StaticKVCache(KVCache):
         super().__init__(cfg, batch, max_len, dtype, device)
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.origin = torch.zeros(batch, 1, dtype=torch.long, device=device)  # (B, 1) position - slot
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.bias = torch.full((batch, max_len), -math.inf, dtype=dtype, device=device)  # (B, max_len)
+        self.fed: int | None = None
 
     def start(self, attention_mask: torch.Tensor | None, prompt_len: int) -> None:
         """After the prompt filled slots [0, T): each row attends to its real prompt tokens, and the first new token
@@ -76,23 +83,25 @@ class StaticKVCache(KVCache):
         self.bias.fill_(-math.inf)
         if attention_mask is None:
             self.bias[:, :T] = 0.0
-            self.pos.fill_(T)
+            self.origin.zero_()
         else:
             self.bias[:, :T].masked_fill_(attention_mask.bool(), 0.0)
-            self.pos.copy_(attention_mask.long().sum(1, keepdim=True))  # left padding: real tokens counted
+            # left padding: the real tokens counted, less T
+            torch.sub(attention_mask.long().sum(1, keepdim=True), T, out=self.origin)
+        torch.add(self.origin, T, out=self.pos)
         self.slot.fill_(T)
+        self.fed = None
 
     def feed(self, tok: torch.Tensor, slot: int) -> None:
-        """The next step's inputs: `tok` (B,) on the device goes into `slot`; no wait for the device."""
+        """The next step's inputs: `tok` (B,) on the device goes into `slot`, at each row's position for it; no wait
+        for the device."""
         self.tok.copy_(tok.view(-1, 1))
         self.slot.fill_(slot)
         self.bias[:, slot] = 0.0
+        torch.add(self.origin, slot, out=self.pos)
+        self.fed = slot
 
     @property
     def keys(self) -> torch.Tensor:
         """(B, max_len) bool: the slots each row attends to."""
         return self.bias == 0
-
-    def advance(self) -> None:
-        """After a step: the next token's position is one further."""
-        self.pos += 1

@@ -322,8 +322,10 @@ def generate_full(
             h = steps.next(nxt, S - 1)  # the token just chosen, at slot S - 1
         choice, status = choose(h, step)
         # (B,) into its column, finished rows padded; the rows still running (the next step pads a row that chose EOS
-        # here, whenever the host learns of it); the ids and the status side by side for the host
-        nxt, still, sent = take(choice, status, rows.unfinished, (pad, pad_id), eos_token_id, seq[:, S])
+        # here, whenever the host learns of it); the ids and the status side by side for the host; a static step's
+        # inputs for the next token set with them (the token goes into slot S)
+        feed = None if steps.inputs is None else (steps.inputs, S)
+        nxt, still, sent = take(choice, status, rows.unfinished, (pad, pad_id), eos_token_id, seq[:, S], feed)
         S += 1
         if seen is not None:
             seen[rows_idx, nxt] |= rows.unfinished

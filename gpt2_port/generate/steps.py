@@ -71,6 +71,7 @@ class ForwardSteps:
     name = "forward"
     capture_s = 0.0  # time spent recording a CUDA graph (StaticSteps), so far
     fused_kernels = False  # fewer kernels than the forward's ops (StaticSteps on CUDA: DecodePlan.static_step)
+    inputs = None  # a StaticKVCache whose step inputs the tokens may be fed into as they are taken (StaticSteps)
 
     def __init__(self, model: CausalLM, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> None:
         self.model, self.seq, self.mask, self.cache = model, seq, mask, cache
@@ -203,12 +204,17 @@ class StaticSteps:
             return self.run.capture_s
         return self.compiled.compile_s if self.compiled is not None else 0.0
 
+    @property
+    def inputs(self) -> StaticKVCache:
+        """The cache whose step inputs the token-taking kernel may set (generate/accept.py), where `next` would."""
+        return self.cache
+
     def next(self, tok: torch.Tensor, slot: int) -> torch.Tensor:
-        """(B,) tokens -> (B, 1, C)."""
-        self.cache.feed(tok, slot)
-        h = self.run()
-        self.cache.advance()
-        return h
+        """(B,) tokens -> (B, 1, C); the step's inputs set here unless this slot was fed already (by the kernel
+        that took the tokens into the sequence)."""
+        if self.cache.fed != slot:
+            self.cache.feed(tok, slot)
+        return self.run()
 
 
 def static_steps(  # noqa: ANN001
