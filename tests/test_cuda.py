@@ -194,6 +194,27 @@ def test_the_cuda_graph_decode_gives_the_eager_steps_tokens(tiny_official: Path)
         assert first.capture_s > 0 and graph.capture_s == 0 and graph.decode_s > 0  # recorded once, not counted
 
 
+def test_a_generation_started_from_anothers_callback_records_a_graph_of_its_own(tiny_official: Path) -> None:
+    """A generation of the same shapes started from a running one's callback on CUDA gets a captured step of its own
+    (the first one's cache and graph are that generation's until it ends): each gives its tokens alone."""
+    from gpt2_port import GPT2
+    from gpt2_port.generate import generate_full
+
+    m = GPT2.from_pretrained(str(tiny_official), dtype=torch.bfloat16, device="cuda")
+    a_ids, b_ids = torch.tensor([[464, 2444, 4721]]), torch.tensor([[5, 6, 7]])
+    opts = dict(eos_token_id=None)
+    alone_a, alone_b = (generate_full(m, ids, 12, **opts).sequences for ids in (a_ids, b_ids))
+    inner: list[torch.Tensor] = []
+
+    def start_b(made: int) -> None:
+        if made == 4:
+            inner.append(generate_full(m, b_ids, 12, **opts).sequences)
+
+    outer = generate_full(m, a_ids, 12, progress=start_b, **opts)
+    assert outer.extra["step"] == "cuda graph" and torch.equal(outer.sequences, alone_a)
+    assert torch.equal(inner[0], alone_b) and len(m.__dict__["_static_steps"]) == 2
+
+
 @pytest.mark.parametrize("kernel", ["memory-efficient", "cuDNN", "math"])
 def test_the_static_step_with_another_attention_kernel_records_and_gives_its_tokens(
     tiny_official: Path, monkeypatch: pytest.MonkeyPatch, kernel: str

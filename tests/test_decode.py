@@ -451,6 +451,54 @@ def test_prompts_of_nearby_lengths_share_one_kept_static_step() -> None:
     assert len(kept) == 1 and next(iter(kept.values())).cache.max_len == 64
 
 
+def test_a_generation_started_while_another_runs_gets_a_static_step_of_its_own() -> None:
+    """A kept static step (its cache, on CUDA its graph) is one generation's until that ends: one started meanwhile
+    with the same shapes, from the first one's callback or from another thread in lockstep with it, runs a step of its
+    own (sharing the cache mixed their keys and values: the outer generation's tokens changed). Each gives what it
+    gives alone; the second step is kept beside the first and both are taken again later; a generation that raises
+    frees its step."""
+    import threading
+
+    m = _chaotic()
+    a_ids, b_ids = torch.tensor([[464, 2444, 4721]]), torch.tensor([[5, 6, 7]])
+    opts = dict(eos_token_id=None, static_cache=True)
+    alone_a = generate_full(m, a_ids, 10, **opts).sequences
+    alone_b = generate_full(m, b_ids, 10, **opts).sequences
+    inner: list[torch.Tensor] = []
+
+    def start_b(made: int) -> None:
+        if made == 3:
+            inner.append(generate_full(m, b_ids, 10, **opts).sequences)
+
+    outer = generate_full(m, a_ids, 10, progress=start_b, **opts).sequences
+    assert torch.equal(outer, alone_a) and torch.equal(inner[0], alone_b)
+    kept = m.__dict__["_static_steps"]
+    assert len(kept) == 2 and not any(s.busy for s in kept.values())
+    first, second = kept.values()
+
+    together = threading.Barrier(2, timeout=60)
+    got: dict[str, torch.Tensor] = {}
+
+    def run(name: str, ids: torch.Tensor) -> None:
+        got[name] = generate_full(m, ids, 10, progress=lambda made: together.wait(), **opts).sequences
+
+    threads = [threading.Thread(target=run, args=("a", a_ids)), threading.Thread(target=run, args=("b", b_ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(got["a"], alone_a) and torch.equal(got["b"], alone_b)
+    assert list(kept.values()) in ([first, second], [second, first])  # the two kept steps, taken again
+
+    def fail(made: int) -> None:
+        raise RuntimeError("a callback's error")
+
+    with pytest.raises(RuntimeError, match="a callback's error"):
+        generate_full(m, a_ids, 10, progress=fail, **opts)
+    assert not any(s.busy for s in kept.values())
+    assert torch.equal(generate_full(m, a_ids, 10, **opts).sequences, alone_a) and len(kept) == 2
+
+
 def test_kept_static_steps_hold_neither_the_model_nor_its_old_weights() -> None:
     """The steps kept on a model hold it weakly: `del model` frees it (its caches and graphs with it) without the
     garbage collector. A model moved to another dtype drops the steps made for its old weights."""

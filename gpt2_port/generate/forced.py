@@ -36,7 +36,8 @@ def forced_logits(
     # each step's head on its own (B, 1, C) as soon as the step returns it, as generate runs it: a replayed CUDA
     # graph returns its one output buffer, which the next replay overwrites (and one matmul over all N would round
     # otherwise)
-    logits = [model.head(steps.prefill(seq[:, :prompt_len], prompt_mask))]  # (B, 1, V) each
-    for slot in range(prompt_len, T):
-        logits.append(model.head(steps.next(seq[:, slot], slot)))
+    with steps.held():
+        logits = [model.head(steps.prefill(seq[:, :prompt_len], prompt_mask))]  # (B, 1, V) each
+        for slot in range(prompt_len, T):
+            logits.append(model.head(steps.next(seq[:, slot], slot)))
     return torch.cat(logits, 1), steps.name  # (B, N, V)

@@ -275,7 +275,6 @@ def generate_full(
     seen = seen_tokens(input_ids, cfg.vocab_size, attention_mask) if settings.repetition_penalty != 1.0 else None
     how = {"use_cache": use_cache, "fast_step": fast_step, "static_cache": static_cache, "cuda_graph": cuda_graph}
     how["compile_step"], how["fused_kernels"] = _backend(compile_step), fused_kernels
-    steps = decode_steps(model, B, L, seq, full_mask, how)
     scores: list[torch.Tensor] | None = [] if output_scores else None
     hold = (eos_token_id, min_new_tokens) if eos_token_id is not None and min_new_tokens > 0 else None
     choose = NextToken(model, settings, seen, gen, fast_head, scores, hold)
@@ -285,7 +284,6 @@ def generate_full(
     # number, where it writes into `out`
     pad_id = torch.full((), pad, dtype=torch.long, device=dev)
 
-    captured0 = steps.capture_s  # a step kept from an earlier call was recorded then
     reader = Readback(B + 1, dev)
     # Without stop strings a row stops on the device (EOS), so step k + 1 can be queued before the host reads step
     # k's ids: the host's work on them overlaps the device's on the next token. A stop string is found on the host,
@@ -315,34 +313,37 @@ def generate_full(
             decode_tokens += taken
         return rows.any_running
 
-    for step in range(steps_max):
-        if step == 0:
-            h = steps.prefill(seq[:, :T], attention_mask)  # (B, 1, C)
-        else:
-            h = steps.next(nxt, S - 1)  # the token just chosen, at slot S - 1
-        choice, status = choose(h, step)
-        # (B,) into its column, finished rows padded; the rows still running (the next step pads a row that chose EOS
-        # here, whenever the host learns of it); the ids and the status side by side for the host; a static step's
-        # inputs for the next token set with them (the token goes into slot S)
-        feed = None if steps.inputs is None else (steps.inputs, S)
-        nxt, still, sent = take(choice, status, rows.unfinished, (pad, pad_id), eos_token_id, seq[:, S], feed)
-        S += 1
-        if seen is not None:
-            seen[rows_idx, nxt] |= rows.unfinished
-        rows.unfinished = still
-        handle = reader.send(sent)
-        if pending is not None:
-            running = finish(*pending)
-            pending = None
-            if not running:  # every row had ended: the step just queued is not part of the result
-                S -= 1
+    steps = decode_steps(model, B, L, seq, full_mask, how)
+    captured0 = steps.capture_s  # a step kept from an earlier call was recorded then
+    with steps.held():  # a kept static step (its cache) is this generation's alone until it ends
+        for step in range(steps_max):
+            if step == 0:
+                h = steps.prefill(seq[:, :T], attention_mask)  # (B, 1, C)
+            else:
+                h = steps.next(nxt, S - 1)  # the token just chosen, at slot S - 1
+            choice, status = choose(h, step)
+            # (B,) into its column, finished rows padded; the rows still running (the next step pads a row that
+            # chose EOS here, whenever the host learns of it); the ids and the status side by side for the host; a
+            # static step's inputs for the next token set with them (the token goes into slot S)
+            feed = None if steps.inputs is None else (steps.inputs, S)
+            nxt, still, sent = take(choice, status, rows.unfinished, (pad, pad_id), eos_token_id, seq[:, S], feed)
+            S += 1
+            if seen is not None:
+                seen[rows_idx, nxt] |= rows.unfinished
+            rows.unfinished = still
+            handle = reader.send(sent)
+            if pending is not None:
+                running = finish(*pending)
+                pending = None
+                if not running:  # every row had ended: the step just queued is not part of the result
+                    S -= 1
+                    break
+            if ahead and step > 0:  # the first token read at once: the prefill's time, and the first text out
+                pending = (handle, step)
+            elif not finish(handle, step):
                 break
-        if ahead and step > 0:  # the first token is read at once: the prefill's time, and the first text out
-            pending = (handle, step)
-        elif not finish(handle, step):
-            break
-    if pending is not None:
-        finish(*pending)
+        if pending is not None:
+            finish(*pending)
     if scores is not None:
         del scores[S - T :]  # a step queued after every row had ended chose from scores of its own: not in the result
     capture_s = steps.capture_s - captured0

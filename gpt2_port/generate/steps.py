@@ -28,12 +28,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 import types
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -51,6 +53,7 @@ from .protocol import CausalLM
 
 log = logging.getLogger(__name__)
 
+_KEPT_LOCK = threading.Lock()  # the kept steps of every model: looked up and taken by one thread at a time
 KEEP_CAPTURED = 4  # captured steps kept per model (each holds its cache: 2 x n_layer x B x L x C values)
 # The SDPA kernels the static step may run on CUDA: cuDNN's excluded, as for the steps whose shapes vary. Its shapes
 # are fixed, so cuDNN would plan once there; whether its kernel pays in the captured step is what the GPU benchmark's
@@ -72,6 +75,11 @@ class ForwardSteps:
     capture_s = 0.0  # time spent recording a CUDA graph (StaticSteps), so far
     fused_kernels = False  # fewer kernels than the forward's ops (StaticSteps on CUDA: DecodePlan.static_step)
     inputs = None  # a StaticKVCache whose step inputs the tokens may be fed into as they are taken (StaticSteps)
+
+    def held(self) -> contextlib.AbstractContextManager:
+        """A context for the generation that runs these steps: a StaticSteps' is its own until it ends; these are
+        made for one generation anyway."""
+        return contextlib.nullcontext(self)
 
     def __init__(self, model: CausalLM, seq: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None) -> None:
         self.model, self.seq, self.mask, self.cache = model, seq, mask, cache
@@ -169,6 +177,16 @@ class StaticSteps:
         self.compiled = CompiledStep(step, compile_step) if compile_step else None
         body = self.compiled or step
         self.run = CapturedStep(body, cache.bias.device) if cuda_graph else body
+        self.busy = False  # a generation runs it (static_steps gives it to no other until `held` ends)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[StaticSteps]:
+        """The generation that static_steps gave this step to runs inside: the step (its cache, its graph) is free
+        for another generation when it ends, however it ends."""
+        try:
+            yield self
+        finally:
+            self.busy = False
 
     @property
     def name(self) -> str:
@@ -229,7 +247,11 @@ def static_steps(  # noqa: ANN001
     """The model's static step for this batch, length and dtype: made (and captured) on first use, then reused. Its
     cache has `static_len(max_len)` slots, so nearby lengths share it. A captured graph reads the weights where they
     were: a model whose parameters were replaced or moved (`.to(...)`) gets a new one, and the steps kept for its old
-    weights are dropped then (they would hold the old weights' memory, their caches and graphs, and never run again)."""
+    weights are dropped then (they would hold the old weights' memory, their caches and graphs, and never run again).
+
+    A step is one generation's until that generation ends (`StaticSteps.held`): another that asks meanwhile (one a
+    callback of the first starts, or another thread's) gets a step of its own, kept beside it, where sharing its cache
+    would mix the two generations' keys and values. The returned step is held: run it inside its `held()`."""
     kept: OrderedDict = model.__dict__.setdefault("_static_steps", OrderedDict())
     weights = tuple(p.data_ptr() for p in model.parameters())
     length = static_len(max_len, model.config.n_positions)
@@ -239,16 +261,28 @@ def static_steps(  # noqa: ANN001
     key = (batch, length, model.dtype, str(model.device), cuda_graph, compile_step, fused_kernels)
     key += (tuple(STATIC_BACKENDS), ATTENTION_KERNEL, LINEAR_KERNEL)  # the kernels a step records
     key += (torch.is_inference_mode_enabled(),)
-    key += (amp, weights)
-    if key in kept:
-        kept.move_to_end(key)
-        return kept[key]
-    for old in [k for k in kept if k[-1] != weights]:
-        del kept[old]
-    cache = StaticKVCache(model.config, batch, length, model.dtype, model.device)
-    kept[key] = steps = StaticSteps(model, plan, cache, cuda_graph, compile_step, fused_kernels)
-    while len(kept) > KEEP_CAPTURED:
-        kept.popitem(last=False)
+    key += (amp,)
+    with _KEPT_LOCK:  # taken and marked held at once: two threads never get one step
+        for old in [k for k in kept if k[-1] != weights]:
+            del kept[old]
+        copy = 0  # the first of this key's steps that no generation holds, else a new one
+        while (key, copy, weights) in kept and kept[key, copy, weights].busy:
+            copy += 1
+        if copy:
+            log.info(
+                "a generation with the same shapes is running (a callback's or another thread's): this one "
+                "makes a static step of its own"
+            )
+        at = (key, copy, weights)
+        if at in kept:
+            kept.move_to_end(at)
+            steps = kept[at]
+        else:
+            cache = StaticKVCache(model.config, batch, length, model.dtype, model.device)
+            kept[at] = steps = StaticSteps(model, plan, cache, cuda_graph, compile_step, fused_kernels)
+            while len(kept) > KEEP_CAPTURED:  # the least recently used (a held one only leaves the dict)
+                kept.popitem(last=False)
+        steps.busy = True
     return steps
 
 
