@@ -28,6 +28,7 @@ def greedy_ours(
     fused_kernels: bool | None = None,
     attention: list[SDPBackend] | None = None,
     linear_kernel: bool = True,
+    split_attention: bool = True,
 ) -> torch.Tensor:
     """(B, P) prompt -> (B, new_tokens) greedy continuation through `generate` (the product path), no EOS stop. On
     CUDA with `cuda_graph` a step that was not replayed as a CUDA graph (its capture failed: the same step ran
@@ -36,17 +37,20 @@ def greedy_ours(
     default, the fused step on CUDA; False: `generate --op-for-op`). `attention`: the SDPA kernels the static step
     may run for this call, in place of its one-kernel attention (steps.STATIC_BACKENDS and steps.ATTENTION_KERNEL,
     put back after; None: the library's). `linear_kernel=False`: the fused step's matmuls as torch's (cuBLAS's), after
-    add_norm.py's kernel, in place of model/norm_linear.py's kernels (steps.LINEAR_KERNEL, put back after)."""
+    add_norm.py's kernel, in place of model/norm_linear.py's kernels (steps.LINEAR_KERNEL, put back after).
+    `split_attention=False`: the attention kernel one program a head however long the cache (steps.SPLIT_ATTENTION,
+    put back after)."""
     opts = dict(do_sample=False, eos_token_id=None, cuda_graph=cuda_graph, compile_step=compile_step or False)
     opts["fused_kernels"] = fused_kernels
-    saved = steps.STATIC_BACKENDS, steps.ATTENTION_KERNEL, steps.LINEAR_KERNEL
+    saved = steps.STATIC_BACKENDS, steps.ATTENTION_KERNEL, steps.LINEAR_KERNEL, steps.SPLIT_ATTENTION
     if attention is not None:
         steps.STATIC_BACKENDS, steps.ATTENTION_KERNEL = attention, False
     steps.LINEAR_KERNEL = saved[2] and linear_kernel
+    steps.SPLIT_ATTENTION = saved[3] and split_attention
     try:
         g = generate_full(model, ids, new_tokens, **opts)
     finally:
-        steps.STATIC_BACKENDS, steps.ATTENTION_KERNEL, steps.LINEAR_KERNEL = saved
+        steps.STATIC_BACKENDS, steps.ATTENTION_KERNEL, steps.LINEAR_KERNEL, steps.SPLIT_ATTENTION = saved
     if compile_step and not g.extra["step"].endswith("(compiled)"):
         raise RuntimeError(f"the decode step ran as {g.extra['step']!r}, not compiled (see the log)")
     return _continuation(model, g, ids, new_tokens, cuda_graph)

@@ -545,6 +545,8 @@ def decode_loops(
         # the fused step's matmuls as model/norm_linear.py's kernels (the add and norm before each inside) against
         # cuBLAS's after add_norm.py's kernel (what the step ran before them)
         fns["ours, cuBLAS matmuls"] = partial(greedy_ours, ours, ids, N, linear_kernel=False)
+        if N + ids.shape[1] > 448:  # a cache of 512 slots or more: the attention split over programs, or not
+            fns["ours, attention unsplit"] = partial(greedy_ours, ours, ids, N, split_attention=False)
         # the fused step's one-kernel attention (the cache write included) against SDPA's kernels after the cache
         # write: the memory-efficient one (what the step ran before), cuDNN's (bf16/fp16), which plans once over the
         # step's fixed shapes, and the math one (a few small kernels: matmul, softmax, matmul)

@@ -50,7 +50,8 @@ def test_a_decode_row_with_other_attention_kernels_sets_them_for_its_call_alone(
     math attention`): generate's static step is made with those SDPA kernels in place of its one-kernel attention
     (steps.STATIC_BACKENDS and steps.ATTENTION_KERNEL for the call, then put back); the same tokens here, where the
     CPU's SDPA has one kernel for both; greedy_ours(linear_kernel=False) (`ours, cuBLAS matmuls`) likewise makes a
-    step with steps.LINEAR_KERNEL off."""
+    step with steps.LINEAR_KERNEL off, and greedy_ours(split_attention=False) (`ours, attention unsplit`) one with
+    steps.SPLIT_ATTENTION off."""
     from functools import partial
     from unittest import mock
 
@@ -66,11 +67,14 @@ def test_a_decode_row_with_other_attention_kernels_sets_them_for_its_call_alone(
         a = greedy_ours(model, ids, 6)
         b = greedy_ours(model, ids, 6, attention=[SDPBackend.MATH])
         c = greedy_ours(model, ids, 6, linear_kernel=False)  # the row `ours, cuBLAS matmuls`
+        d = greedy_ours(model, ids, 6, split_attention=False)  # the row `ours, attention unsplit`
     assert steps.STATIC_BACKENDS is default and steps.ATTENTION_KERNEL is True and steps.LINEAR_KERNEL is True
-    assert torch.equal(a, b) and torch.equal(a, c)
-    made = [(s.backends, s.attention_kernel, s.linear_kernel) for s in model.__dict__["_static_steps"].values()]
-    assert len(made) == 3 and ([SDPBackend.MATH], False, True) in made and (default, True, True) in made
-    assert (default, True, False) in made
+    assert steps.SPLIT_ATTENTION is True
+    assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    kept = model.__dict__["_static_steps"].values()
+    made = [(s.backends, s.attention_kernel, s.linear_kernel, s.split_attention) for s in kept]
+    assert len(made) == 4 and ([SDPBackend.MATH], False, True, True) in made and (default, True, True, True) in made
+    assert (default, True, False, True) in made and (default, True, True, False) in made
 
 
 def test_the_decode_rows_keep_a_step_each_across_the_rounds(tiny_official: Path, monkeypatch) -> None:  # noqa: ANN001

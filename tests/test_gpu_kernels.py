@@ -393,7 +393,7 @@ def test_the_attention_kernel_writes_the_slot_and_attends_as_sdpa_does(
         return _sdpa(q, first, bias, scale)
 
     decode_attention.attend(q, kv, first, bias, slot, scale, write_and_sdpa)
-    assert ("cpu", dtype, q.shape, layer.shape) in decode_attention.KERNEL.checked
+    assert ("cpu", dtype, q.shape, layer.shape, True) in decode_attention.KERNEL.checked
     out = decode_attention.attend(q, kv, layer, bias, slot, scale, lambda: pytest.fail("the fallback ran"))
     assert torch.equal(layer, want_layer)
     assert out.shape == q.shape and out.dtype == dtype and torch.isfinite(out).all()
@@ -432,6 +432,116 @@ def test_the_attention_kernel_reads_no_slot_after_the_tokens(interpreted: None, 
     for at in range(3, 16):
         cache.feed(torch.tensor([1, 2]), at)
         assert bool((cache.bias[:, at + 1 :] == float("-inf")).all()) and bool((cache.bias[:, at] == 0).all())
+
+
+@interpreted_here
+@pytest.mark.exactness
+@pytest.mark.parametrize(
+    "L, target, at", [(1024, 128, 1013), (1000, 36, 1000 - 10), (1024, 24, 300)], ids=["16-spans", "6-spans", "mid"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_a_long_cache_is_split_over_programs_and_combined_as_sdpa_attends(
+    interpreted: None, dtype: torch.dtype, L: int, target: int, at: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache of 8 blocks or more with few (row, head)s is attended in spans of whole blocks, a program each, and a
+    second kernel combines them (flash-decoding): 16 spans of one block, 6 of three (the last one block, of a cache
+    that ends inside it), 4 of four with the token's slot in the second (the spans after it read nothing). The token's
+    key and value are written once, in their slot, nothing else of the cache changing; the output is SDPA's over that
+    cache within `ATTENTION_EPS` of float64's, with a row left-padded past the first spans (spans wholly masked) and
+    NaN in every slot after the token's (none read)."""
+    from gpt2_port.model import decode_attention_triton as da
+
+    monkeypatch.setattr(da, "TARGET_PROGRAMS", target)
+    combines: list[tuple] = []
+    real = da.combine_kernel
+
+    class Counted:
+        def __getitem__(self, grid: tuple):  # noqa: ANN204
+            combines.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(da, "combine_kernel", Counted())
+    q, kv, layer, _, _ = attention_inputs(dtype, 64, L=L)
+    B, nh = q.shape[:2]
+    split, span = da.splits(B * nh, L)
+    assert split == {128: 16, 36: 6, 24: 4}[target] and span == {16: 64, 6: 192, 4: 256}[split]
+    slot = torch.tensor([at])
+    bias = torch.full((B, L), float("-inf"))
+    bias[0, at // 2 + 37 : at + 1] = 0.0  # row 0 left-padded over its first spans
+    bias[1, : at + 1] = 0.0
+    bias = bias.to(dtype)
+    layer[..., at + 1 :, :] = float("nan")  # after the token's slot: never read
+    want_layer = layer.clone().index_copy_(3, slot, kv)
+    scale = 0.125
+    first = layer.nan_to_num()  # the first call is checked against the cache write and SDPA (which reads NaN)
+    decode_attention.attend(
+        q, kv, first, bias, slot, scale, lambda: _sdpa(q, first.index_copy_(3, slot, kv), bias, scale)
+    )
+    out = decode_attention.attend(q, kv, layer, bias, slot, scale, lambda: pytest.fail("the fallback ran"))
+    assert combines == [(B * nh,)] * 2  # each call combined its spans
+    assert torch.equal(layer.nan_to_num(), want_layer.nan_to_num()) and layer[..., : at + 1, :].isfinite().all()
+    clean = want_layer.nan_to_num()  # the truth over the same slots: the masked ones weigh 0
+    truth = _sdpa(q.double(), clean.double(), bias.double(), scale)
+    unit = torch.finfo(dtype).eps * truth.abs().max().item()
+    ours = (out.double() - truth).abs().max().item() / unit
+    theirs = (_sdpa(q, clean, bias, scale).double() - truth).abs().max().item() / unit
+    # worst seen: float32 2.3 (SDPA's 6.9: its error grows with the keys, past ATTENTION_EPS), bf16 0.67 (SDPA's 0.36)
+    assert torch.isfinite(out).all() and ours <= ATTENTION_EPS[dtype], (ours, theirs)
+    # not split (steps.SPLIT_ATTENTION off): one program a head, no combine, within the same bound
+    decode_attention.attend(q, kv, first.clone(), bias, slot, scale, lambda: _sdpa(q, first, bias, scale), False)
+    whole = decode_attention.attend(q, kv, layer, bias, slot, scale, lambda: pytest.fail("the fallback ran"), False)
+    assert len(combines) == 2 and (whole.double() - truth).abs().max().item() / unit <= ATTENTION_EPS[dtype]
+
+
+@interpreted_here
+@pytest.mark.exactness
+def test_a_generation_over_a_split_cache_makes_the_forwards_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A static generation whose cache is split (here from 2 blocks: a 60-token left-padded prompt and 12 new tokens
+    make 128 slots) attends through the split kernel and its combine every step (the attention kernel alone
+    interpreted): the forward's 12 greedy tokens, float32."""
+    from gpt2_port.generate import generate_full
+    from gpt2_port.model import decode_attention_triton as da
+
+    monkeypatch.setattr(da, "MIN_SPLIT_BLOCKS", 2)
+    monkeypatch.setattr(decode_attention.KERNEL, "may_run", lambda t: True)
+    monkeypatch.setattr(decode_attention.KERNEL, "broken", None)
+    monkeypatch.setattr(decode_attention.KERNEL, "checked", set())
+    combines: list[tuple] = []
+    real = da.combine_kernel
+
+    class Counted:
+        def __getitem__(self, grid: tuple):  # noqa: ANN204
+            combines.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(da, "combine_kernel", Counted())
+    m = chaotic_model(TINY, seed=3)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, TINY.vocab_size, (2, 60), generator=g)
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, :9] = 0  # row 1 left-padded
+    opts = dict(attention_mask=mask, eos_token_id=None)
+    got = generate_full(m, ids, 12, static_cache=True, fused_kernels=True, **opts)
+    want = generate_full(m, ids, 12, fast_step=False, **opts)
+    assert got.extra["step"] == "static" and decode_attention.KERNEL.broken is None
+    assert len(combines) >= 11 * TINY.n_layer  # every decode step's every layer combined its spans
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_only_a_long_cache_with_few_rows_and_heads_is_split() -> None:
+    """`splits`: one program a (row, head) under 8 blocks (the benchmark's 192-slot cache; a short generation's combine
+    would cost more than it saves) or with about TARGET_PROGRAMS (row, head)s already; else spans of whole blocks up
+    to about TARGET_PROGRAMS programs, every block in one span: 124M at batch 1 over 1,024 slots 8 spans of 2 blocks,
+    gpt2-xl (25 heads) 4 of 4, 124M at batch 8 one."""
+    from gpt2_port.model.decode_attention_triton import BLOCK, splits
+
+    assert splits(12, 192) == (1, 192) and splits(12, 448) == (1, 448)
+    assert splits(12, 1024) == (8, 128) and splits(25, 1024) == (4, 256) and splits(96, 1024) == (1, 1024)
+    for rows_heads in range(1, 140):
+        for L in range(64, 1025, 64):
+            split, span = splits(rows_heads, L)
+            assert span % BLOCK == 0 and (split - 1) * span < L <= split * span, (rows_heads, L)
+            assert split == 1 or rows_heads * split <= 128
 
 
 def test_the_attention_kernel_is_not_taken_for_what_it_does_not_handle() -> None:

@@ -68,6 +68,10 @@ ATTENTION_KERNEL = True
 # residual add and the layer norm before it: five kernels a block. False: add_norm.py's kernel and torch's matmuls
 # (what the GPU benchmark's row `ours, cuBLAS matmuls` sets for its call, beside the default).
 LINEAR_KERNEL = True
+# The attention kernel may split a long cache over several programs a head, with a kernel that combines them
+# (model/decode_attention_triton.py: caches of 512 slots or more with few rows and heads). False: one program a head
+# (what the GPU benchmark's row `ours, attention unsplit` sets for its call).
+SPLIT_ATTENTION = True
 
 
 class ForwardSteps:
@@ -169,10 +173,13 @@ class StaticSteps:
         self.backends = backends = list(STATIC_BACKENDS)
         self.attention_kernel = kernel = ATTENTION_KERNEL
         self.linear_kernel = linear = LINEAR_KERNEL
+        self.split_attention = split = SPLIT_ATTENTION
 
         def step() -> torch.Tensor:
             with attention_backends(device, backends):  # the kernel the graph records, and the same when run eagerly
-                return plan.static_step(cache, views, fused_kernels, kernel, linear_kernel=linear)
+                return plan.static_step(
+                    cache, views, fused_kernels, kernel, linear_kernel=linear, split_attention=split
+                )
 
         self.compiled = CompiledStep(step, compile_step) if compile_step else None
         body = self.compiled or step
@@ -259,7 +266,7 @@ def static_steps(  # noqa: ANN001
     # records the arithmetic of the autocast it was captured under, so autocast's state is part of the key too
     amp = autocast_dtype(model.device.type)
     key = (batch, length, model.dtype, str(model.device), cuda_graph, compile_step, fused_kernels)
-    key += (tuple(STATIC_BACKENDS), ATTENTION_KERNEL, LINEAR_KERNEL)  # the kernels a step records
+    key += (tuple(STATIC_BACKENDS), ATTENTION_KERNEL, LINEAR_KERNEL, SPLIT_ATTENTION)  # the kernels a step records
     key += (torch.is_inference_mode_enabled(),)
     key += (amp,)
     with _KEPT_LOCK:  # taken and marked held at once: two threads never get one step

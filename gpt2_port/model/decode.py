@@ -219,10 +219,13 @@ class DecodePlan:
 
         return attend
 
-    def static_attention(self, cache: StaticKVCache, views: CacheViews | None = None, kernel: bool = False) -> Attend:
+    def static_attention(
+        self, cache: StaticKVCache, views: CacheViews | None = None, kernel: bool = False, split: bool = True
+    ) -> Attend:
         """Attend over all `max_len` slots of a StaticKVCache: store k, v at its slot tensor (index_copy_), SDPA with
         the (B, 1, 1, max_len) mask of the slots each row sees. Every shape is the generation's: capturable. `kernel`:
-        both in one kernel where decode_attention.py's can run (CUDA), the same function rounded otherwise.
+        both in one kernel where decode_attention.py's can run (CUDA), the same function rounded otherwise; `split`:
+        that kernel may split a long cache over several programs a head (False: one a head).
 
         The mask is the cache's own additive one (`bias`: the values SDPA would make of the boolean, 0 where seen and
         -inf elsewhere, so the same arithmetic), read as it is where it is in q's dtype (SDPA takes an additive mask
@@ -234,7 +237,7 @@ class DecodePlan:
 
         def attend(i: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
             if kernel and decode_attention.in_kernel(q, kv, kvs[i], mask):
-                return decode_attention.attend(q, kv, kvs[i], mask, slot, scale, lambda: sdpa(i, q, kv))
+                return decode_attention.attend(q, kv, kvs[i], mask, slot, scale, lambda: sdpa(i, q, kv), split)
             return sdpa(i, q, kv)
 
         def sdpa(i: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -258,6 +261,7 @@ class DecodePlan:
         fused_kernels: bool = False,
         attention_kernel: bool = True,
         linear_kernel: bool = True,
+        split_attention: bool = True,
     ) -> torch.Tensor:
         """One token per row from the cache's device inputs (tok, pos, slot, bias) -> (B, 1, C) ln_f output. No host
         value is read, so a CUDA graph can record it once and replay it for every token. `views`: the cache's
@@ -277,8 +281,9 @@ class DecodePlan:
         residual in its matmul instead saved no kernel there (torch's addmm of a bias took cuBLASLt's bias epilogue at
         batch 1 too) and rounded otherwise. With `linear_kernel` (and up to 4 rows) each matmul is one kernel with the
         add and norm before it (norm_linear.py: the residual sums torch's bit for bit, the projections' outputs as
-        partial sums the next kernel adds): five kernels a block."""
-        attend = self.static_attention(cache, views, fused_kernels and attention_kernel)
+        partial sums the next kernel adds): five kernels a block. `split_attention`: the attention kernel may split a
+        long cache over several programs a head (decode_attention.py)."""
+        attend = self.static_attention(cache, views, fused_kernels and attention_kernel, split_attention)
         return self.run(cache.tok, cache.pos, attend, fused_kernels, fused_kernels and linear_kernel)
 
     @staticmethod

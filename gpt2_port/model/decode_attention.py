@@ -7,8 +7,10 @@ us token; index_copy_ 2.8 us more; benchmarks/results-gpu-h100/profile.md). That
 decode step has one a head, so here a program a (row, head) reads its keys and values once, in blocks of 64 slots,
 with the online softmax (a running maximum, as flash attention keeps it), in float32: the same function as SDPA's,
 rounded otherwise (SDPA's bf16 kernel rounds the probabilities to bf16 before multiplying them with the values; this
-keeps them in float32). Its time on a GPU is still to measure (`python -m benchmarks.gpu decode`: the rows `ours` and
-`ours, SDPA attention`).
+keeps them in float32). A long cache (8 blocks or more) with few (row, head)s is split into spans of whole blocks, a
+program each, and a second kernel combines the spans' sums (flash-decoding: one program a head at 124M batch 1 is 12
+programs on a GPU of 132 SMs, each reading its head's 16 blocks of a full cache in turn). Its time on a GPU is still
+to measure (`python -m benchmarks.gpu decode`: the rows `ours` and `ours, SDPA attention`).
 
 `attend` runs it where `in_kernel` holds: where gpu_kernel.py lets a kernel run (CUDA, triton installed, not under
 torch.compile or autocast), q, the token's key and value, the cache and its mask of one dtype (float32, bf16 or
@@ -64,15 +66,17 @@ def attend(
     slot: torch.Tensor,
     scale: float,
     fallback: Callable[[], torch.Tensor],
+    split: bool = True,
 ) -> torch.Tensor:
     """Store kv (2, B, nh, 1, hs) at `slot` ((1,) on the device) of `layer` (2, B, nh, L, hs) and attend q (B, nh, 1,
     hs) over its L slots with the additive mask `bias` (B, L) -> (B, nh, 1, hs), in one kernel; `fallback()` (the
     same, as the cache write and SDPA) where the kernel fails. The slots after `slot` must be masked (-inf in `bias`,
-    as StaticKVCache keeps them): the kernel does not read them."""
+    as StaticKVCache keeps them): the kernel does not read them. `split`: a long cache may be split over several
+    programs a head (decode_attention_triton.splits; False: one a head)."""
 
     def launch() -> torch.Tensor:
         from .decode_attention_triton import launch  # triton's import too: a failing one is the kernel's failure
 
-        return launch(q, kv, layer, bias, slot, scale)
+        return launch(q, kv, layer, bias, slot, scale, split)
 
-    return KERNEL.run(q, (q.dtype, q.shape, layer.shape), launch, fallback)
+    return KERNEL.run(q, (q.dtype, q.shape, layer.shape, split), launch, fallback)
