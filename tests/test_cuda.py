@@ -696,6 +696,76 @@ def test_the_attention_kernel_writes_the_slot_and_attends_within_rounding_of_flo
     assert torch.equal(replayed, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_a_long_cache_split_over_programs_attends_within_rounding_of_float64(dtype: torch.dtype) -> None:
+    """The attention kernel over a 1,024-slot cache with 6 (row, head)s, split into spans (a program each) and
+    combined by a second kernel, on the GPU: the token's slot written, the output within 4 (float32) or 1 (bf16) of
+    the dtype's epsilon of float64's, a row left-padded past its first spans; recorded in a CUDA graph (the spans'
+    sums in the graph's memory) and replayed, the same output; and unsplit (`split=False`) within the same bound."""
+    import torch.nn.functional as F
+    from conftest import attention_inputs
+
+    from gpt2_port.model import decode_attention
+    from gpt2_port.model.decode_attention_triton import splits
+
+    q, kv, layer, _, _ = (t.cuda() for t in attention_inputs(dtype, 64, L=1024))
+    B, nh = q.shape[:2]
+    assert splits(B * nh, 1024)[0] > 1
+    slot = torch.tensor([1013], device="cuda")
+    bias = torch.full((B, 1024), float("-inf"), device="cuda")
+    bias[0, 543:1014] = 0.0
+    bias[1, :1014] = 0.0
+    bias = bias.to(dtype)
+    want_layer = layer.clone().index_copy_(3, slot, kv)
+    keys, values = want_layer.double().unbind(0)
+    truth = F.scaled_dot_product_attention(
+        q.double(), keys, values, attn_mask=bias.double()[:, None, None], scale=0.125
+    )
+    unit = torch.finfo(dtype).eps * truth.abs().max().item()
+    bound = 4.0 if dtype == torch.float32 else 1.0
+
+    def sdpa() -> torch.Tensor:
+        keys, values = want_layer.unbind(0)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias[:, None, None], scale=0.125)
+
+    for split in (True, False):
+        decode_attention.attend(q, kv, layer.clone(), bias, slot, 0.125, sdpa, split)  # the first call's check
+        cache = layer.clone()
+        out = decode_attention.attend(q, kv, cache, bias, slot, 0.125, lambda: pytest.fail("the fallback ran"), split)
+        assert decode_attention.KERNEL.broken is None and torch.equal(cache, want_layer)
+        err = (out.double() - truth).abs().max().item() / unit
+        assert err <= bound, (split, err)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        replayed = decode_attention.attend(q, kv, cache, bias, slot, 0.125, lambda: pytest.fail("the fallback ran"))
+    g.replay()
+    torch.cuda.synchronize()
+    first = decode_attention.attend(q, kv, cache, bias, slot, 0.125, lambda: pytest.fail("the fallback ran"))
+    assert torch.equal(replayed, first)
+
+
+def test_a_long_generation_attends_through_the_split_kernel_with_the_unsplit_steps_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """500 new tokens make a 512-slot cache: the captured step attends through the split kernel and its combine,
+    and gives the tokens of the step made with steps.SPLIT_ATTENTION off, wherever the scores decide them."""
+    from conftest import chaotic_model
+
+    from gpt2_port.generate import generate_full, steps
+
+    m = chaotic_model(GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=1024), seed=3).cuda()
+    ids = torch.tensor([[464, 2444, 4721, 511]])
+    opts = dict(eos_token_id=None, output_scores=True)
+    split = generate_full(m, ids, 500, **opts)
+    monkeypatch.setattr(steps, "SPLIT_ATTENTION", False)
+    whole = generate_full(m, ids, 500, **opts)
+    assert split.extra["step"] == whole.extra["step"] == "cuda graph"
+    assert sorted(s.split_attention for s in m.__dict__["_static_steps"].values()) == [False, True]
+    a, b = split.sequences[:, 4:].cpu(), whole.sequences[:, 4:].cpu()
+    a_scores, b_scores = [s.cpu() for s in split.scores], [s.cpu() for s in whole.scores]
+    assert min(same_tokens_where_decided(b, b_scores, a, a_scores, 2e-5)) >= 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bf16", "fp16"])
 def test_the_add_norm_kernel_adds_as_torch_adds_and_norms_within_an_ulp_of_torchs_layer_norm(
     dtype: torch.dtype,
