@@ -58,6 +58,23 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         assert kernel.broken is None, (kernel.what, kernel.broken)
 
 
+@pytest.fixture
+def combines(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """The grids the split attention's combine kernel is launched with, in order (decode_attention_triton)."""
+    from gpt2_port.model import decode_attention_triton as da
+
+    grids: list[tuple] = []
+    real = da.combine_kernel
+
+    class Counted:
+        def __getitem__(self, grid: tuple):  # noqa: ANN204
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(da, "combine_kernel", Counted())
+    return grids
+
+
 def _inputs(dtype: torch.dtype, rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, 1, width, generator=g) * 4).to(dtype)  # a residual stream's scale
@@ -441,7 +458,13 @@ def test_the_attention_kernel_reads_no_slot_after_the_tokens(interpreted: None, 
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_a_long_cache_is_split_over_programs_and_combined_as_sdpa_attends(
-    interpreted: None, dtype: torch.dtype, L: int, target: int, at: int, monkeypatch: pytest.MonkeyPatch
+    interpreted: None,
+    dtype: torch.dtype,
+    L: int,
+    target: int,
+    at: int,
+    combines: list[tuple],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A cache of 8 blocks or more with few (row, head)s is attended in spans of whole blocks, a program each, and a
     second kernel combines them (flash-decoding): 16 spans of one block, 6 of three (the last one block, of a cache
@@ -452,15 +475,6 @@ def test_a_long_cache_is_split_over_programs_and_combined_as_sdpa_attends(
     from gpt2_port.model import decode_attention_triton as da
 
     monkeypatch.setattr(da, "TARGET_PROGRAMS", target)
-    combines: list[tuple] = []
-    real = da.combine_kernel
-
-    class Counted:
-        def __getitem__(self, grid: tuple):  # noqa: ANN204
-            combines.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(da, "combine_kernel", Counted())
     q, kv, layer, _, _ = attention_inputs(dtype, 64, L=L)
     B, nh = q.shape[:2]
     split, span = da.splits(B * nh, L)
@@ -495,7 +509,9 @@ def test_a_long_cache_is_split_over_programs_and_combined_as_sdpa_attends(
 
 @interpreted_here
 @pytest.mark.exactness
-def test_a_generation_over_a_split_cache_makes_the_forwards_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_generation_over_a_split_cache_makes_the_forwards_tokens(
+    combines: list[tuple], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A static generation whose cache is split (here from 2 blocks: a 60-token left-padded prompt and 12 new tokens
     make 128 slots) attends through the split kernel and its combine every step (the attention kernel alone
     interpreted): the forward's 12 greedy tokens, float32."""
@@ -506,15 +522,6 @@ def test_a_generation_over_a_split_cache_makes_the_forwards_tokens(monkeypatch: 
     monkeypatch.setattr(decode_attention.KERNEL, "may_run", lambda t: True)
     monkeypatch.setattr(decode_attention.KERNEL, "broken", None)
     monkeypatch.setattr(decode_attention.KERNEL, "checked", set())
-    combines: list[tuple] = []
-    real = da.combine_kernel
-
-    class Counted:
-        def __getitem__(self, grid: tuple):  # noqa: ANN204
-            combines.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(da, "combine_kernel", Counted())
     m = chaotic_model(TINY, seed=3)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, TINY.vocab_size, (2, 60), generator=g)
