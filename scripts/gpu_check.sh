@@ -22,6 +22,9 @@
 #               transformers' 48-layer static cache compiled, 64 rows too might not fit one call; with
 #               DECODE_ARGS="--no-hf-compile --batches=" batch 1 alone beside transformers eager: 57 s on an H200
 #               before ours compiled joined it, whose 48-layer compile is not yet timed)
+#     decode-long  124M bf16, batch 1, 1,000 new tokens (a 1,024-slot cache: the attention kernel split over
+#               programs, and the row `ours, attention unsplit` beside it), ours uncompiled, transformers eager and
+#               with its static cache (not compiled), 2 rounds
 #     profile   python -m benchmarks.gpu_profile --sizes gpt2: where a training step's and a decode token's device
 #               time goes (kernels per unit, time by kind, the top kernels), ours beside transformers, compiled
 #     smoke     the same commands at toy sizes on the CPU (checks this script, not the GPU)
@@ -58,7 +61,7 @@ RESULTS=${RESULTS:-gpu-results}
 SHARED_FROM=${SHARED_FROM:-$([ -d .gpu_shared ] && echo .gpu_shared)}
 [ $# -gt 0 ] || { awk 'NR >= 6 { if (!/^#/) exit; sub(/^# ?/, ""); print }' "$0"; exit 2; }  # the comment above
 for phase in "$@"; do
-  case "$phase" in tests | suite | parity | train | train-xl | decode | decode-xl | profile | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, suite, parity, train, train-xl, decode, decode-xl, profile or smoke)" >&2; exit 2 ;; esac
+  case "$phase" in tests | suite | parity | train | train-xl | decode | decode-xl | decode-long | profile | smoke) ;; *) echo "gpu_check: unknown phase '$phase' (expected tests, suite, parity, train, train-xl, decode, decode-xl, decode-long, profile or smoke)" >&2; exit 2 ;; esac
 done
 mkdir -p "$RESULTS" weights
 
@@ -201,6 +204,12 @@ for phase in "$@"; do
       step bench-decode-xl "$PY" -m benchmarks.gpu decode --sizes gpt2-xl --weights-dir weights --batches 8,32 \
         --out "$RESULTS/decode-xl.json" --markdown "$RESULTS/decode-xl.md" --plot "$RESULTS/decode-xl.png" \
         "${DECODE_EXTRA[@]}"
+      ;;
+    decode-long)
+      checkpoint gpt2
+      step bench-decode-long "$PY" -m benchmarks.gpu decode --sizes gpt2 --dtypes bfloat16 --new-tokens 1000 \
+        --batches= --no-compile --no-hf-compile --rounds 2 --weights-dir weights --out "$RESULTS/decode-long.json" \
+        --markdown "$RESULTS/decode-long.md" --plot "$RESULTS/decode-long.png"
       ;;
     profile)
       checkpoint gpt2

@@ -552,7 +552,7 @@ def test_the_gpu_check_script_refuses_an_unknown_phase() -> None:
     assert r.returncode == 2 and r.stdout == b""
     assert r.stderr.decode().strip().splitlines() == [
         "gpu_check: unknown phase 'benchmark' (expected tests, suite, parity, train, train-xl, decode, decode-xl, "
-        "profile or smoke)"
+        "decode-long, profile or smoke)"
     ]
 
 
