@@ -105,7 +105,7 @@ def take(
     column's tokens at that slot (StaticKVCache.feed), or None."""
     pad, pad_id = pad
     if in_kernel(choice, status, running, column, feed):
-        key = (choice.shape, status.dtype, eos is None, feed is None or feed[0].bias.dtype)
+        key = (choice.shape, status.dtype, eos is None, None if feed is None else feed[0].bias.dtype)
         got = KERNEL.run(
             choice,
             key,

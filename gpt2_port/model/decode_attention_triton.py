@@ -29,11 +29,11 @@ TARGET_PROGRAMS = 128
 MIN_SPLIT_BLOCKS = 8
 
 
-def splits(rows_heads: int, L: int) -> tuple[int, int]:
+def splits(rows_heads: int, L: int, split: bool = True) -> tuple[int, int]:
     """(programs a (row, head), slots each one attends over: a multiple of BLOCK) for `rows_heads` (row, head)s over
-    a cache of L slots."""
+    a cache of L slots; one program a (row, head) where not `split`."""
     blocks = triton.cdiv(L, BLOCK)
-    split = min(blocks, TARGET_PROGRAMS // rows_heads) if blocks >= MIN_SPLIT_BLOCKS else 1
+    split = min(blocks, TARGET_PROGRAMS // rows_heads) if split and blocks >= MIN_SPLIT_BLOCKS else 1
     per = triton.cdiv(blocks, max(split, 1))  # blocks a program
     return triton.cdiv(blocks, per), per * BLOCK
 
@@ -157,7 +157,7 @@ def launch(
     and `combine_kernel` are looked up here at each call (a test may put triton's interpreter there)."""
     B, nh, _, hs = q.shape
     L = layer.shape[3]
-    split, span = splits(B * nh, L) if split else (1, triton.cdiv(L, BLOCK) * BLOCK)
+    split, span = splits(B * nh, L, split)
     out = torch.empty(B, 1, nh, hs, dtype=q.dtype, device=q.device)
     part = stats = out  # not written when not split
     if split > 1:
